@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# build-rootfs.sh [DEST] - debootstrap a Debian bookworm minbase rootfs for the local
+# Proxmox stand-in (a systemd LXC container), once, into a cache; print its path.
+#
+# Idempotent: a finished rootfs is marked with DEST/.dflash-rootfs-complete and a second
+# run only prints the path. The container has no network, so everything Ansible modules
+# and the trainer venv need at runtime is installed here.
+set -euo pipefail
+
+DEST="${1:-${DFLASH_ROOTFS:-/var/lib/dflash-standin/rootfs-bookworm}}"
+MIRROR="${DFLASH_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+SUITE=bookworm
+STAMP="$DEST/.dflash-rootfs-complete"
+# systemd as PID 1; python3 for Ansible modules; python3-venv for /opt/dflash/venv;
+# rsync for staging weights inside the container; procps/iproute2 for operators.
+PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-apt,ca-certificates,procps,iproute2,rsync,less,libgomp1
+
+if [[ -f "$STAMP" ]]; then
+    echo "$DEST"
+    exit 0
+fi
+
+if [[ $EUID -ne 0 ]]; then
+    echo "build-rootfs.sh: must run as root (debootstrap)" >&2
+    exit 1
+fi
+command -v debootstrap >/dev/null || { echo "build-rootfs.sh: debootstrap not installed" >&2; exit 1; }
+
+# Build into a temp dir beside DEST and rename, so an interrupted run never leaves a
+# half-built tree that looks finished.
+parent="$(dirname "$DEST")"
+mkdir -p "$parent"
+work="$(mktemp -d "$parent/.rootfs-build.XXXXXX")"
+cleanup() { [[ -n "${work:-}" && -d "$work" ]] && rm -rf --one-file-system "$work"; }
+trap cleanup EXIT
+
+echo "build-rootfs.sh: debootstrap $SUITE minbase into $work (a few minutes)" >&2
+debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$work" "$MIRROR" >&2
+
+# Settings that make a network-less systemd container boot clean.
+echo "dflash-ct" > "$work/etc/hostname"
+printf '127.0.0.1 localhost\n127.0.1.1 dflash-ct\n::1 localhost\n' > "$work/etc/hosts"
+: > "$work/etc/machine-id"           # systemd generates one on first boot
+rm -f "$work/var/lib/dbus/machine-id"
+# Units that only fail or wait without a network or real hardware.
+for unit in systemd-networkd-wait-online.service systemd-timesyncd.service \
+            apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer; do
+    ln -sf /dev/null "$work/etc/systemd/system/$unit"
+done
+# A plain console so lxc-start does not wait on getty of a missing tty.
+ln -sf /dev/null "$work/etc/systemd/system/getty@tty1.service"
+apt_clean() { rm -rf "$work"/var/cache/apt/archives/*.deb "$work"/var/lib/apt/lists/*; }
+apt_clean
+date -u +%FT%TZ > "$work/.dflash-rootfs-complete"
+
+rm -rf --one-file-system "$DEST"
+mv "$work" "$DEST"
+work=""
+echo "$DEST"

@@ -1,0 +1,328 @@
+"""status.json writer, systemd notify protocol and the dflash-status command."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainer import status as st
+from trainer.status import Notifier, StatusWriter, main, sd_notify, watchdog_interval
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------ StatusWriter
+
+
+def test_writer_fields_and_contract_keys(tmp_path):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "run-1")
+    assert w.update(phase="training", step=3, epoch=0, loss=1.5, tokens_seen=100)
+    d = _read(p)
+    for key in st.STATUS_FIELDS:
+        assert key in d, key
+    assert d["phase"] == "training" and d["step"] == 3 and d["loss"] == 1.5
+    assert d["run_id"] == "run-1" and d["pid"] == os.getpid()
+    assert abs(d["updated_at"] - time.time()) < 5 and d["started_at"] <= d["updated_at"]
+    assert d["error"] is None and d["last_checkpoint"] is None
+    # merging keeps earlier fields
+    w.update(step=4)
+    d = _read(p)
+    assert d["step"] == 4 and d["loss"] == 1.5 and d["tokens_seen"] == 100
+    # no temp files left behind
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["status.json"]
+    assert (p.stat().st_mode & 0o777) == 0o644
+
+
+def test_nonfinite_floats_become_null(tmp_path):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r")
+    w.update(loss=float("nan"), tokens_per_s=float("inf"), extra={"x": [float("-inf"), 1.0]},
+             last_checkpoint=tmp_path / "step-00000001")
+    text = p.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    d = json.loads(text)
+    assert d["loss"] is None and d["tokens_per_s"] is None
+    assert d["extra"] == {"x": [None, 1.0]}
+    assert d["last_checkpoint"] == str(tmp_path / "step-00000001")
+
+
+def test_tensor_scalars_are_numbers(tmp_path):
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "status.json"
+    StatusWriter(p, "r").update(loss=torch.tensor(2.5), step=torch.tensor(7),
+                                tokens_per_s=torch.tensor(float("nan")))
+    d = _read(p)
+    assert d["loss"] == 2.5 and d["step"] == 7 and d["tokens_per_s"] is None
+
+
+def test_concurrent_reader_only_sees_valid_json(tmp_path):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r")
+    w.update(phase="training", step=0)
+    stop = threading.Event()
+    seen = {"reads": 0, "bad": [], "steps": set()}
+
+    def reader():
+        while not stop.is_set():
+            try:
+                text = p.read_text()
+            except FileNotFoundError:  # must never happen after the first write
+                seen["bad"].append("missing")
+                continue
+            try:
+                seen["steps"].add(json.loads(text)["step"])
+            except (ValueError, KeyError) as e:
+                seen["bad"].append(repr(e))
+            seen["reads"] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    # big payload so a non-atomic write would be observable half-done
+    blob = "x" * 20000
+    try:
+        for i in range(1, 150):
+            w.update(step=i, loss=i * 0.5, blob=blob)
+    finally:
+        stop.set()
+        t.join()
+    assert not seen["bad"], seen["bad"][:3]
+    assert seen["reads"] > 0
+    assert _read(p)["step"] == 149
+
+
+def test_concurrent_writers_thread_safe(tmp_path):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r")
+
+    def work(k):
+        for i in range(30):
+            w.update(**{f"f{k}": i})
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    d = _read(p)
+    assert [d[f"f{k}"] for k in range(3)] == [29, 29, 29]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["status.json"]
+
+
+def test_min_interval_throttles_but_phase_change_and_force_write(tmp_path):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r", min_interval=60)
+    assert w.update(phase="training", step=1)
+    assert not w.update(step=2)  # throttled, but kept in memory
+    assert _read(p)["step"] == 1 and w.snapshot()["step"] == 2
+    assert w.update(step=3, force=True)
+    assert _read(p)["step"] == 3
+    assert w.update(phase="checkpointing")  # phase change always writes
+    assert _read(p)["phase"] == "checkpointing"
+    assert not w.update(step=5)
+    assert w.flush() and _read(p)["step"] == 5
+
+
+def test_write_failure_is_logged_not_raised(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    w = StatusWriter(blocker / "status.json", "r")  # parent is a file -> OSError
+    assert w.update(step=1) is False
+    assert w.update(step=2) is False
+    assert sum("could not write status file" in r.message for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------ sd_notify
+
+
+@pytest.fixture
+def notify_sock(tmp_path):
+    path = tmp_path / "notify.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(2)
+    yield str(path), s
+    s.close()
+
+
+def test_sd_notify_unset_returns_false(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sd_notify("READY=1") is False
+    n = Notifier()
+    assert not n.enabled and n.ready() is False and n.watchdog() is False
+
+
+def test_sd_notify_real_socket(monkeypatch, notify_sock):
+    path, s = notify_sock
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    assert sd_notify("READY=1", "STATUS=hello") is True
+    assert s.recv(4096) == b"READY=1\nSTATUS=hello"
+
+    n = Notifier()
+    assert n.ready() is True
+    assert s.recv(4096) == b"READY=1"
+    assert n.ready() is False  # only once
+    assert n.status("training\nstep 5") is True
+    assert s.recv(4096) == b"STATUS=training step 5"
+    assert n.watchdog() is True
+    assert s.recv(4096) == b"WATCHDOG=1"
+    assert n.extend_timeout(90) is True
+    assert s.recv(4096) == b"EXTEND_TIMEOUT_USEC=90000000"
+    assert n.stopping() is True
+    assert s.recv(4096) == b"STOPPING=1"
+
+
+def test_sd_notify_abstract_namespace(monkeypatch):
+    name = f"dflash-test-{uuid.uuid4().hex}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.bind("\0" + name)
+    except OSError as e:  # pragma: no cover - platform without abstract sockets
+        pytest.skip(f"abstract unix sockets unavailable: {e}")
+    s.settimeout(2)
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert Notifier().watchdog() is True
+        assert s.recv(4096) == b"WATCHDOG=1"
+    finally:
+        s.close()
+
+
+def test_sd_notify_errors_never_raise(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(st, "_notify_error_logged", False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens.sock"))
+    assert sd_notify("READY=1") is False
+    assert sd_notify("WATCHDOG=1") is False
+    assert sum("sd_notify" in r.message for r in caplog.records) == 1
+
+
+def test_status_writer_sends_status_line(monkeypatch, tmp_path, notify_sock):
+    path, s = notify_sock
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    w = StatusWriter(tmp_path / "status.json", "r", notifier=Notifier())
+    w.update(phase="training", step=12, loss=0.25, tokens_per_s=1234.0)
+    msg = s.recv(4096).decode()
+    assert msg.startswith("STATUS=training, step 12") and "loss 0.2500" in msg
+    w.update(phase="failed", error="boom")
+    assert s.recv(4096) == b"STATUS=failed: boom"
+
+
+def test_watchdog_interval(monkeypatch):
+    env = {"WATCHDOG_USEC": "30000000"}
+    assert watchdog_interval(env) == 30.0
+    assert watchdog_interval({**env, "WATCHDOG_PID": str(os.getpid())}) == 30.0
+    assert watchdog_interval({**env, "WATCHDOG_PID": str(os.getpid() + 1)}) is None
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "junk"}) is None
+    assert Notifier(env).watchdog_interval() == 30.0
+
+
+# ------------------------------------------------------------------ dflash-status
+
+
+def _write_status(path: Path, **fields):
+    base = {"phase": "training", "step": 10, "epoch": 0, "tokens_seen": 5000,
+            "tokens_per_s": 321.5, "loss": 2.0, "nan_skips": 1, "nan_streak": 0,
+            "updated_at": time.time(), "started_at": time.time() - 100, "pid": 4242,
+            "run_id": "abc", "last_checkpoint": None, "error": None, "resumed_from": None,
+            "log_file": None}
+    base.update(fields)
+    path.write_text(json.dumps(base))
+
+
+def test_cli_healthy(tmp_path, capsys):
+    _write_status(tmp_path / "status.json")
+    assert main(["--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "training" in out and "heartbeat age" in out and "4242" in out and "healthy" in out
+
+
+def test_cli_json(tmp_path, capsys):
+    _write_status(tmp_path / "status.json", updated_at=time.time() - 10)
+    assert main(["--status-file", str(tmp_path / "status.json"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["healthy"] is True and 9 <= d["heartbeat_age_s"] < 60 and d["step"] == 10
+
+
+def test_cli_failed(tmp_path, capsys):
+    _write_status(tmp_path / "status.json", phase="failed", error="10 non-finite steps in a row")
+    assert main(["--output-dir", str(tmp_path)]) == 1
+    assert "10 non-finite steps" in capsys.readouterr().out
+
+
+def test_cli_stale_and_max_age(tmp_path, capsys):
+    _write_status(tmp_path / "status.json", updated_at=time.time() - 1000)
+    assert main(["--output-dir", str(tmp_path)]) == 1
+    assert "stale" in capsys.readouterr().out
+    assert main(["--output-dir", str(tmp_path), "--max-age", "5000"]) == 0
+    capsys.readouterr()
+    assert main(["--output-dir", str(tmp_path), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["healthy"] is False and d["heartbeat_age_s"] >= 999
+
+
+def test_cli_done_is_healthy_regardless_of_age(tmp_path):
+    _write_status(tmp_path / "status.json", phase="done", updated_at=time.time() - 1e6)
+    assert main(["--output-dir", str(tmp_path)]) == 0
+
+
+def test_cli_missing_updated_at_is_stale(tmp_path):
+    _write_status(tmp_path / "status.json", updated_at=None)
+    assert main(["--output-dir", str(tmp_path)]) == 1
+
+
+def test_cli_missing(tmp_path, capsys):
+    f = tmp_path / "nope" / "status.json"
+    assert main(["--status-file", str(f)]) == 2
+    assert str(f) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["{not json", "", "[1, 2]"])
+def test_cli_malformed(tmp_path, capsys, content):
+    f = tmp_path / "status.json"
+    f.write_text(content)
+    assert main(["--status-file", str(f)]) == 2
+    assert str(f) in capsys.readouterr().err
+
+
+def test_cli_subprocess_exit_codes(tmp_path):
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    _write_status(ok / "status.json")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "status.json").write_text("{")
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    _write_status(stale / "status.json", updated_at=time.time() - 301)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    codes = {}
+    for name, d in [("ok", ok), ("bad", bad), ("stale", stale), ("missing", tmp_path / "x")]:
+        r = subprocess.run([sys.executable, "-m", "trainer.status", "--output-dir", str(d)],
+                           capture_output=True, text=True, env=env, cwd=str(REPO), timeout=60)
+        codes[name] = r.returncode
+        if name in ("bad", "missing"):
+            assert str(d / "status.json") in r.stderr
+    assert codes == {"ok": 0, "bad": 2, "stale": 1, "missing": 2}
+
+
+def test_writer_output_passes_cli(tmp_path, capsys):
+    w = StatusWriter(tmp_path / "status.json", "run-x")
+    w.update(phase="training", step=1, loss=math.nan)
+    assert main(["--output-dir", str(tmp_path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["run_id"] == "run-x" and d["loss"] is None

@@ -1,0 +1,464 @@
+"""Atomic checkpoints: ``<output-dir>/step-<8 digits>/``.
+
+A checkpoint is written into ``<output-dir>/.tmp-step-<8 digits>-<pid>/``, every file and the
+directory are fsynced, then the directory is renamed; so a directory named ``step-*`` is complete
+by construction. Files (docs/contracts.md "Checkpoints"):
+
+* ``model.safetensors``  drafter weights (dtype as trained)
+* ``config.json``        drafter config an inference engine can read
+* ``training_state.pt``  optimizer, scheduler, data position, RNG states, step, run config
+* ``meta.json``          step, epoch, created_at, trainer version (+ file sizes)
+
+Keep-K pruning happens only after a successful save. A failed save (e.g. a full disk) removes its
+temp dir, leaves earlier checkpoints untouched and raises :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import safetensors.torch
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+STATE_FILE = "training_state.pt"
+META_FILE = "meta.json"
+REQUIRED_FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE, META_FILE)
+
+STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
+TMP_DIR_RE = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)(?:-(old|del))?$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and the cause."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+def _trainer_version() -> str:
+    try:
+        from trainer import __version__
+        return str(__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------- fs helpers
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2 = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False when unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if not _renameat2:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _describe(exc: BaseException) -> str:
+    """The most useful reason text: the OS error anywhere in the chain (e.g. ENOSPC from a
+    write callback surfaced by torch as a RuntimeError), else the exception itself."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and (e.strerror or e.errno):
+            reason = e.strerror or os.strerror(e.errno)
+            if e.filename:
+                reason += f" ({e.filename})"
+            return reason
+        e = e.__cause__ or e.__context__
+    text = str(exc) or type(exc).__name__
+    # safetensors reports IO errors as text, e.g. "... No space left on device (os error 28)"
+    return text
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------- tensors
+
+
+def _cpu_tensors(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors; shared storage (tied weights) cloned apart, since
+    safetensors refuses tensors that share memory."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in model_state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"model_state[{name!r}] is {type(t).__name__}, not a tensor")
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.numel() and key in seen:
+            t = t.clone()
+        elif t.numel():
+            seen.add(key)
+        out[str(name)] = t
+    return out
+
+
+# ------------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python `random`, numpy (if importable), torch CPU and every CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        try:
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        except Exception as e:  # noqa: BLE001 - e.g. driver trouble; CPU state still useful
+            log.warning("could not capture CUDA RNG state: %s", e)
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` (missing parts are left as they are)."""
+    if not state:
+        return
+    if "python" in state:
+        py = state["python"]
+        # a round trip through some serializers turns the inner tuple into a list
+        if isinstance(py, list):
+            py = (py[0], tuple(py[1]), py[2])
+        random.setstate(py)
+    if "numpy" in state:
+        try:
+            import numpy as np
+            np.random.set_state(state["numpy"])
+        except ImportError:  # pragma: no cover
+            log.warning("checkpoint has a numpy RNG state but numpy is not installed")
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            log.warning("checkpoint has CUDA RNG states but CUDA is not available; skipped")
+            return
+        n = torch.cuda.device_count()
+        if n != len(cuda):
+            log.warning("checkpoint has %d CUDA RNG states, this machine %d devices; "
+                        "restoring the first %d", len(cuda), n, min(n, len(cuda)))
+        for i, s in enumerate(list(cuda)[:n]):
+            torch.cuda.set_rng_state(torch.as_tensor(s, dtype=torch.uint8).cpu(), i)
+
+
+# ------------------------------------------------------------------------------- load
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu"
+         ) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
+    """Read a checkpoint dir: (model_state, model_config, train_state, meta)."""
+    path = Path(path)
+    try:
+        missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+        device = str(map_location) if map_location is not None else "cpu"
+        if isinstance(map_location, (str, torch.device)):
+            model_state = safetensors.torch.load_file(str(path / MODEL_FILE), device=device)
+        else:  # a callable/dict map_location: load on CPU for the weights
+            model_state = safetensors.torch.load_file(str(path / MODEL_FILE), device="cpu")
+        with open(path / CONFIG_FILE, encoding="utf-8") as f:
+            model_config = json.load(f)
+        with open(path / META_FILE, encoding="utf-8") as f:
+            meta = json.load(f)
+        # our own file: contains numpy/python RNG states, so not weights_only
+        train_state = torch.load(path / STATE_FILE, map_location=map_location,
+                                 weights_only=False)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot load checkpoint {path}: {_describe(e)}") from e
+    return model_state, model_config, train_state, meta
+
+
+# ------------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Saves, lists, loads and prunes checkpoints under ``output_dir``.
+
+    ``keep``: number of newest checkpoints to keep after each successful save (<= 0: keep all).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, keep: int = 0):
+        self.output_dir = Path(output_dir)
+        self.keep = int(keep)
+        self._warned: set[str] = set()
+
+    # -------------------------------------------------------------- save
+
+    def save(self, step: int, model_state: Mapping[str, torch.Tensor], model_config: Mapping,
+             train_state: Mapping, meta: Mapping | None = None) -> Path:
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        name = step_dir_name(step)
+        final = self.output_dir / name
+        tmp = self.output_dir / f".tmp-{name}-{os.getpid()}"
+        t0 = time.monotonic()
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                _rmtree(tmp)
+            tmp.mkdir()
+            self._write_files(tmp, step, model_state, model_config, train_state, meta)
+            _fsync_dir(tmp)
+            self._publish(tmp, final, step)
+            _fsync_dir(self.output_dir)
+        except BaseException as e:
+            _rmtree(tmp)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(
+                f"checkpoint step {step} not saved to {final}: {_describe(e)}"
+                f" (earlier checkpoints left intact)") from e
+        log.info("checkpoint saved: %s (%.1f s)", final, time.monotonic() - t0)
+        try:
+            self.prune(protect=final)
+        except OSError as e:  # pruning trouble must not lose the new checkpoint
+            log.warning("could not prune old checkpoints in %s: %s", self.output_dir, e)
+        return final
+
+    def _write_files(self, tmp: Path, step: int, model_state, model_config, train_state,
+                     meta) -> None:
+        tensors = _cpu_tensors(model_state)
+        safetensors.torch.save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        _fsync_path(tmp / MODEL_FILE)
+        _write_json(tmp / CONFIG_FILE, dict(model_config))
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(dict(train_state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        m: dict[str, Any] = {"epoch": None}
+        m.update(dict(meta or {}))
+        m.update(step=step, created_at=time.time(), trainer_version=_trainer_version(),
+                 files={fn: (tmp / fn).stat().st_size
+                        for fn in (MODEL_FILE, CONFIG_FILE, STATE_FILE)})
+        _write_json(tmp / META_FILE, m)
+
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
+        """Rename the finished temp dir to its final name. If that name exists (a re-save of
+        the same step), swap the two so a complete checkpoint is always at ``final``."""
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                raise
+        # atomic exchange: tmp now holds the old checkpoint, deleted afterwards
+        if _exchange(tmp, final):
+            _fsync_dir(self.output_dir)
+            _rmtree(tmp)
+            return
+        # fallback: move the old one aside (still a complete copy, recovered by
+        # cleanup_stale_tmp if we die between the two renames), then rename the new one in
+        aside = self.output_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}-old"
+        if aside.exists():
+            _rmtree(aside)
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(aside, final)
+            raise
+        _fsync_dir(self.output_dir)
+        _rmtree(aside)
+
+    # -------------------------------------------------------------- list / latest
+
+    def _warn_once(self, path: Path, why: str) -> None:
+        key = f"{path}:{why}"
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("ignoring checkpoint dir %s: %s", path, why)
+
+    def _validate(self, path: Path, step: int) -> bool:
+        missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+        if missing:
+            self._warn_once(path, f"missing {', '.join(missing)}")
+            return False
+        try:
+            with open(path / META_FILE, encoding="utf-8") as f:
+                meta = json.load(f)
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            self._warn_once(path, f"unreadable {META_FILE}: {e}")
+            return False
+        if meta.get("step") is not None and int(meta["step"]) != step:
+            self._warn_once(path, f"{META_FILE} says step {meta['step']}")
+            return False
+        files = meta.get("files")
+        if isinstance(files, dict):
+            for fn, size in files.items():
+                try:
+                    actual = (path / fn).stat().st_size
+                except OSError:
+                    actual = None
+                if actual != size:
+                    self._warn_once(path, f"{fn} is {actual} bytes, {META_FILE} says {size}")
+                    return False
+        return True
+
+    def list(self) -> list[Path]:
+        """Complete checkpoints, oldest step first."""
+        if not self.output_dir.is_dir():
+            return []
+        found: list[tuple[int, Path]] = []
+        for p in self.output_dir.iterdir():
+            m = STEP_DIR_RE.match(p.name)
+            if not m or not p.is_dir():
+                continue
+            step = int(m.group(1))
+            if self._validate(p, step):
+                found.append((step, p))
+        found.sort()
+        return [p for _, p in found]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (highest step), or None."""
+        ckpts = self.list()
+        return ckpts[-1] if ckpts else None
+
+    @staticmethod
+    def step_of(path: str | os.PathLike) -> int:
+        m = STEP_DIR_RE.match(Path(path).name)
+        if not m:
+            raise ValueError(f"{path} is not a step-XXXXXXXX checkpoint dir")
+        return int(m.group(1))
+
+    load = staticmethod(load)
+
+    # -------------------------------------------------------------- prune / cleanup
+
+    def prune(self, protect: Path | None = None) -> list[Path]:
+        """Remove all but the newest ``keep`` complete checkpoints (never ``protect``)."""
+        if self.keep <= 0:
+            return []
+        ckpts = self.list()
+        doomed = [p for p in ckpts[:-self.keep] if protect is None or p != protect]
+        removed = []
+        for p in doomed:
+            # rename first so a half-deleted dir never carries a step-* name
+            trash = self.output_dir / f".tmp-{p.name}-{os.getpid()}-del"
+            if trash.exists():
+                _rmtree(trash)
+            os.rename(p, trash)
+            _rmtree(trash)
+            removed.append(p)
+            log.info("pruned old checkpoint %s (keep %d)", p, self.keep)
+        if removed:
+            _fsync_dir(self.output_dir)
+        return removed
+
+    def cleanup_stale_tmp(self) -> list[Path]:
+        """Remove ``.tmp-step-*`` leftovers of dead processes (and of this pid: at startup any
+        such dir is a leftover of an earlier process that had the same pid). A complete old
+        checkpoint moved aside during a re-save whose final dir vanished is renamed back."""
+        if not self.output_dir.is_dir():
+            return []
+        removed = []
+        me = os.getpid()
+        for p in sorted(self.output_dir.iterdir()):
+            m = TMP_DIR_RE.match(p.name)
+            if not m or not p.is_dir():
+                continue
+            pid = int(m.group(2))
+            if pid != me and _pid_alive(pid):
+                continue
+            step = int(m.group(1))
+            final = self.output_dir / step_dir_name(step)
+            if m.group(3) == "old" and not final.exists() and self._validate(p, step):
+                os.rename(p, final)
+                log.warning("restored checkpoint %s from interrupted re-save %s", final, p.name)
+                continue
+            _rmtree(p)
+            removed.append(p)
+            log.info("removed stale checkpoint temp dir %s", p)
+        if removed:
+            _fsync_dir(self.output_dir)
+        return removed

@@ -1,0 +1,894 @@
+#!/usr/bin/env python3
+"""STAND-IN for the Proxmox VE API, for tests on a machine without Proxmox. This is NOT Proxmox.
+
+It answers the handful of PVE API calls that community.proxmox.proxmox (create / update /
+start / stop / remove an LXC container) and community.proxmox.proxmox_vm_info make, with real
+LXC containers behind them, so the provisioning role can be run end to end here. Everything
+outside those calls is absent. It also has a `pct` face (below) for the node-side role, which
+on a real node talks to /etc/pve/lxc/<vmid>.conf and `pct` as root.
+
+Served on https://127.0.0.1:8006/api2/json with a self-signed certificate it generates
+(`cryptography` if importable, else the openssl CLI). Every request must carry
+`Authorization: PVEAPIToken=USER@REALM!TOKENID=SECRET`; otherwise 401 with a PVE-like reason
+("No ticket", "no such token 'X' for user 'Y'", "invalid token value!"). Responses are
+`{"data": ...}`; errors carry the reason in the HTTP status line (as pveproxy does), plus
+`{"errors": {param: why}}` for parameter errors.
+
+Endpoints (paths below /api2/json; PVE API viewer: https://pve.proxmox.com/pve-docs/api-viewer/):
+  GET    /version                                   {version, release, repoid}; the modules' token check
+  GET    /nodes                                     the one node: [{node, status: online, ...}]
+  GET    /cluster/resources[?type=vm]               [{id: lxc/<vmid>, vmid, name, node, type: lxc,
+                                                    status, maxmem, maxcpu, maxdisk, template}];
+                                                    how the modules find a container by vmid
+  GET    /cluster/nextid                            lowest free vmid >= 100 (module path when no vmid)
+  GET    /nodes/{node}/storage/{storage}/content    the template volume (vztmpl) on that storage;
+                                                    the module checks `ostemplate` against it
+  GET    /nodes/{node}/lxc                          [{vmid, name, status, maxmem, cpus, ...}]
+  POST   /nodes/{node}/lxc                          create: task vzcreate (copy the cached rootfs into
+                                                    the LXC container <vmid>, write its config)
+  DELETE /nodes/{node}/lxc/{vmid}                   destroy: task vzdestroy (must be stopped unless force=1)
+  GET    /nodes/{node}/lxc/{vmid}/config            the PVE config (raw lxc.* keys as "lxc": [[k, v]...],
+                                                    plus digest)
+  PUT    /nodes/{node}/lxc/{vmid}/config            update keys (and `delete=k1,k2`), synchronous, null
+  GET    /nodes/{node}/lxc/{vmid}/status/current    {status: running|stopped, vmid, name, maxmem, ...}
+  POST   /nodes/{node}/lxc/{vmid}/status/start      task vzstart: regenerate the LXC config, lxc-start
+  POST   /nodes/{node}/lxc/{vmid}/status/shutdown   task vzshutdown: clean stop (forceStop=1: kill after timeout)
+  POST   /nodes/{node}/lxc/{vmid}/status/stop       task vzstop: immediate stop
+  GET    /nodes/{node}/tasks/{upid}/status          {status: running|stopped, exitstatus: OK|<error>, ...}
+  GET    /nodes/{node}/tasks/{upid}/log             [{n, t}] task log lines (the module reads it on timeout)
+
+As in PVE, an API token may not set bind mounts (mpN with a host path), devN passthrough, or
+feature flags other than nesting (403 "Permission check failed"), and raw lxc.* keys are not
+API parameters at all (400). That is why GPU passthrough, the bind mounts and the /dev/shm
+mount live in the node-side role, which runs as root.
+
+State: PVE-format configs in <pve-etc>/lxc/<vmid>.conf (default /etc/pve, as on a node: the
+node-side role edits the same file); the LXC container is <lxcpath>/<vmid> (default
+/var/lib/lxc) and its LXC config is regenerated from the PVE config at every start, as
+pve-container does. Differences from PVE, deliberately: the container runs privileged even
+when `unprivileged: 1` is recorded (no uid mapping here); there is no network (`net0` is
+recorded, the container gets lxc.net.0.type = empty); storages are directories under the
+container; cores/memory/swap become cgroup limits (cgroup2 keys on a pure cgroup2 host,
+cgroup v1 keys otherwise).
+
+Usage:
+  pve_api.py serve --rootfs DIR --token 'root@pam!ansible=SECRET' [--port 8006] [--node pve]
+                   [--state-dir DIR] [--pve-etc /etc/pve] [--lxcpath /var/lib/lxc] [--fake-lxc]
+  pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID [...]
+      The node-side subset of `pct` over the same state: `pct set VMID -mp0 ... -dev0 ...
+      --delete k1,k2`, `pct config VMID` prints <pve-etc>/lxc/VMID.conf as pct does.
+`--fake-lxc` keeps containers as records only (nothing runs): for the fast unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import http.server
+import ipaddress
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+PVE_VERSION = {"version": "8.2.4", "release": "8.2", "repoid": "standin"}
+
+# The LXC config keys PVE accepts (pve-container's schema, the subset that matters here).
+CONFIG_KEYS = {
+    "arch", "cmode", "console", "cores", "cpulimit", "cpuunits", "description", "features",
+    "hookscript", "hostname", "lock", "memory", "nameserver", "onboot", "ostype", "protection",
+    "rootfs", "searchdomain", "startup", "swap", "tags", "template", "timezone", "tty",
+    "unprivileged",
+}
+INDEXED_KEYS = re.compile(r"^(mp|net|dev|unused)\d+$")
+CREATE_ONLY = {"vmid", "ostemplate", "password", "ssh-public-keys", "storage", "force", "pool",
+               "restore", "start", "unique", "ignore-unpack-errors", "node"}
+UPDATE_ONLY = {"delete", "digest", "revert", "node", "vmid"}
+
+
+class ApiError(Exception):
+    """An API error: HTTP status, the reason pveproxy puts in the status line, param errors."""
+
+    def __init__(self, status: int, reason: str, errors: dict | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.errors = status, reason, errors
+
+
+# --------------------------------------------------------------------------- PVE config files
+
+def parse_conf(text: str) -> tuple[dict, list, str]:
+    """PVE .conf text -> (keys, raw lxc pairs, the rest: snapshot sections kept verbatim)."""
+    keys: dict = {}
+    raw: list = []
+    desc: list = []
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if s.startswith("["):
+            return _with_desc(keys, desc), raw, "".join(lines[i:])
+        if not s:
+            continue
+        if s.startswith("#"):
+            desc.append(urllib.parse.unquote(s[1:]))
+            continue
+        k, _, v = s.partition(":")
+        k, v = k.strip(), v.strip()
+        if k.startswith("lxc."):
+            raw.append([k, v])
+        else:
+            keys[k] = int(v) if re.fullmatch(r"-?\d+", v) and not INDEXED_KEYS.match(k) else v
+    return _with_desc(keys, desc), raw, ""
+
+
+def _with_desc(keys: dict, desc: list) -> dict:
+    if desc:
+        keys["description"] = "\n".join(desc)
+    return keys
+
+
+def render_conf(keys: dict, raw: list, rest: str = "") -> str:
+    out = []
+    if keys.get("description"):
+        out += ["#" + urllib.parse.quote(line, safe=" /:=,.-_@") for line in str(keys["description"]).split("\n")]
+    out += [f"{k}: {keys[k]}" for k in sorted(keys) if k != "description"]
+    out += [f"{k}: {v}" for k, v in raw]
+    text = "\n".join(out) + "\n"
+    return text + ("\n" + rest if rest else "")
+
+
+def split_opts(value: str) -> tuple[str | None, dict]:
+    """'local-lvm:vm-1-disk-0,size=8G' -> ('local-lvm:vm-1-disk-0', {'size': '8G'})."""
+    head, opts = None, {}
+    for part in str(value).split(","):
+        if "=" in part:
+            k, _, v = part.partition("=")
+            if k == "volume":
+                head = v
+            else:
+                opts[k] = v
+        elif part:
+            head = part
+    return head, opts
+
+
+def is_host_path(volume: str | None) -> bool:
+    return bool(volume) and volume.startswith("/")
+
+
+# --------------------------------------------------------------------------- LXC backends
+
+class Lxc:
+    """Real LXC containers named by vmid, under lxcpath."""
+
+    def __init__(self, lxcpath: str, rootfs_src: str | None):
+        self.lxcpath, self.rootfs_src = lxcpath, rootfs_src
+        self.cgroup2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        self.memsw = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
+
+    def dir(self, vmid: int) -> str:
+        return os.path.join(self.lxcpath, str(vmid))
+
+    def exists(self, vmid: int) -> bool:
+        return os.path.exists(os.path.join(self.dir(vmid), "config"))
+
+    def create(self, vmid: int, log) -> None:
+        if not self.rootfs_src or not os.path.isdir(self.rootfs_src):
+            raise RuntimeError(f"stand-in has no rootfs to create from ({self.rootfs_src})")
+        dest = os.path.join(self.dir(vmid), "rootfs")
+        os.makedirs(self.dir(vmid), mode=0o750, exist_ok=True)
+        log(f"extracting archive (stand-in: copying {self.rootfs_src})")
+        subprocess.run(["cp", "-a", "--reflink=auto", self.rootfs_src, dest], check=True,
+                       capture_output=True)
+
+    def write_config(self, vmid: int, text: str) -> None:
+        os.makedirs(self.dir(vmid), mode=0o750, exist_ok=True)
+        path = os.path.join(self.dir(vmid), "config")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def state(self, vmid: int) -> str:
+        if not self.exists(vmid):
+            return "stopped"
+        r = subprocess.run(["lxc-info", "-n", str(vmid), "-P", self.lxcpath, "-sH"],
+                           capture_output=True, text=True)
+        return "running" if r.stdout.strip() == "RUNNING" else "stopped"
+
+    def pid(self, vmid: int) -> int | None:
+        r = subprocess.run(["lxc-info", "-n", str(vmid), "-P", self.lxcpath, "-pH"],
+                           capture_output=True, text=True)
+        return int(r.stdout.strip()) if r.stdout.strip().isdigit() else None
+
+    def start(self, vmid: int, log) -> None:
+        logfile = os.path.join(self.dir(vmid), "standin-start.log")
+        r = subprocess.run(["lxc-start", "-n", str(vmid), "-P", self.lxcpath, "-d",
+                            "-o", logfile, "-l", "WARN"], capture_output=True, text=True)
+        if r.returncode != 0:
+            tail = ""
+            if os.path.exists(logfile):
+                with open(logfile) as f:
+                    tail = "".join(f.readlines()[-5:])
+            raise RuntimeError(f"startup for container '{vmid}' failed: {r.stderr.strip()} {tail.strip()}")
+        w = subprocess.run(["lxc-wait", "-n", str(vmid), "-P", self.lxcpath, "-s", "RUNNING",
+                            "-t", "30"], capture_output=True, text=True)
+        if w.returncode != 0:
+            raise RuntimeError(f"container '{vmid}' did not reach RUNNING")
+        log(f"lxc-start {vmid}: running")
+
+    def stop(self, vmid: int, timeout: int | None, force: bool, log) -> None:
+        if self.state(vmid) == "stopped":
+            return
+        if timeout is None:
+            cmd = ["lxc-stop", "-n", str(vmid), "-P", self.lxcpath, "-k"]
+        else:
+            cmd = ["lxc-stop", "-n", str(vmid), "-P", self.lxcpath, "-t", str(timeout)]
+            if not force:
+                cmd.append("--nokill")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0 and self.state(vmid) != "stopped":
+            raise RuntimeError(f"stopping container '{vmid}' failed: {r.stderr.strip()}")
+        log(f"lxc-stop {vmid}: stopped")
+
+    def destroy(self, vmid: int) -> None:
+        if os.path.isdir(self.dir(vmid)):
+            subprocess.run(["rm", "-rf", "--one-file-system", self.dir(vmid)], check=True)
+
+    def attach(self, vmid: int, argv: list) -> int:
+        return subprocess.call(["lxc-attach", "-n", str(vmid), "-P", self.lxcpath, "--clear-env",
+                                "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                "--", *argv])
+
+
+class FakeLxc(Lxc):
+    """Containers as records only (nothing runs): for the fast unit tests."""
+
+    def __init__(self, lxcpath: str, rootfs_src: str | None):
+        super().__init__(lxcpath, rootfs_src)
+        self.running: set = set()
+
+    def create(self, vmid, log):
+        os.makedirs(self.dir(vmid), exist_ok=True)
+        log("fake-lxc: no rootfs copied")
+
+    def state(self, vmid):
+        return "running" if vmid in self.running else "stopped"
+
+    def pid(self, vmid):
+        return None
+
+    def start(self, vmid, log):
+        self.running.add(vmid)
+
+    def stop(self, vmid, timeout, force, log):
+        self.running.discard(vmid)
+
+
+# --------------------------------------------------------------------------- the node's state
+
+class Node:
+    """One stand-in node: PVE configs, tasks, and the LXC backend."""
+
+    def __init__(self, name: str, pve_etc: str, lxc: Lxc, templates: list, storages: list):
+        self.name, self.pve_etc, self.lxc = name, pve_etc, lxc
+        self.templates, self.storages = templates, storages
+        self.tasks: dict = {}
+        self.lock = threading.RLock()
+        os.makedirs(self.conf_dir, exist_ok=True)
+
+    # ---- configs
+    @property
+    def conf_dir(self) -> str:
+        return os.path.join(self.pve_etc, "lxc")
+
+    def conf_path(self, vmid: int) -> str:
+        return os.path.join(self.conf_dir, f"{vmid}.conf")
+
+    def vmids(self) -> list:
+        out = []
+        for f in os.listdir(self.conf_dir):
+            m = re.fullmatch(r"(\d+)\.conf", f)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def read(self, vmid: int) -> tuple[dict, list, str]:
+        try:
+            with open(self.conf_path(vmid)) as f:
+                return parse_conf(f.read())
+        except FileNotFoundError:
+            raise ApiError(500, f"Configuration file 'nodes/{self.name}/lxc/{vmid}.conf' does not exist")
+
+    def write(self, vmid: int, keys: dict, raw: list, rest: str = "") -> None:
+        path = self.conf_path(vmid)
+        with open(path + ".tmp", "w") as f:
+            f.write(render_conf(keys, raw, rest))
+        os.replace(path + ".tmp", path)
+
+    def digest(self, vmid: int) -> str:
+        with open(self.conf_path(vmid), "rb") as f:
+            return hashlib.sha1(f.read()).hexdigest()
+
+    # ---- LXC config generation (what pve-container does at every start)
+    def lxc_config(self, vmid: int) -> str:
+        keys, raw, _ = self.read(vmid)
+        d = self.lxc.dir(vmid)
+        lines = [
+            f"# GENERATED by the PVE stand-in (tests/standin/pve_api.py) from {self.conf_path(vmid)}",
+            "# at each start; edit the PVE config, not this file.",
+            "lxc.include = /usr/share/lxc/config/common.conf",
+            f"lxc.arch = {'amd64' if keys.get('arch', 'amd64') == 'amd64' else keys['arch']}",
+            f"lxc.uts.name = {keys.get('hostname', f'CT{vmid}')}",
+            f"lxc.rootfs.path = dir:{d}/rootfs",
+            "lxc.net.0.type = empty",
+            "lxc.mount.auto = cgroup:mixed proc:mixed sys:mixed",
+            "lxc.autodev = 1",
+            "lxc.tty.max = 2",
+        ]
+        mem = int(keys.get("memory", 512))
+        swap = int(keys.get("swap", 512))
+        ncpu = os.cpu_count() or 1
+        cores = min(int(keys.get("cores", ncpu)), ncpu)
+        cpus = "0" if cores <= 1 else f"0-{cores - 1}"
+        if self.lxc.cgroup2:
+            lines += [f"lxc.cgroup2.memory.max = {mem * 1024 * 1024}",
+                      f"lxc.cgroup2.memory.swap.max = {swap * 1024 * 1024}",
+                      f"lxc.cgroup2.cpuset.cpus = {cpus}"]
+        else:
+            lines += [f"lxc.cgroup.memory.limit_in_bytes = {mem * 1024 * 1024}",
+                      f"lxc.cgroup.cpuset.cpus = {cpus}"]
+            if self.lxc.memsw:
+                lines.append(f"lxc.cgroup.memory.memsw.limit_in_bytes = {(mem + swap) * 1024 * 1024}")
+        # Mount points, parents before children (sorted by path), as pve-container mounts them.
+        mps = []
+        for k, v in keys.items():
+            if re.fullmatch(r"mp\d+", k):
+                vol, opts = split_opts(v)
+                mps.append((opts.get("mp", ""), vol, opts))
+        for mp, vol, opts in sorted(mps):
+            rel = mp.lstrip("/")
+            if is_host_path(vol):
+                flags = "bind,create=dir" + (",ro" if opts.get("ro") == "1" else "")
+                lines.append(f"lxc.mount.entry = {vol} {rel} none {flags} 0 0")
+            else:   # storage-backed: a directory beside the rootfs
+                src = os.path.join(d, "volumes", (vol or "vol").replace(":", "_").replace("/", "_"))
+                os.makedirs(src, exist_ok=True)
+                lines.append(f"lxc.mount.entry = {src} {rel} none bind,create=dir 0 0")
+        for k in sorted(keys):
+            if re.fullmatch(r"dev\d+", k):
+                path, _ = split_opts(keys[k])
+                lines.append(f"lxc.mount.entry = {path} {path.lstrip('/')} none bind,optional,create=file 0 0")
+                try:
+                    st = os.stat(path)
+                    kind = "b" if (st.st_mode & 0o170000) == 0o060000 else "c"
+                    ver = "cgroup2" if self.lxc.cgroup2 else "cgroup"
+                    lines.append(f"lxc.{ver}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rwm")
+                except OSError:
+                    pass
+        lines += [f"{k} = {v}" for k, v in raw]    # raw lxc.* keys, verbatim, last (as PVE)
+        return "\n".join(lines) + "\n"
+
+    # ---- tasks
+    def task(self, kind: str, vmid: int, user: str, fn) -> str:
+        start = int(time.time())
+        upid = "UPID:{}:{:08X}:{:08X}:{:08X}:{}:{}:{}:".format(
+            self.name, os.getpid(), random.randint(0, 0xFFFFFFF), start, kind, vmid, user)
+        t = {"upid": upid, "node": self.name, "pid": os.getpid(), "pstart": 0, "starttime": start,
+             "type": kind, "id": str(vmid), "user": user, "status": "running", "log": []}
+        self.tasks[upid] = t
+
+        def log(line):
+            t["log"].append(line)
+
+        def run():
+            try:
+                with self.lock:
+                    fn(log)
+                t["exitstatus"] = "OK"
+                log("TASK OK")
+            except Exception as e:  # the task's error is its exitstatus, as in PVE
+                t["exitstatus"] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log(f"TASK ERROR: {e}")
+            t["endtime"] = int(time.time())
+            t["status"] = "stopped"
+
+        threading.Thread(target=run, daemon=True).start()
+        return upid
+
+    def task_status(self, upid: str) -> dict:
+        t = self.tasks.get(upid)
+        if not t:
+            raise ApiError(500, f"no such task '{upid}'")
+        return {k: v for k, v in t.items() if k != "log"}
+
+    def task_log(self, upid: str) -> list:
+        t = self.tasks.get(upid)
+        if not t:
+            raise ApiError(500, f"no such task '{upid}'")
+        return [{"n": i + 1, "t": line} for i, line in enumerate(t["log"])]
+
+    # ---- container operations
+    def status(self, vmid: int) -> dict:
+        keys, _, _ = self.read(vmid)
+        state = self.lxc.state(vmid)
+        out = {"vmid": vmid, "name": keys.get("hostname", f"CT{vmid}"), "type": "lxc",
+               "status": state, "maxmem": int(keys.get("memory", 512)) * 1048576,
+               "maxswap": int(keys.get("swap", 512)) * 1048576, "cpus": int(keys.get("cores", 1)),
+               "maxdisk": self._disk_bytes(keys), "uptime": 0, "ha": {"managed": 0},
+               "template": int(keys.get("template", 0))}
+        if keys.get("lock"):
+            out["lock"] = keys["lock"]
+        pid = self.lxc.pid(vmid) if state == "running" else None
+        if pid:
+            out["pid"] = pid
+            try:
+                out["uptime"] = int(time.time() - os.stat(f"/proc/{pid}").st_mtime)
+            except OSError:
+                pass
+        return out
+
+    @staticmethod
+    def _disk_bytes(keys: dict) -> int:
+        _, opts = split_opts(keys.get("rootfs", ""))
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", opts.get("size", "0"))
+        if not m:
+            return 0
+        mult = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+        return int(float(m.group(1)) * mult)
+
+    def resources(self) -> list:
+        out = []
+        for vmid in self.vmids():
+            try:
+                s = self.status(vmid)
+            except ApiError:
+                continue
+            out.append({"id": f"lxc/{vmid}", "type": "lxc", "vmid": vmid, "name": s["name"],
+                        "node": self.name, "status": s["status"], "maxmem": s["maxmem"],
+                        "maxcpu": s["cpus"], "maxdisk": s["maxdisk"], "template": s["template"]})
+        return out
+
+    def check_params(self, params: dict, extra: set, token_user: str | None) -> None:
+        errors = {}
+        for k in params:
+            if k in CONFIG_KEYS or k in extra or INDEXED_KEYS.match(k):
+                continue
+            errors[k] = "property is not defined in schema and the schema does not allow additional properties"
+        if errors:
+            raise ApiError(400, "Parameter verification failed.", errors)
+        if token_user is None:
+            return
+        # Privilege rules PVE applies to anyone but root@pam (so to every API token).
+        for k, v in params.items():
+            if re.fullmatch(r"mp\d+", k) and is_host_path(split_opts(v)[0]):
+                raise ApiError(403, f"Permission check failed (only root can set '{k}' config for non-volume mount points)")
+            if re.fullmatch(r"dev\d+", k):
+                raise ApiError(403, f"Permission check failed (only root can set '{k}' config)")
+            if k == "features":
+                flags = {f.partition("=")[0] for f in str(v).split(",") if f}
+                if flags - {"nesting"}:
+                    raise ApiError(403, "Permission check failed (changing feature flags (except nesting) is only allowed for root@pam)")
+
+    def normalise(self, vmid: int, params: dict, storage: str) -> dict:
+        """Request values -> what PVE stores: allocated volumes, a MAC address, detected ostype."""
+        keys = {}
+        for k, v in params.items():
+            if k in CREATE_ONLY or k in UPDATE_ONLY:
+                continue
+            if k == "rootfs" or re.fullmatch(r"mp\d+", k):
+                vol, opts = split_opts(v)
+                m = re.fullmatch(r"([\w\-.]+):(\d+(?:\.\d+)?)", vol or "")
+                if m:   # "storage:SIZE_GiB" allocates a new volume
+                    if m.group(1) not in self.storages:
+                        raise ApiError(500, f"storage '{m.group(1)}' does not exist")
+                    disk = 0 if k == "rootfs" else int(k[2:]) + 1
+                    opts = {"size": f"{m.group(2)}G", **{o: x for o, x in opts.items() if o != "size"}}
+                    vol = f"{m.group(1)}:vm-{vmid}-disk-{disk}"
+                v = ",".join([vol] + [f"{o}={x}" for o, x in opts.items()]) if vol else v
+            if re.fullmatch(r"net\d+", k):
+                _, opts = split_opts(v)
+                opts.setdefault("hwaddr", "BC:24:11:%02X:%02X:%02X" % (vmid % 256, random.randint(0, 255), random.randint(0, 255)))
+                opts.setdefault("type", "veth")
+                v = ",".join(f"{o}={x}" for o, x in opts.items())
+            keys[k] = int(v) if isinstance(v, str) and re.fullmatch(r"-?\d+", v) and k in {
+                "cores", "memory", "swap", "onboot", "unprivileged", "cpuunits", "tty", "protection", "template"} else v
+        return keys
+
+    def create(self, vmid: int, params: dict, user: str) -> str:
+        with self.lock:
+            if os.path.exists(self.conf_path(vmid)):
+                raise ApiError(500, f"CT {vmid} already exists on node '{self.name}'")
+            if self.lxc.exists(vmid):
+                raise ApiError(500, f"CT {vmid}: an LXC container '{vmid}' exists outside the stand-in's records")
+            self.check_params(params, CREATE_ONLY, user)
+            tpl = params.get("ostemplate", "")
+            if tpl not in self.templates:
+                raise ApiError(500, f"volume '{tpl}' does not exist")
+            storage = params.get("storage", "local")
+            p = dict(params)
+            p.setdefault("rootfs", f"{storage}:4")
+            keys = {"arch": "amd64", "ostype": "debian", "memory": 512, "swap": 512, "cores": 1,
+                    **self.normalise(vmid, p, storage)}
+            keys.setdefault("hostname", f"CT{vmid}")
+            # the config exists (locked) while the task runs, as in PVE
+            self.write(vmid, {**keys, "lock": "create"}, [])
+
+        def work(log):
+            try:
+                self.lxc.create(vmid, log)
+            except Exception:
+                os.unlink(self.conf_path(vmid))
+                self.lxc.destroy(vmid)
+                raise
+            self.write(vmid, keys, [])
+            self.lxc.write_config(vmid, self.lxc_config(vmid))
+        return self.task("vzcreate", vmid, user, work)
+
+    def update(self, vmid: int, params: dict, user: str | None) -> None:
+        with self.lock:
+            keys, raw, rest = self.read(vmid)
+            self.check_params(params, UPDATE_ONLY, user)
+            if params.get("digest") and params["digest"] != self.digest(vmid):
+                raise ApiError(500, "detected modified configuration - file changed by other user? Try again.")
+            if keys.get("lock"):
+                raise ApiError(500, f"CT is locked ({keys['lock']})")
+            for k in filter(None, str(params.get("delete", "")).split(",")):
+                keys.pop(k.strip(), None)
+            keys.update(self.normalise(vmid, params, "local"))
+            self.write(vmid, keys, raw, rest)
+            self.lxc.write_config(vmid, self.lxc_config(vmid))   # applies at the next start
+
+    def destroy(self, vmid: int, force: bool, user: str) -> str:
+        self.read(vmid)
+        if self.lxc.state(vmid) == "running" and not force:
+            raise ApiError(500, f"CT {vmid} is running - destroy failed")
+
+        def work(log):
+            self.lxc.stop(vmid, None, True, log)
+            self.lxc.destroy(vmid)
+            os.unlink(self.conf_path(vmid))
+        return self.task("vzdestroy", vmid, user, work)
+
+    def start(self, vmid: int, user: str) -> str:
+        keys, _, _ = self.read(vmid)
+        if keys.get("lock"):
+            raise ApiError(500, f"CT is locked ({keys['lock']})")
+
+        def work(log):
+            if self.lxc.state(vmid) == "running":
+                raise RuntimeError(f"CT {vmid} already running")
+            self.lxc.write_config(vmid, self.lxc_config(vmid))
+            self.lxc.start(vmid, log)
+        return self.task("vzstart", vmid, user, work)
+
+    def shutdown(self, vmid: int, timeout: int, force: bool, user: str) -> str:
+        self.read(vmid)
+        return self.task("vzshutdown", vmid, user,
+                         lambda log: self.lxc.stop(vmid, timeout, force, log))
+
+    def stop(self, vmid: int, user: str) -> str:
+        self.read(vmid)
+        return self.task("vzstop", vmid, user, lambda log: self.lxc.stop(vmid, None, True, log))
+
+    def wait(self, upid: str, timeout: float = 600) -> dict:
+        end = time.time() + timeout
+        while self.tasks[upid]["status"] == "running" and time.time() < end:
+            time.sleep(0.1)
+        return self.tasks[upid]
+
+
+# --------------------------------------------------------------------------- HTTP
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    server_version = "pve-api-daemon/3.0 (stand-in)"
+    protocol_version = "HTTP/1.1"
+
+    node: Node = None          # set by serve()
+    tokens: dict = {}          # "user@realm!tokenid" -> secret
+
+    def log_message(self, fmt, *args):   # one line per request on stderr, like an access log
+        sys.stderr.write("%s %s\n" % (self.log_date_time_string(), fmt % args))
+
+    def _reply(self, status: int, data=None, reason: str | None = None, errors=None):
+        body = {"data": data}
+        if errors:
+            body["errors"] = errors
+        raw = json.dumps(body).encode()
+        self.send_response(status, reason)
+        self.send_header("Content-Type", "application/json;charset=UTF-8")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _auth(self) -> str:
+        h = self.headers.get("Authorization", "")
+        m = re.fullmatch(r"PVEAPIToken=([^!\s]+)!([^=\s]+)=(\S+)", h.strip())
+        if not m:
+            raise ApiError(401, "No ticket")
+        user, tokenid, secret = m.groups()
+        known = self.tokens.get(f"{user}!{tokenid}")
+        if known is None:
+            raise ApiError(401, f"no such token '{tokenid}' for user '{user}'")
+        if secret != known:
+            raise ApiError(401, "invalid token value!")
+        return f"{user}!{tokenid}"
+
+    def _params(self) -> dict:
+        url = urllib.parse.urlsplit(self.path)
+        params = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+        n = int(self.headers.get("Content-Length") or 0)
+        if n:
+            body = self.rfile.read(n).decode()
+            if "json" in (self.headers.get("Content-Type") or ""):
+                params.update({k: str(v) for k, v in json.loads(body or "{}").items()})
+            else:
+                params.update(dict(urllib.parse.parse_qsl(body, keep_blank_values=True)))
+        return params
+
+    def _dispatch(self, method: str):
+        try:
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+            params = self._params()
+            if not path.startswith("/api2/json/"):
+                raise ApiError(501, f"Method '{method} {path}' not implemented")
+            user = self._auth()
+            self._reply(200, self._route(method, path[len("/api2/json"):].rstrip("/"), params, user))
+        except ApiError as e:
+            self._reply(e.status, None, e.reason, e.errors)
+        except Exception as e:   # an unexpected error is a 500 with the message, as in PVE
+            self._reply(500, None, str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    def _route(self, method, path, p, user):
+        node = self.node
+        r = method + " " + path
+        if r == "GET /version":
+            return PVE_VERSION
+        if r == "GET /nodes":
+            return [{"node": node.name, "status": "online", "type": "node", "id": f"node/{node.name}",
+                     "maxcpu": os.cpu_count(), "level": ""}]
+        if r == "GET /cluster/resources":
+            res = node.resources()
+            if p.get("type") in (None, "", "node"):
+                res.append({"id": f"node/{node.name}", "type": "node", "node": node.name, "status": "online"})
+            return [x for x in res if p.get("type") in (None, "") or
+                    (p["type"] == "vm" and x["type"] in ("lxc", "qemu")) or x["type"] == p["type"]]
+        if r == "GET /cluster/nextid":
+            used = set(node.vmids())
+            return str(next(i for i in range(100, 1000000000) if i not in used))
+        m = re.fullmatch(r"/nodes/([^/]+)(/.*)?", path)
+        if not m:
+            raise ApiError(501, f"Method '{method} {path}' not implemented (stand-in)")
+        if m.group(1) != node.name:
+            raise ApiError(595, f"no such cluster node '{m.group(1)}'")
+        sub = m.group(2) or ""
+        r = method + " " + sub
+        t = re.fullmatch(r"GET /tasks/([^/]+)/(status|log)", r)
+        if t:
+            return node.task_status(t.group(1)) if t.group(2) == "status" else node.task_log(t.group(1))
+        if re.fullmatch(r"GET /storage/[^/]+/content", r):
+            storage = sub.split("/")[2]
+            if storage not in node.storages:
+                raise ApiError(500, f"storage '{storage}' does not exist")
+            return [{"volid": t, "content": "vztmpl", "format": "tzst", "size": 123456789}
+                    for t in node.templates if t.split(":")[0] == storage]
+        if r == "GET /lxc":
+            return [{k: s[k] for k in ("vmid", "name", "status", "maxmem", "maxswap", "cpus",
+                                        "maxdisk", "uptime", "template") if k in s} | {"type": "lxc"}
+                    for s in (node.status(v) for v in node.vmids())]
+        if r == "POST /lxc":
+            vmid = int(p.get("vmid") or 0)
+            if vmid < 100:
+                raise ApiError(400, "Parameter verification failed.", {"vmid": "value must have a minimum value of 100"})
+            return node.create(vmid, p, user)
+        m = re.fullmatch(r"(GET|PUT|POST|DELETE) /lxc/(\d+)(/.*)?", r)
+        if not m:
+            raise ApiError(501, f"Method '{method} /nodes/{node.name}{sub}' not implemented (stand-in)")
+        vmid, rest = int(m.group(2)), (m.group(3) or "")
+        op = method + " " + rest
+        if op == "DELETE ":
+            return node.destroy(vmid, p.get("force") == "1", user)
+        if op == "GET /config":
+            keys, raw, _ = node.read(vmid)
+            out = dict(keys)
+            if raw:
+                out["lxc"] = raw
+            out["digest"] = node.digest(vmid)
+            return out
+        if op == "PUT /config":
+            node.update(vmid, p, user)
+            return None
+        if op == "GET /status/current":
+            return node.status(vmid)
+        if op == "POST /status/start":
+            return node.start(vmid, user)
+        if op == "POST /status/shutdown":
+            return node.shutdown(vmid, int(p.get("timeout") or 60), p.get("forceStop") == "1", user)
+        if op == "POST /status/stop":
+            return node.stop(vmid, user)
+        raise ApiError(501, f"Method '{method} /nodes/{node.name}{sub}' not implemented (stand-in)")
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+
+# --------------------------------------------------------------------------- certificate
+
+def make_cert(cert: str, key: str) -> None:
+    """A self-signed certificate for 127.0.0.1 / localhost, usable as its own CA bundle."""
+    if os.path.exists(cert) and os.path.exists(key):
+        return
+    os.makedirs(os.path.dirname(cert) or ".", exist_ok=True)
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                        "-nodes", "-keyout", key, "-out", cert, "-days", "30",
+                        "-subj", "/CN=pve-standin/O=PVE stand-in (tests only)",
+                        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                        "-addext", "basicConstraints=critical,CA:TRUE"], check=True, capture_output=True)
+        os.chmod(key, 0o600)
+        return
+    k = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pve-standin"),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "PVE stand-in (tests only)")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    c = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(k.public_key())
+         .serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+         .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                     x509.DNSName("localhost")]), critical=False)
+         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+         .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                      content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                      key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+         .add_extension(x509.SubjectKeyIdentifier.from_public_key(k.public_key()), critical=False)
+         .sign(k, hashes.SHA256()))
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()))
+    with open(cert, "wb") as f:
+        f.write(c.public_bytes(serialization.Encoding.PEM))
+
+
+# --------------------------------------------------------------------------- entry points
+
+def build_node(a) -> Node:
+    backend = (FakeLxc if a.fake_lxc else Lxc)(a.lxcpath, a.rootfs)
+    return Node(a.node, a.pve_etc, backend, a.template, a.storage)
+
+
+def serve(a) -> None:
+    tokens = {}
+    for t in a.token + [x for x in os.environ.get("PVE_STANDIN_TOKENS", "").split() if x]:
+        ident, _, secret = t.partition("=")
+        if "!" not in ident or not secret:
+            sys.exit(f"pve_api.py: --token must look like USER@REALM!TOKENID=SECRET, got {ident!r}")
+        tokens[ident] = secret
+    if not tokens:
+        sys.exit("pve_api.py: no API token configured (--token or PVE_STANDIN_TOKENS)")
+    os.makedirs(a.state_dir, exist_ok=True)
+    cert, key = os.path.join(a.state_dir, "pve-ssl.pem"), os.path.join(a.state_dir, "pve-ssl.key")
+    make_cert(cert, key)
+    node = build_node(a)
+    Handler.node, Handler.tokens = node, tokens
+    httpd = http.server.ThreadingHTTPServer((a.listen, a.port), Handler)
+    httpd.daemon_threads = True
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())
+    if a.pidfile:
+        with open(a.pidfile, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    print(f"pve_api.py: PVE API STAND-IN (not Proxmox) on https://{a.listen}:{httpd.server_address[1]}/api2/json "
+          f"node={node.name} cert={cert}", file=sys.stderr, flush=True)
+    try:
+        httpd.serve_forever()
+    finally:
+        if a.pidfile and os.path.exists(a.pidfile):
+            os.unlink(a.pidfile)
+
+
+def pct(a, argv: list) -> int:
+    """The node-side subset of `pct`, on the same state as the API (run as root on the node)."""
+    node = build_node(a)
+    if len(argv) < 2 or not argv[1].isdigit():
+        print("usage: pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID ...", file=sys.stderr)
+        return 2
+    cmd, vmid, rest = argv[0], int(argv[1]), argv[2:]
+    try:
+        if cmd == "config":
+            keys, raw, _ = node.read(vmid)
+            sys.stdout.write(render_conf(keys, raw))
+        elif cmd == "set":
+            params, i = {}, 0
+            while i < len(rest):
+                opt = rest[i].lstrip("-")
+                if i + 1 >= len(rest):
+                    raise ApiError(400, f"option '{rest[i]}' needs a value")
+                params[opt] = rest[i + 1]
+                i += 2
+            node.update(vmid, params, None)     # root: no token privilege rules
+        elif cmd == "status":
+            node.read(vmid)
+            print(f"status: {node.lxc.state(vmid)}")
+        elif cmd in ("start", "stop", "shutdown", "reboot"):
+            node.read(vmid)
+            if cmd == "reboot" and node.lxc.state(vmid) != "running":
+                raise ApiError(500, f"CT {vmid} not running")
+            steps = {"start": [lambda: node.start(vmid, "root@pam")],
+                     "stop": [lambda: node.stop(vmid, "root@pam")],
+                     "shutdown": [lambda: node.shutdown(vmid, 60, False, "root@pam")],
+                     "reboot": [lambda: node.shutdown(vmid, 60, True, "root@pam"),
+                                lambda: node.start(vmid, "root@pam")]}[cmd]
+            for step in steps:
+                t = node.wait(step())
+                if t["exitstatus"] != "OK":
+                    raise ApiError(500, t["exitstatus"])
+        elif cmd == "exec":
+            if rest and rest[0] == "--":
+                rest = rest[1:]
+            return node.lxc.attach(vmid, rest)
+        else:
+            print(f"pct (stand-in): unknown command '{cmd}'", file=sys.stderr)
+            return 2
+    except ApiError as e:
+        print(e.reason + ("" if not e.errors else " " + json.dumps(e.errors)), file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="pve_api.py", description="Proxmox VE API STAND-IN for tests (not Proxmox).")
+    p.add_argument("mode", choices=["serve", "pct"])
+    p.add_argument("--listen", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8006)
+    p.add_argument("--node", default=os.environ.get("PVE_STANDIN_NODE", "pve"))
+    p.add_argument("--token", action="append", default=[], help="USER@REALM!TOKENID=SECRET (repeatable)")
+    p.add_argument("--state-dir", default=os.environ.get("PVE_STANDIN_STATE", "/var/lib/pve-standin"))
+    p.add_argument("--pve-etc", default=os.environ.get("PVE_STANDIN_ETC", "/etc/pve"))
+    p.add_argument("--lxcpath", default=os.environ.get("PVE_STANDIN_LXCPATH", "/var/lib/lxc"))
+    p.add_argument("--rootfs", default=os.environ.get("PVE_STANDIN_ROOTFS"),
+                   help="the rootfs a create copies (tests/standin/build-rootfs.sh prints one)")
+    p.add_argument("--template", action="append", default=None,
+                   help="template volids the stand-in 'has' (default local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst)")
+    p.add_argument("--storage", action="append", default=None, help="storage ids (default local, local-lvm)")
+    p.add_argument("--pidfile")
+    p.add_argument("--fake-lxc", action="store_true", help="records only, nothing runs (unit tests)")
+    if argv and argv[0] == "pct":
+        # pct's own arguments follow; the stand-in options come from the environment.
+        a = p.parse_args(["pct"])
+        a.template = a.template or ["local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"]
+        a.storage = a.storage or ["local", "local-lvm"]
+        return pct(a, argv[1:])
+    a = p.parse_args(argv)
+    a.template = a.template or ["local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"]
+    a.storage = a.storage or ["local", "local-lvm"]
+    serve(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,26 @@ STAMP="$DEST/.dflash-rootfs-complete"
 # rsync for staging weights inside the container; procps/iproute2 for operators.
 PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-apt,ca-certificates,procps,iproute2,rsync,less,libgomp1
 
+# Fixups for a network-less systemd container on this kind of host, applied on every run
+# (cheap, idempotent) so an older cache picks them up too.
+#  - dbus-daemon cannot finish starting here (its inotify setup is refused and the bus
+#    never comes up, so dbus/logind hang until their start timeout and boot stays
+#    "starting"). Nothing we run needs the bus: systemctl talks to PID 1 over
+#    /run/systemd/private as root. Masked, so `systemctl is-system-running` says running.
+#  - units that only fail or wait without a network or real hardware.
+fixups() {
+    local root="$1" unit
+    for unit in dbus.service dbus.socket systemd-logind.service \
+                systemd-networkd-wait-online.service systemd-timesyncd.service \
+                apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer \
+                getty@tty1.service; do
+        [[ "$(readlink "$root/etc/systemd/system/$unit" 2>/dev/null)" == /dev/null ]] \
+            || ln -sf /dev/null "$root/etc/systemd/system/$unit"
+    done
+}
+
 if [[ -f "$STAMP" ]]; then
+    fixups "$DEST"
     echo "$DEST"
     exit 0
 fi
@@ -42,13 +61,7 @@ echo "dflash-ct" > "$work/etc/hostname"
 printf '127.0.0.1 localhost\n127.0.1.1 dflash-ct\n::1 localhost\n' > "$work/etc/hosts"
 : > "$work/etc/machine-id"           # systemd generates one on first boot
 rm -f "$work/var/lib/dbus/machine-id"
-# Units that only fail or wait without a network or real hardware.
-for unit in systemd-networkd-wait-online.service systemd-timesyncd.service \
-            apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer; do
-    ln -sf /dev/null "$work/etc/systemd/system/$unit"
-done
-# A plain console so lxc-start does not wait on getty of a missing tty.
-ln -sf /dev/null "$work/etc/systemd/system/getty@tty1.service"
+fixups "$work"
 apt_clean() { rm -rf "$work"/var/cache/apt/archives/*.deb "$work"/var/lib/apt/lists/*; }
 apt_clean
 date -u +%FT%TZ > "$work/.dflash-rootfs-complete"

@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# standin.sh up|down|status|wheelhouse|tiny - the local Proxmox stand-in.
+#
+# Only Proxmox itself is simulated. `up` builds (idempotently):
+#   - a cached debootstrapped bookworm rootfs (build-rootfs.sh) copied into LXC container $VMID,
+#     no network, booted with systemd (lxc-start), waited on until `systemctl is-system-running`
+#     says running/degraded;
+#   - bind mounts into it, read-only: the node's weights store ($CACHE/tiny/target, the tiny
+#     target from `dflash-tiny`) at /workspace/models/$MODEL, the tiny dataset at
+#     /workspace/data/tiny and the host wheelhouse at /srv/wheelhouse for offline pip installs;
+#   - an sshd on 127.0.0.1:$PORT with its own config, host key and a generated client key
+#     (key-only): this plays the Proxmox node that Ansible's proxmox_pct_remote connects to;
+#   - the pct shim (tests/standin/pct) at /usr/sbin/pct.
+# `down` removes the container, the sshd instance and the shim; caches (rootfs, wheelhouse,
+# tiny model) stay. Must run as root.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+VMID="${DFLASH_STANDIN_VMID:-200}"
+PORT="${DFLASH_STANDIN_PORT:-2222}"
+CACHE="${DFLASH_STANDIN_CACHE:-/var/lib/dflash-standin}"
+NODE="${DFLASH_STANDIN_NODE:-$CACHE/node}"          # sshd state; removed by `down`
+MODEL="${DFLASH_STANDIN_MODEL:-tiny-qwen3}"
+LXCPATH=/var/lib/lxc
+CTDIR="$LXCPATH/$VMID"
+PYTHON="${DFLASH_STANDIN_PYTHON:-}"
+WHEELHOUSE="$CACHE/wheelhouse"
+TINY="$CACHE/tiny"
+TORCH_SPEC="${DFLASH_TORCH_SPEC:-torch==2.13.0+cpu}"   # +cpu: never resolves to a CUDA build
+
+log() { echo "standin: $*" >&2; }
+
+pick_python() {
+    if [[ -z "$PYTHON" ]]; then
+        for p in "$REPO/.venv/bin/python" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" /tmp/venv/bin/python; do
+            [[ -n "$p" && -x "$p" ]] && { PYTHON="$p"; break; }
+        done
+    fi
+    [[ -n "$PYTHON" ]] || PYTHON=python3
+}
+
+ct_state() { lxc-info -n "$VMID" -P "$LXCPATH" -sH 2>/dev/null || echo ABSENT; }
+
+# ---------------------------------------------------------------- caches
+wheelhouse() {
+    pick_python
+    local stamp="$WHEELHOUSE/.complete"
+    if [[ -f "$stamp" ]]; then echo "$WHEELHOUSE"; return; fi
+    mkdir -p "$WHEELHOUSE"
+    log "downloading cp311 wheels into $WHEELHOUSE ($TORCH_SPEC from the local find-links)"
+    # Same interpreter ABI as the container (Debian 12: CPython 3.11).
+    "$PYTHON" -m pip download --quiet -d "$WHEELHOUSE" --only-binary=:all: \
+        --python-version 3.11 --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+        "$TORCH_SPEC" transformers safetensors pyarrow numpy setuptools wheel >&2
+    if ls "$WHEELHOUSE" | grep -E '^nvidia_|^torch-.*cu[0-9]' >&2; then
+        log "CUDA wheels in the wheelhouse; refusing"; exit 1
+    fi
+    date -u +%FT%TZ > "$stamp"
+    echo "$WHEELHOUSE"
+}
+
+tiny() {
+    pick_python
+    local stamp="$TINY/.complete"
+    if [[ -f "$stamp" ]]; then echo "$TINY"; return; fi
+    log "generating the tiny target and dataset with dflash-tiny into $TINY"
+    rm -rf "$TINY"; mkdir -p "$(dirname "$TINY")"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
+        'import sys; from trainer.tiny import main; sys.argv = ["dflash-tiny", sys.argv[1]]; sys.exit(main())' "$TINY" >&2
+    [[ -f "$TINY/target/config.json" ]] || { log "dflash-tiny wrote no $TINY/target/config.json"; exit 1; }
+    date -u +%FT%TZ > "$stamp"
+    echo "$TINY"
+}
+
+# ---------------------------------------------------------------- the node (sshd + pct)
+node_up() {
+    install -m 0755 "$HERE/pct" /usr/sbin/pct
+    mkdir -p "$NODE" /run/sshd; chmod 0700 "$NODE"
+    [[ -f "$NODE/ssh_host_ed25519_key" ]] || ssh-keygen -q -t ed25519 -N "" -f "$NODE/ssh_host_ed25519_key"
+    [[ -f "$NODE/id_ed25519" ]] || ssh-keygen -q -t ed25519 -N "" -C dflash-standin -f "$NODE/id_ed25519"
+    install -m 0600 "$NODE/id_ed25519.pub" "$NODE/authorized_keys"
+    cat > "$NODE/sshd_config" <<CONF
+# sshd playing the Proxmox node for the dflash stand-in (key-only, loopback only)
+Port $PORT
+ListenAddress 127.0.0.1
+HostKey $NODE/ssh_host_ed25519_key
+PidFile $NODE/sshd.pid
+AuthorizedKeysFile $NODE/authorized_keys
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+X11Forwarding no
+AllowUsers root
+Subsystem sftp internal-sftp
+LogLevel ERROR
+CONF
+    /usr/sbin/sshd -t -f "$NODE/sshd_config"
+    if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then
+        kill -HUP "$(cat "$NODE/sshd.pid")"      # reload the config we just wrote
+    else
+        /usr/sbin/sshd -f "$NODE/sshd_config"
+    fi
+    # known_hosts for the controller: the node's host key on [127.0.0.1]:PORT
+    printf '[127.0.0.1]:%s %s\n' "$PORT" "$(cut -d' ' -f1,2 "$NODE/ssh_host_ed25519_key.pub")" > "$NODE/known_hosts"
+    for _ in $(seq 50); do
+        ssh -q -o BatchMode=yes -o UserKnownHostsFile="$NODE/known_hosts" -i "$NODE/id_ed25519" \
+            -p "$PORT" root@127.0.0.1 true && return 0
+        sleep 0.2
+    done
+    log "sshd on 127.0.0.1:$PORT does not answer"; exit 1
+}
+
+node_down() {
+    if [[ -f "$NODE/sshd.pid" ]]; then
+        pid="$(cat "$NODE/sshd.pid")"
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    rm -rf "$NODE"
+    # Only remove a pct that is our shim, never a real Proxmox one.
+    if [[ -f /usr/sbin/pct ]] && grep -q 'STAND-IN for Proxmox' /usr/sbin/pct; then rm -f /usr/sbin/pct; fi
+}
+
+# ---------------------------------------------------------------- the container
+ct_config() {
+    cat <<CONF
+# LXC container $VMID: stand-in for Proxmox CT $VMID (dflash). Written by tests/standin/standin.sh.
+lxc.include = /usr/share/lxc/config/common.conf
+lxc.arch = amd64
+lxc.uts.name = dflash-ct
+lxc.rootfs.path = dir:$CTDIR/rootfs
+# No network inside: everything comes from the bind-mounted wheelhouse.
+lxc.net.0.type = empty
+lxc.mount.auto = cgroup:mixed proc:mixed sys:mixed
+lxc.apparmor.profile = unconfined
+lxc.autodev = 1
+lxc.tty.max = 0
+lxc.pty.max = 64
+lxc.mount.entry = $TINY/target workspace/models/$MODEL none bind,ro,create=dir 0 0
+lxc.mount.entry = $TINY/data workspace/data/tiny none bind,ro,create=dir 0 0
+lxc.mount.entry = $WHEELHOUSE srv/wheelhouse none bind,ro,create=dir 0 0
+CONF
+}
+
+wait_booted() {
+    local st=""
+    for _ in $(seq 120); do
+        st="$(lxc-attach -n "$VMID" -P "$LXCPATH" --clear-env -- /bin/systemctl is-system-running 2>/dev/null || true)"
+        case "$st" in running|degraded) log "CT $VMID systemd: $st"; return 0 ;; esac
+        sleep 1
+    done
+    log "CT $VMID did not boot (systemd says '${st:-nothing}')"
+    lxc-attach -n "$VMID" -P "$LXCPATH" --clear-env -- /bin/systemctl --failed --no-pager >&2 || true
+    exit 1
+}
+
+ct_up() {
+    local rootfs
+    rootfs="$("$HERE/build-rootfs.sh")"
+    mkdir -p "$TINY/target" "$TINY/data" "$WHEELHOUSE"
+    if [[ ! -d "$CTDIR/rootfs" ]]; then
+        log "creating CT $VMID from $rootfs"
+        mkdir -p "$CTDIR"
+        cp -a "$rootfs" "$CTDIR/rootfs.tmp"
+        mv "$CTDIR/rootfs.tmp" "$CTDIR/rootfs"
+    fi
+    local want; want="$(ct_config)"
+    if [[ ! -f "$CTDIR/config" ]] || [[ "$(cat "$CTDIR/config")" != "$want" ]]; then
+        printf '%s\n' "$want" > "$CTDIR/config"
+        [[ "$(ct_state)" == RUNNING ]] && { log "config changed; restarting CT $VMID"; lxc-stop -n "$VMID" -P "$LXCPATH" -t 60; }
+    fi
+    if [[ "$(ct_state)" != RUNNING ]]; then
+        lxc-start -n "$VMID" -P "$LXCPATH" -d -o "$CACHE/lxc-$VMID.log" -l INFO
+    fi
+    wait_booted
+}
+
+ct_down() {
+    if [[ -f "$CTDIR/config" ]]; then
+        [[ "$(ct_state)" == RUNNING ]] && lxc-stop -n "$VMID" -P "$LXCPATH" -k
+        lxc-destroy -n "$VMID" -P "$LXCPATH" >/dev/null 2>&1 || true
+    fi
+    rm -rf --one-file-system "$CTDIR"
+}
+
+[[ $EUID -eq 0 ]] || { log "must run as root"; exit 1; }
+case "${1:-}" in
+    up)
+        [[ "${DFLASH_STANDIN_SKIP_CACHES:-0}" == 1 ]] || { wheelhouse >/dev/null; tiny >/dev/null; }
+        ct_up
+        node_up
+        log "up: CT $VMID running; node sshd root@127.0.0.1:$PORT key $NODE/id_ed25519" ;;
+    down)
+        ct_down; node_down; log "down (caches kept in $CACHE)" ;;
+    status)
+        echo "CT $VMID: $(ct_state)"
+        if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then echo "node sshd: running"; else echo "node sshd: stopped"; fi ;;
+    wheelhouse) wheelhouse ;;
+    tiny) tiny ;;
+    *) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 2 ;;
+esac

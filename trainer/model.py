@@ -1,0 +1,361 @@
+"""The DFlash drafter: taps -> fc + norm -> Qwen3-style layers with KV injection -> target LM head.
+
+Layout used everywhere in this file ("packed"): no batch dimension.
+  ctx      [Tc, K*H]  tapped target hidden states of every real context token of a micro-batch,
+                      sequences concatenated (Tc padded to a multiple of 128 with rows of seq -1)
+  blocks   [Tq, H]    draft blocks, Tq = num_blocks * B; block j occupies rows j*B .. j*B+B-1
+Per-row metadata (int32/int64 tensors on the drafter device):
+  ctx_seq[Tc], ctx_pos[Tc]             sequence index and position of each context row
+  q_seq[Tq], q_anchor[Tq], q_pos[Tq]   sequence, anchor position and position id (anchor + slot) per block row
+Attention (training): a block row sees context rows of its own sequence with pos < its anchor
+(strictly: `<=` leaks the answer) and every row of its own block; nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+FLEX_BLOCK = 128  # FlexAttention's tile; ctx is padded to a multiple of it
+
+
+def tap_layers(num_target_layers: int, num_taps: int) -> list[int]:
+    """Evenly spread taps: round(1 + i * (L - 4) / (K - 1)); Qwen3-8B (36 layers, 5) -> [1, 9, 17, 25, 33]."""
+    if num_taps < 1:
+        raise ValueError("need at least one tap")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        return sorted({min(num_target_layers - 1, round(i * (num_target_layers - 1) / (num_taps - 1)))
+                       for i in range(num_taps)})
+    return [int(round(1 + i * (num_target_layers - 4) / (num_taps - 1))) for i in range(num_taps)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    target_num_hidden_layers: int
+    rope_scaling: dict | None = None
+    hidden_act: str = "silu"
+    architectures: list[str] = field(default_factory=lambda: ["DFlashDraftModel"])
+    model_type: str = "qwen3"
+
+    @classmethod
+    def from_target(cls, target_cfg, *, num_draft_layers: int, block_size: int, mask_token_id: int,
+                    target_layer_ids: list[int] | None = None) -> "DFlashConfig":
+        t = getattr(target_cfg, "text_config", None) or target_cfg
+        heads = t.num_attention_heads
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+        rope = getattr(t, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        layers = target_layer_ids or tap_layers(t.num_hidden_layers, num_draft_layers)
+        return cls(
+            hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+            num_hidden_layers=num_draft_layers, num_attention_heads=heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", heads), head_dim=head_dim,
+            vocab_size=t.vocab_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 32768), block_size=block_size,
+            target_layer_ids=list(layers), mask_token_id=mask_token_id,
+            target_num_hidden_layers=t.num_hidden_layers,
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dflash_config"] = {"block_size": self.block_size, "target_layer_ids": self.target_layer_ids,
+                              "mask_token_id": self.mask_token_id}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def qwen3_config(self) -> Qwen3Config:
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = dict(self.rope_scaling, rope_theta=self.rope_theta)
+        return Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=rope, hidden_act=self.hidden_act,
+        )
+
+
+@dataclass
+class PackedMeta:
+    """Row metadata of one drafter chunk (see module docstring); all tensors on the drafter device."""
+    ctx_seq: torch.Tensor
+    ctx_pos: torch.Tensor
+    q_seq: torch.Tensor
+    q_anchor: torch.Tensor
+    q_pos: torch.Tensor
+    block_size: int
+    kv_num_blocks: torch.Tensor | None = None  # FlexAttention block-sparsity, built on the host
+    kv_indices: torch.Tensor | None = None
+
+    @property
+    def num_ctx(self) -> int:
+        return self.ctx_seq.shape[0]
+
+
+def dense_mask(meta: PackedMeta) -> torch.Tensor:
+    """[Tq, Tc + Tq] bool: True where a block row may attend. The reference the flex path must match."""
+    ctx_ok = (meta.ctx_seq[None, :] == meta.q_seq[:, None]) & (meta.ctx_pos[None, :] < meta.q_anchor[:, None])
+    tq = meta.q_seq.shape[0]
+    blk = torch.arange(tq, device=meta.q_seq.device) // meta.block_size
+    blk_ok = blk[:, None] == blk[None, :]
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def _flex_mask_mod(meta: PackedMeta):
+    tc, bs = meta.num_ctx, meta.block_size
+    ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
+    tq = q_seq.shape[0]
+
+    def mask_mod(b, h, q, kv):
+        kc = torch.clamp(kv, max=tc - 1)
+        ctx_ok = (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q])
+        kb = torch.clamp(kv - tc, min=0, max=tq - 1)
+        blk_ok = (kb // bs) == (q // bs)
+        return torch.where(kv < tc, ctx_ok, blk_ok & (kv - tc < tq))
+
+    return mask_mod
+
+
+_compiled_flex = None
+
+
+def flex_attention_fn():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose K/V are cat(proj(ctx), proj(block)): context injected as keys and values."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, meta: PackedMeta, backend: str):
+        tq, tc = x.shape[0], ctx.shape[0]
+        q = self.q_norm(self.q_proj(x).view(tq, self.nh, self.hd))
+        kv_in = torch.cat([ctx, x], dim=0)
+        k = self.k_norm(self.k_proj(kv_in).view(tc + tq, self.nkv, self.hd))
+        v = self.v_proj(kv_in).view(tc + tq, self.nkv, self.hd)
+        cos_q, sin_q = rope_q
+        cos_k, sin_k = rope_ctx
+        # [T, heads, hd] layout: rope broadcast over heads (unsqueeze_dim=1)
+        q, _ = apply_rotary_pos_emb(q, q, cos_q, sin_q, unsqueeze_dim=1)
+        k, _ = apply_rotary_pos_emb(k, k, cos_k, sin_k, unsqueeze_dim=1)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, hd]
+        if backend == "flex":
+            from torch.nn.attention.flex_attention import BlockMask
+            block_mask = BlockMask.from_kv_blocks(
+                meta.kv_num_blocks, meta.kv_indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta),
+                seq_lengths=(tq, tc + tq))
+            out = flex_attention_fn()(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh)
+        else:
+            mask = dense_mask(meta)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.nkv != self.nh)
+        out = out[0].transpose(0, 1).reshape(tq, self.nh * self.hd)
+        return self.o_proj(out)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = Qwen3MLP(cfg.qwen3_config())
+
+    def forward(self, x, ctx, rope_q, rope_ctx, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable part of the drafter. Embedding and LM head are the target's, frozen, passed in."""
+
+    def __init__(self, cfg: DFlashConfig, split_fc: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.split_fc = split_fc
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())
+
+    def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """[Tc, K*H] -> [Tc, H]. split_fc: per-tap matmuls summed (same math, no K*H-wide GEMM input)."""
+        if not self.split_fc:
+            return self.hidden_norm(self.fc(taps))
+        h = self.cfg.hidden_size
+        w = self.fc.weight
+        acc = None
+        for i in range(taps.shape[1] // h):
+            part = taps[:, i * h:(i + 1) * h] @ w[:, i * h:(i + 1) * h].t()
+            acc = part if acc is None else acc + part
+        return self.hidden_norm(acc)
+
+    def forward(self, taps: torch.Tensor, block_embeds: torch.Tensor, meta: PackedMeta,
+                backend: str = "sdpa") -> torch.Tensor:
+        """taps [Tc, K*H], block_embeds [Tq, H] -> final-normed hidden [Tq, H] (feed to the LM head)."""
+        ctx = self.fuse_context(taps)
+        x = block_embeds.to(ctx.dtype)
+        rope_q = self.rotary_emb(x, meta.q_pos[None].long())
+        rope_c = self.rotary_emb(x, torch.cat([meta.ctx_pos, meta.q_pos])[None].long())
+        rope_q = tuple(t[0] for t in rope_q)
+        rope_c = tuple(t[0] for t in rope_c)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_c, meta, backend)
+        return self.norm(x)
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_0 = 0, w_k = exp(-(k-1)/gamma): slot 0 is the given token and carries no loss."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Weighted CE of (hidden @ W^T) against hard labels or soft target rows, chunked over rows.
+
+    Forward computes the loss and, chunk by chunk, the gradient w.r.t. hidden (W is frozen), so the
+    full [rows, vocab] logits never exist; backward only scales the stored gradient. Returns
+    (loss_sum / weight_norm, correct [rows] as float).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, chunk):
+        n = hidden.shape[0]
+        grad = torch.empty_like(hidden)
+        correct = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = (hidden[s:e] @ weight.t()).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            p = logp.exp()
+            w = row_weight[s:e] / norm
+            if soft_rows is None:
+                lab = labels[s:e]
+                safe = lab.clamp(min=0)
+                nll = -logp.gather(1, safe[:, None])[:, 0]
+                p.scatter_add_(1, safe[:, None], -torch.ones_like(nll)[:, None])
+                pred_ok = logits.argmax(-1) == lab
+            else:
+                t_logits = (soft_rows[s:e] @ weight.t()).float()
+                t_p = torch.softmax(t_logits, dim=-1)
+                nll = -(t_p * logp).sum(-1)
+                p.sub_(t_p)
+                pred_ok = logits.argmax(-1) == t_logits.argmax(-1)
+            total += (nll * w).sum()
+            grad[s:e] = ((p * w[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+            correct[s:e] = pred_ok.float()
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
+
+
+def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None, chunk: int = 4096):
+    """Loss over block rows. labels[r] = token id (hard) or -1 (ignored: weight must be 0 there)."""
+    return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, chunk)
+
+
+def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int):
+    """Host-side (numpy) kv_num_blocks / kv_indices for FlexAttention: per 128-row query tile, the context
+    tiles from its sequences' first row up to its largest anchor, plus the tiles holding its own blocks."""
+    import numpy as np
+    nqb = (num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
+    starts = np.arange(nqb) * FLEX_BLOCK
+    ends = np.minimum(starts + FLEX_BLOCK, num_q)
+    seq_start_q = ctx_seq_start[q_seq]  # first ctx row of each query's sequence
+    anchor_abs = seq_start_q + q_anchor  # ctx rows < anchor_abs are visible
+    lo = np.minimum.reduceat(seq_start_q, starts) // FLEX_BLOCK
+    hi = (np.maximum.reduceat(anchor_abs, starts) + FLEX_BLOCK - 1) // FLEX_BLOCK  # exclusive
+    hi = np.maximum(hi, lo)
+    blk_lo = (starts // block_size) * block_size
+    blk_hi = ((ends - 1) // block_size + 1) * block_size
+    qlo = (num_ctx + blk_lo) // FLEX_BLOCK
+    qhi = (num_ctx + blk_hi - 1) // FLEX_BLOCK + 1
+    n_ctx = hi - lo
+    counts = n_ctx + (qhi - qlo)
+    width = int(counts.max()) if nqb else 1
+    idx = np.zeros((nqb, max(width, 1)), dtype=np.int32)
+    col = np.arange(max(width, 1))[None, :]
+    ctx_part = lo[:, None] + col
+    blk_part = qlo[:, None] + (col - n_ctx[:, None])
+    idx[:] = np.where(col < n_ctx[:, None], ctx_part, np.where(col < counts[:, None], blk_part, 0))
+    return counts.astype(np.int32)[None, None], idx[None, None]
+
+
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        elif "norm" in name:
+            with torch.no_grad():
+                p.fill_(1.0)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def drafter_flops_per_row(cfg: DFlashConfig, avg_ctx_visible: float) -> float:
+    """Approximate forward FLOPs per block row (projections + MLP + attention + LM head)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    proj = 2 * h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    mlp = 2 * 3 * h * cfg.intermediate_size
+    attn = 4 * cfg.num_attention_heads * hd * (avg_ctx_visible + cfg.block_size)
+    return cfg.num_hidden_layers * (proj + mlp + attn) + 2 * h * cfg.vocab_size
+
+

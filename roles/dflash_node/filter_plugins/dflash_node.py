@@ -1,0 +1,107 @@
+"""Filters for the dflash_node role: parse /proc/devices and `pct config`, render GPU passthrough.
+
+Kept as plain functions so tests/test_provision*.py can check them without Ansible.
+"""
+
+from __future__ import annotations
+
+import re
+
+# The device nodes a CUDA process in the container needs, besides one /dev/nvidiaN per GPU.
+NVIDIA_CONTROL_NODES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def dflash_char_majors(proc_devices: str) -> dict:
+    """/proc/devices text -> {driver name: major} for character devices."""
+    majors, section = {}, None
+    for line in proc_devices.splitlines():
+        if line.strip().endswith("devices:"):
+            section = line.strip().split()[0].lower()
+            continue
+        m = re.fullmatch(r"\s*(\d+)\s+(\S+)\s*", line)
+        if m and section == "character":
+            majors.setdefault(m.group(2), int(m.group(1)))
+    return majors
+
+
+def dflash_nvidia_majors(proc_devices: str) -> dict:
+    """The nvidia and nvidia-uvm majors, read from /proc/devices (never assumed).
+
+    The GPU/control major registers as "nvidia-frontend" (older drivers) or "nvidia".
+    Raises when either is missing: the driver or the nvidia_uvm module is not loaded.
+    """
+    majors = dflash_char_majors(proc_devices)
+    nvidia = majors.get("nvidia-frontend", majors.get("nvidia"))
+    uvm = majors.get("nvidia-uvm")
+    missing = [n for n, v in (("nvidia", nvidia), ("nvidia-uvm", uvm)) if v is None]
+    if missing:
+        raise ValueError("/proc/devices has no %s character device: is the driver (and nvidia_uvm) loaded? "
+                         "`nvidia-modprobe -u -c=0` creates /dev/nvidia-uvm" % " or ".join(missing))
+    return {"nvidia": nvidia, "nvidia-uvm": uvm}
+
+
+def dflash_gpu_device_nodes(gpus) -> list:
+    return ["/dev/nvidia%d" % int(g) for g in gpus] + NVIDIA_CONTROL_NODES
+
+
+def dflash_nvidia_lxc_lines(proc_devices: str, gpus, cgroup_key: str = "lxc.cgroup2") -> list:
+    """Raw PVE config lines (`key: value`) passing the given GPUs through with cgroup + mount entries."""
+    majors = dflash_nvidia_majors(proc_devices)
+    lines = ["%s.devices.allow: c %d:* rwm" % (cgroup_key, majors["nvidia"]),
+             "%s.devices.allow: c %d:* rwm" % (cgroup_key, majors["nvidia-uvm"])]
+    for node in dflash_gpu_device_nodes(gpus):
+        lines.append("lxc.mount.entry: %s %s none bind,optional,create=file" % (node, node.lstrip("/")))
+    return lines
+
+
+def dflash_nvidia_dev_entries(gpus, start: int = 0) -> dict:
+    """`pct set -devN` entries for the given GPUs (PVE >= 8.1 resolves the majors itself)."""
+    return {"dev%d" % (start + i): node for i, node in enumerate(dflash_gpu_device_nodes(gpus))}
+
+
+def dflash_stale_lines(current_raw, desired, majors=None) -> list:
+    """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
+    majors) that are in the config but no longer wanted."""
+    patterns = [r"lxc\.mount\.entry:\s*/dev/nvidia", r"lxc\.mount\.entry:\s*\S+\s+dev/shm\s"]
+    for major in (majors or {}).values():
+        patterns.append(r"lxc\.cgroup2?\.devices\.allow:\s*c\s+%d:" % int(major))
+    return [line for line in current_raw
+            if any(re.match(p, line) for p in patterns) and line not in desired]
+
+
+def dflash_pct_config(text: str) -> dict:
+    """`pct config VMID` output -> {'keys': {key: value}, 'raw': ['lxc.x: v', ...]} (main section only)."""
+    keys, raw = {}, []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("["):
+            break
+        if not s or s.startswith("#"):
+            continue
+        k, _, v = s.partition(":")
+        if k.startswith("lxc."):
+            raw.append("%s: %s" % (k.strip(), v.strip()))
+        else:
+            keys[k.strip()] = v.strip()
+    return {"keys": keys, "raw": raw}
+
+
+def dflash_same_opts(current, desired) -> bool:
+    """Two PVE property strings are equal as sets of comma-separated parts (PVE reorders them)."""
+    if current is None:
+        return False
+    return sorted(str(current).split(",")) == sorted(str(desired).split(","))
+
+
+class FilterModule:
+    def filters(self):
+        return {
+            "dflash_char_majors": dflash_char_majors,
+            "dflash_nvidia_majors": dflash_nvidia_majors,
+            "dflash_gpu_device_nodes": dflash_gpu_device_nodes,
+            "dflash_nvidia_lxc_lines": dflash_nvidia_lxc_lines,
+            "dflash_nvidia_dev_entries": dflash_nvidia_dev_entries,
+            "dflash_pct_config": dflash_pct_config,
+            "dflash_stale_lines": dflash_stale_lines,
+            "dflash_same_opts": dflash_same_opts,
+        }

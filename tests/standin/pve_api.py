@@ -876,7 +876,8 @@ def main(argv=None) -> int:
                    help="template volids the stand-in 'has' (default local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst)")
     p.add_argument("--storage", action="append", default=None, help="storage ids (default local, local-lvm)")
     p.add_argument("--pidfile")
-    p.add_argument("--fake-lxc", action="store_true", help="records only, nothing runs (unit tests)")
+    p.add_argument("--fake-lxc", action="store_true", default=os.environ.get("PVE_STANDIN_FAKE_LXC") == "1",
+                   help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")
     if argv and argv[0] == "pct":
         # pct's own arguments follow; the stand-in options come from the environment.
         a = p.parse_args(["pct"])

@@ -1,0 +1,258 @@
+"""Provisioning: the Proxmox VE API stand-in and the node role's GPU / config rendering.
+
+The API stand-in runs here with --fake-lxc (containers are records, nothing boots), so these
+checks take seconds; molecule/provision drives the same server with real LXC containers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+requests = pytest.importorskip("requests")
+
+REPO = Path(__file__).resolve().parents[1]
+PVE_API = REPO / "tests" / "standin" / "pve_api.py"
+TEMPLATE = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
+TOKEN = ("root@pam", "ansible", "s3cret-for-tests")
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pve_api = _load("pve_api", PVE_API)
+node_filters = _load("dflash_node_filters", REPO / "roles" / "dflash_node" / "filter_plugins" / "dflash_node.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """A stand-in API on a free port: (session with the token, base url, env for its pct face)."""
+    tmp = tmp_path_factory.mktemp("pve")
+    port = _free_port()
+    env = {**os.environ, "PVE_STANDIN_ETC": str(tmp / "etc"), "PVE_STANDIN_LXCPATH": str(tmp / "lxc"),
+           "PVE_STANDIN_FAKE_LXC": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(tmp / "state"),
+         "--token", "%s!%s=%s" % TOKEN],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"https://127.0.0.1:{port}/api2/json"
+    cert = tmp / "state" / "pve-ssl.pem"
+    s = requests.Session()
+    s.headers["Authorization"] = "PVEAPIToken=%s!%s=%s" % TOKEN
+    s.verify = str(cert)
+    s.trust_env = False     # else REQUESTS_CA_BUNDLE from the environment overrides s.verify
+    for _ in range(100):
+        try:
+            if cert.exists() and s.get(base + "/version", timeout=1).ok:
+                break
+        except requests.exceptions.ConnectionError:
+            pass
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("stand-in did not come up: " + proc.stderr.read().decode())
+    yield s, base, env
+    proc.terminate()
+    proc.wait(5)
+
+
+def _wait(s, base, upid):
+    for _ in range(100):
+        st = s.get(f"{base}/nodes/pve/tasks/{upid}/status").json()["data"]
+        if st["status"] == "stopped":
+            return st
+        time.sleep(0.05)
+    raise AssertionError("task did not finish")
+
+
+def _create(s, base, vmid, **extra):
+    params = {"vmid": vmid, "ostemplate": TEMPLATE, "hostname": f"ct{vmid}", "cores": 2, "memory": 1024,
+              "swap": 256, "rootfs": "local-lvm:4", "net0": "name=eth0,bridge=vmbr0,ip=dhcp",
+              "features": "nesting=1", "onboot": 1, "unprivileged": 1, **extra}
+    r = s.post(f"{base}/nodes/pve/lxc", data=params)
+    assert r.status_code == 200, r.reason
+    return _wait(s, base, r.json()["data"])
+
+
+# ------------------------------------------------------------------ authentication and TLS
+
+def test_serves_https_with_a_certificate_that_verifies_for_127_0_0_1(api):
+    s, base, _ = api
+    data = s.get(base + "/version").json()["data"]
+    assert data["version"].startswith("8.") and data["repoid"] == "standin"
+
+
+@pytest.mark.parametrize("header, reason", [
+    (None, "No ticket"),
+    ("PVEAPIToken=root@pam!ansible=wrong", "invalid token value!"),
+    ("PVEAPIToken=root@pam!other=s3cret-for-tests", "no such token 'other' for user 'root@pam'"),
+])
+def test_a_missing_or_wrong_token_is_refused_with_401_and_a_pve_like_reason(api, header, reason):
+    s, base, _ = api
+    headers = {"Authorization": header} if header else {}
+    r = requests.get(base + "/version", headers=headers, verify=s.verify)
+    assert r.status_code == 401
+    assert r.reason == reason
+    # the lifecycle endpoints are guarded too, not only /version
+    assert requests.get(base + "/cluster/resources", headers=headers, verify=s.verify).status_code == 401
+
+
+# ------------------------------------------------------------------ container lifecycle
+
+def test_create_stores_what_pve_stores_and_lists_the_container(api):
+    s, base, _ = api
+    assert _create(s, base, 301)["exitstatus"] == "OK"
+    cfg = s.get(f"{base}/nodes/pve/lxc/301/config").json()["data"]
+    assert cfg["rootfs"] == "local-lvm:vm-301-disk-0,size=4G"      # allocated, as PVE does
+    assert cfg["net0"].startswith("name=eth0,bridge=vmbr0,ip=dhcp,hwaddr=")
+    assert (cfg["cores"], cfg["memory"], cfg["swap"], cfg["onboot"]) == (2, 1024, 256, 1)
+    assert cfg["features"] == "nesting=1" and cfg["hostname"] == "ct301" and "digest" in cfg
+    res = s.get(base + "/cluster/resources", params={"type": "vm"}).json()["data"]
+    assert {"id": "lxc/301", "vmid": 301, "node": "pve", "type": "lxc", "status": "stopped"}.items() \
+        <= next(r for r in res if r["vmid"] == 301).items()
+    assert any(c["vmid"] == 301 for c in s.get(base + "/nodes/pve/lxc").json()["data"])
+    assert s.get(base + "/cluster/nextid").json()["data"] != "301"
+
+
+def test_create_refuses_an_existing_vmid_and_an_unknown_template(api):
+    s, base, _ = api
+    _create(s, base, 302)
+    r = s.post(f"{base}/nodes/pve/lxc", data={"vmid": 302, "ostemplate": TEMPLATE})
+    assert r.status_code == 500 and "already exists" in r.reason
+    r = s.post(f"{base}/nodes/pve/lxc", data={"vmid": 303, "ostemplate": "local:vztmpl/nope.tar.zst"})
+    assert r.status_code == 500 and "does not exist" in r.reason
+    # the module checks ostemplate against the storage content first
+    content = s.get(f"{base}/nodes/pve/storage/local/content").json()["data"]
+    assert [c["volid"] for c in content] == [TEMPLATE]
+
+
+def test_start_shutdown_stop_and_destroy_are_tasks(api):
+    s, base, _ = api
+    _create(s, base, 304)
+    cur = f"{base}/nodes/pve/lxc/304/status/current"
+    assert _wait(s, base, s.post(f"{base}/nodes/pve/lxc/304/status/start").json()["data"])["exitstatus"] == "OK"
+    assert s.get(cur).json()["data"]["status"] == "running"
+    assert s.delete(f"{base}/nodes/pve/lxc/304").status_code == 500        # running: refused
+    _wait(s, base, s.post(f"{base}/nodes/pve/lxc/304/status/shutdown", data={"timeout": 5}).json()["data"])
+    assert s.get(cur).json()["data"]["status"] == "stopped"
+    _wait(s, base, s.post(f"{base}/nodes/pve/lxc/304/status/start").json()["data"])
+    _wait(s, base, s.post(f"{base}/nodes/pve/lxc/304/status/stop").json()["data"])
+    assert s.get(cur).json()["data"]["status"] == "stopped"
+    assert _wait(s, base, s.delete(f"{base}/nodes/pve/lxc/304").json()["data"])["exitstatus"] == "OK"
+    r = s.get(f"{base}/nodes/pve/lxc/304/config")
+    assert r.status_code == 500 and "does not exist" in r.reason
+
+
+def test_config_put_updates_and_deletes_keys(api):
+    s, base, _ = api
+    _create(s, base, 305)
+    assert s.put(f"{base}/nodes/pve/lxc/305/config", data={"memory": 2048, "delete": "swap"}).ok
+    cfg = s.get(f"{base}/nodes/pve/lxc/305/config").json()["data"]
+    assert cfg["memory"] == 2048 and "swap" not in cfg
+
+
+@pytest.mark.parametrize("params, status, words", [
+    ({"mp0": "/srv/models,mp=/workspace/models,ro=1"}, 403, "non-volume mount points"),
+    ({"dev0": "/dev/nvidia0"}, 403, "only root can set 'dev0'"),
+    ({"features": "nesting=1,mount=nfs"}, 403, "except nesting"),
+    ({"lxc.mount.entry": "tmpfs dev/shm tmpfs size=1G 0 0"}, 400, "Parameter verification failed."),
+])
+def test_tokens_may_not_set_what_pve_reserves_for_root(api, params, status, words):
+    """Why bind mounts, GPUs and /dev/shm live in the node-side role."""
+    s, base, _ = api
+    _create(s, base, 306) if s.get(f"{base}/nodes/pve/lxc/306/config").status_code != 200 else None
+    r = s.put(f"{base}/nodes/pve/lxc/306/config", data=params)
+    assert r.status_code == status and words in r.reason
+
+
+def test_the_pct_face_sets_root_only_keys_that_the_api_then_reports(api):
+    s, base, env = api
+    _create(s, base, 307)
+    pct = [sys.executable, str(PVE_API), "pct"]
+    subprocess.run(pct + ["set", "307", "-mp1", "/srv/models,mp=/workspace/models,ro=1"], env=env, check=True)
+    out = subprocess.run(pct + ["config", "307"], env=env, check=True, capture_output=True, text=True).stdout
+    assert "mp1: /srv/models,mp=/workspace/models,ro=1" in out
+    assert s.get(f"{base}/nodes/pve/lxc/307/config").json()["data"]["mp1"] == "/srv/models,mp=/workspace/models,ro=1"
+    bad = subprocess.run(pct + ["config", "399"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_the_lxc_config_mounts_parents_first_and_appends_raw_keys(tmp_path):
+    lxc = pve_api.FakeLxc(str(tmp_path / "lxc"), None)
+    node = pve_api.Node("pve", str(tmp_path / "etc"), lxc, [TEMPLATE], ["local"])
+    node.write(201, {"hostname": "ct", "memory": 1024, "swap": 0, "cores": 1,
+                     "mp1": "/srv/models,mp=/workspace/models,ro=1", "mp0": "/srv/ws,mp=/workspace"},
+               [["lxc.mount.entry", "tmpfs dev/shm tmpfs rw,size=256M,create=dir 0 0"]])
+    text = node.lxc_config(201)
+    ws = text.index("/srv/ws workspace none bind,create=dir 0 0")
+    models = text.index("/srv/models workspace/models none bind,create=dir,ro 0 0")
+    assert ws < models < text.index("lxc.mount.entry = tmpfs dev/shm")
+    assert str(1024 * 1048576) in text and "lxc.net.0.type = empty" in text
+
+
+# ------------------------------------------------------------------ node role: GPU lines
+
+PROC_DEVICES = """Character devices:
+  1 mem
+195 nvidia-frontend
+234 nvidia-nvswitch
+237 nvidia-uvm
+238 nvidia-caps
+
+Block devices:
+  7 loop
+237 blkext
+"""
+
+
+def test_gpu_lines_take_the_uvm_major_from_proc_devices():
+    lines = node_filters.dflash_nvidia_lxc_lines(PROC_DEVICES, [0, 5])
+    assert lines[:2] == ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 237:* rwm"]
+    mounts = [line.split()[1] for line in lines[2:]]
+    assert mounts == ["/dev/nvidia0", "/dev/nvidia5", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    assert all(line.endswith("none bind,optional,create=file") for line in lines[2:])
+    other = PROC_DEVICES.replace("237 nvidia-uvm", "511 nvidia-uvm")
+    assert "lxc.cgroup2.devices.allow: c 511:* rwm" in node_filters.dflash_nvidia_lxc_lines(other, [0])
+
+
+def test_a_node_without_nvidia_uvm_loaded_fails_clearly():
+    with pytest.raises(ValueError, match="nvidia-uvm"):
+        node_filters.dflash_nvidia_majors("Character devices:\n195 nvidia\n")
+
+
+def test_dev_entries_and_stale_lines():
+    assert node_filters.dflash_nvidia_dev_entries([2]) == {
+        "dev0": "/dev/nvidia2", "dev1": "/dev/nvidiactl", "dev2": "/dev/nvidia-uvm", "dev3": "/dev/nvidia-uvm-tools"}
+    want = node_filters.dflash_nvidia_lxc_lines(PROC_DEVICES, [0])
+    current = want + ["lxc.mount.entry: /dev/nvidia7 dev/nvidia7 none bind,optional,create=file",
+                      "lxc.mount.entry: tmpfs dev/shm tmpfs rw,size=1M,create=dir 0 0",
+                      "lxc.apparmor.profile: unconfined"]
+    stale = node_filters.dflash_stale_lines(current, want, node_filters.dflash_nvidia_majors(PROC_DEVICES))
+    assert stale == current[len(want):len(want) + 2]       # someone else's raw line is left alone
+
+
+def test_pct_config_parsing_and_option_comparison():
+    parsed = node_filters.dflash_pct_config(
+        "#note\narch: amd64\nmp0: /srv/ws,mp=/workspace\nlxc.mount.entry: a b none bind 0 0\n\n[snap1]\nmemory: 1\n")
+    assert parsed == {"keys": {"arch": "amd64", "mp0": "/srv/ws,mp=/workspace"},
+                      "raw": ["lxc.mount.entry: a b none bind 0 0"]}
+    assert node_filters.dflash_same_opts("/m,ro=1,mp=/w", "/m,mp=/w,ro=1")
+    assert not node_filters.dflash_same_opts(None, "/m,mp=/w")
+    assert not node_filters.dflash_same_opts("/m,mp=/w", "/m,mp=/w,ro=1")

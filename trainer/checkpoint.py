@@ -267,6 +267,7 @@ class CheckpointManager:
     def __init__(self, output_dir: str | os.PathLike, keep: int = 0):
         self.output_dir = Path(output_dir)
         self.keep = int(keep)
+        self.before_publish = None  # callable(tmp_dir) run after the files are written, before the rename
         self._warned: set[str] = set()
 
     # -------------------------------------------------------------- save
@@ -287,6 +288,8 @@ class CheckpointManager:
             tmp.mkdir()
             self._write_files(tmp, step, model_state, model_config, train_state, meta)
             _fsync_dir(tmp)
+            if self.before_publish is not None:  # test hook: the fault suite kills the trainer here
+                self.before_publish(tmp)
             self._publish(tmp, final, step)
             _fsync_dir(self.output_dir)
         except BaseException as e:

@@ -514,7 +514,9 @@ class BatchPlanner:
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         if self._cache is not None and self._cache[0] == epoch:
             return [list(b) for b in self._cache[1]]
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, int(epoch)])
+        rng = np.random.default_rng(
+            [self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF]
+        )
         batches: list[list[int]] = []
         for cap, members in self._buckets:
             perm = members[rng.permutation(len(members))]

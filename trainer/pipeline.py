@@ -226,8 +226,11 @@ class TargetWorker:
         n = cur["final_gather"].shape[0]
         cur["slot"].final[:n].copy_(output.reshape(-1, self.hidden).index_select(0, cur["final_gather"]))
 
-    def acquire(self) -> Slot:
-        self.sem.acquire()
+    def acquire(self, cancelled=lambda: False) -> Slot | None:
+        """Block until a slot is free (the bound on copies in flight); None when cancelled meanwhile."""
+        while not self.sem.acquire(timeout=0.5):
+            if cancelled():
+                return None
         with self._lock:
             self.in_flight += 1
         return self.free.get()

@@ -272,8 +272,10 @@ def make_tiny(
             if (out / sub).exists():
                 shutil.rmtree(out / sub)
     out.mkdir(parents=True, exist_ok=True)
+    # One thread: the model is tiny, and with several threads OpenMP spin-waits make it many
+    # times slower whenever other processes share the cores.
     torch_threads = torch.get_num_threads()
-    torch.set_num_threads(min(torch_threads, 2))
+    torch.set_num_threads(1)
     try:
         tokenizer, words = build_tokenizer(seed)
         model = build_model(tokenizer, seed, init_range)

@@ -147,6 +147,7 @@ class DrafterReplica:
         self.metric = torch.zeros(1 + bs, device=device, dtype=torch.float32)  # loss, correct per slot
         self.done_event = None
         self.flat_grad = torch.zeros(sum(p.numel() for p in self.params), device=device, dtype=torch.float32)
+        self.poison = False
         self.tokens = 0                                   # host-side counters of the current step
         self.pos_counts = np.zeros(bs, np.int64)
 
@@ -197,6 +198,8 @@ class DrafterReplica:
                     soft = final[dev["soft_index"]] if final is not None and "soft_index" in dev else None
                     loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
                                                 soft_rows=soft)
+                    if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
+                        loss = loss * float("nan")
                     loss.backward()
                     valid = (dev["row_weight"] > 0).float()
                     self.metric[0] += loss.detach()
@@ -244,6 +247,9 @@ class Trainer:
         self.notifier = Notifier()
         self.status = StatusWriter(cfg.status_file, self.run_id, min_interval=1.0, notifier=self.notifier)
         self.threads: list[threading.Thread] = []
+        self.faults = read_faults()
+        self._draining = False
+        self.wandb = None
 
     # ------------------------------------------------------------------------------------- devices
     def _devices(self):
@@ -262,6 +268,10 @@ class Trainer:
         facts = validate(cfg)
         self.ckpt = CheckpointManager(self.out, cfg.keep_checkpoints)
         self.ckpt.cleanup_stale_tmp()
+        if "slow_checkpoint" in self.faults:
+            delay = self.faults["slow_checkpoint"]
+            self.ckpt.before_publish = lambda tmp: (log.warning("fault injection: checkpoint %s held %.0fs before "
+                                                                "its rename", tmp, delay), time.sleep(delay))
         t_dev, d_dev = self._devices()
         self.t_devices, self.d_devices = t_dev, d_dev
         self.dtype = torch.float32 if cfg.on_cpu else torch.bfloat16
@@ -464,7 +474,9 @@ class Trainer:
 
     def _target_process(self, worker: TargetWorker, item) -> None:
         t0 = time.perf_counter()
-        slot = worker.acquire()
+        slot = worker.acquire(lambda: self._draining)
+        if slot is None:
+            return
         self.profiler.add("target slot wait", time.perf_counter() - t0)
         ev, info = worker.forward_pack(item, slot)
         self.profiler.add_events("target fwd+pack", ev["start"], ev["fwd"])
@@ -693,6 +705,7 @@ class Trainer:
         ready_sent = False
         try:
             while self.step < self.total_steps:
+                self._inject_faults()
                 seq0 = self.seq_start
                 epoch, _ = self._position(seq0)
                 if cfg.async_pipeline:
@@ -730,7 +743,8 @@ class Trainer:
                     t_prof = now
                 if self.step % cfg.save_interval == 0 or self.step == self.total_steps:
                     self._drain_metrics(block=True)
-                    self.save_checkpoint("interval" if self.step < self.total_steps else "final")
+                    if self.nan_streak == 0:  # never checkpoint in the middle of a NaN streak
+                        self.save_checkpoint("interval" if self.step < self.total_steps else "final")
                 if self.stop_requested.is_set():
                     log.info("stop requested: checkpointing at step %d", self.step)
                     self.notifier.stopping("checkpointing before exit")
@@ -751,6 +765,16 @@ class Trainer:
             self.stop_requested.set()
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _inject_faults(self):
+        f = self.faults
+        if "nan_from_step" in f:
+            for r in self.replicas:
+                r.poison = self.step + 1 >= f["nan_from_step"]
+        if "hang_at_step" in f and self.step + 1 >= f["hang_at_step"]:
+            log.warning("fault injection: hanging at step %d (DFLASH_FAULT_HANG_AT_STEP)", self.step + 1)
+            while True:
+                time.sleep(3600)
+
     def _profile_report(self, wall: float, rate: float):
         extra = [["queue depth/replica", "", "", "", str(self.dispatcher.depths()) if hasattr(self, "dispatcher") else "-"],
                  ["copies in flight", "", "", "", str([w.in_flight for w in self.workers])],
@@ -761,12 +785,42 @@ class Trainer:
     def shutdown(self):
         self.stop_requested.set()
         self._draining = True
-        for w in (self.copy_waiter, self.release_waiter):
-            w.close()
+        q = getattr(self, "in_q", None)
+        if q is not None:
+            while True:
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self.workers:
+                q.put(None)
+        for t in self.threads:
+            t.join(timeout=10)
+        for w in (getattr(self, "copy_waiter", None), getattr(self, "release_waiter", None)):
+            if w is not None:
+                w.close()
+                w.join(timeout=10)
         if hasattr(self, "metrics_file"):
             self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def read_faults() -> dict:
+    """Test hooks for the fault-injection suite (docs/reliability.md); unset in production.
+    DFLASH_FAULT_NAN_FROM_STEP=N  losses become NaN from optimizer step N on
+    DFLASH_FAULT_HANG_AT_STEP=N   the main loop stops making progress at step N (process stays alive)
+    DFLASH_FAULT_SLOW_CHECKPOINT=S  sleep S seconds inside each checkpoint write (before the rename)
+    """
+    import os
+    out = {}
+    for env, key, typ in (("DFLASH_FAULT_NAN_FROM_STEP", "nan_from_step", int),
+                          ("DFLASH_FAULT_HANG_AT_STEP", "hang_at_step", int),
+                          ("DFLASH_FAULT_SLOW_CHECKPOINT", "slow_checkpoint", float)):
+        if os.environ.get(env):
+            out[key] = typ(os.environ[env])
+            log.warning("fault injection active: %s=%s", env, os.environ[env])
+    return out
 
 
 def install_signal_handlers(trainer: Trainer):
@@ -779,7 +833,6 @@ def install_signal_handlers(trainer: Trainer):
 
 def train(cfg: TrainConfig) -> int:
     trainer = Trainer(cfg)
-    trainer.wandb = None
     install_signal_handlers(trainer)
     try:
         trainer.setup()
@@ -790,7 +843,8 @@ def train(cfg: TrainConfig) -> int:
         return rc
     except (TrainingFailed, CheckpointError) as e:
         log.error("training failed: %s", e)
-        trainer.status.update(phase="failed", error=str(e), force=True)
+        trainer.status.update(phase="failed", error=str(e), step=getattr(trainer, "step", 0),
+                              nan_skips=getattr(trainer, "nan_skips", 0), force=True)
         return 1
     except Exception as e:
         log.exception("training failed")

@@ -1,0 +1,277 @@
+"""The trainer on the CPU with tiny models: mask, loss, async == sync, resume, NaN guard, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.__main__ import main as train_main
+from trainer.config import parse_args, validate
+from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights, tap_layers
+from trainer.plan import plan_micro_batch
+
+ORIGINAL = ("--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "
+            "--output-dir /workspace/checkpoints --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 --epochs 6 --lr 6e-4 "
+            "--warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0 --token-budget 49152 "
+            "--max-seq-len 8192 --max-batch-size 64 --block-size 32 --max-anchors 1024 --num-draft-layers 5 "
+            "--gamma 10.0 --noise-start 0.05 --noise-end 0.01 --noise-type uniform --use-soft-labels")
+
+
+def tiny_args(tiny: Path, out: Path, *extra: str) -> list[str]:
+    return ["--target-model", str(tiny / "target"), "--data-dir", str(tiny / "data"), "--output-dir", str(out),
+            "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--token-budget", "1024", "--max-seq-len", "256",
+            "--block-size", "8", "--max-anchors", "8", "--num-draft-layers", "2", "--gamma", "4",
+            "--grad-accum", "2", "--lr", "3e-3", "--epochs", "40", "--save-interval", "1000",
+            "--profile-interval", "600", "--noise-start", "0.02", "--noise-end", "0.01", *extra]
+
+
+def losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs}
+
+
+# ------------------------------------------------------------------------------------ model facts
+
+def test_taps_spread_like_the_recipe():
+    assert tap_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert tap_layers(64, 5) == [1, 16, 31, 46, 61]
+
+
+def _tiny_drafter(block=4):
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=50, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       max_position_embeddings=512, block_size=block, target_layer_ids=[0, 1], mask_token_id=49,
+                       target_num_hidden_layers=4)
+    torch.manual_seed(0)
+    m = DFlashDrafter(cfg)
+    init_drafter_weights(m, std=0.2)
+    return cfg, m.eval()
+
+
+def _one_sequence_batch(block=4, n=24):
+    ids = np.random.default_rng(1).integers(0, 48, size=(1, n))
+    mask = np.zeros((1, n), bool)
+    mask[0, 6:] = True
+    plan = plan_micro_batch(ids, mask, np.array([n]), [0], 0, seed=3, block_size=block, max_anchors=3,
+                            mask_token_id=49, gamma=4.0, soft_labels=False, chunk_rows=10_000, flex=False)
+    c = plan.chunks[0]
+    t = lambda a: torch.from_numpy(a)
+    meta = PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), block)
+    return ids, c, meta
+
+
+def test_mask_blocks_see_only_context_before_their_anchor_and_their_own_block():
+    cfg, model = _tiny_drafter()
+    ids, c, meta = _one_sequence_batch()
+    anchors = c.q_anchor[:: cfg.block_size]
+    assert len(anchors) == 3 and all(anchors >= 6)
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(len(c.ctx_seq), 64, generator=g)
+    emb = torch.randn(len(c.q_seq), 32, generator=g)
+    base = model(taps, emb, meta)
+    j, a = 1, int(anchors[1])
+    rows = slice(j * 4, (j + 1) * 4)
+
+    at_or_after = taps.clone()
+    at_or_after[a:] += 5.0            # the anchor's own hidden state and everything later
+    assert torch.allclose(model(at_or_after, emb, meta)[rows], base[rows], atol=1e-6)
+
+    other_block = emb.clone()
+    other_block[0:4] += 5.0           # block 0's tokens
+    other_block[8:12] += 5.0          # block 2's tokens
+    assert torch.allclose(model(taps, other_block, meta)[rows], base[rows], atol=1e-6)
+
+    before = taps.clone()
+    before[a - 1] += 5.0              # the last context row the block may see
+    assert not torch.allclose(model(before, emb, meta)[rows], base[rows], atol=1e-4)
+
+    own = emb.clone()
+    own[rows.start + 3] += 5.0        # a later slot of the same block (bidirectional inside a block)
+    assert not torch.allclose(model(taps, own, meta)[rows.start], base[rows.start], atol=1e-4)
+
+
+def test_plan_labels_are_the_tokens_at_anchor_plus_slot():
+    ids, c, _ = _one_sequence_batch()
+    for r in range(len(c.q_seq)):
+        slot = r % 4
+        pos = c.q_anchor[r] + slot
+        if slot == 0:
+            assert c.labels[r] == -1 and c.block_tokens[r] == ids[0, c.q_anchor[r]] and c.row_weight[r] == 0
+        else:
+            assert c.block_tokens[r] == 49
+            if pos < ids.shape[1]:
+                assert c.labels[r] == ids[0, pos]
+                assert c.row_weight[r] == pytest.approx(np.exp(-(slot - 1) / 4.0))
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_chunked_loss_matches_full_logits_reference(soft):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(30, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 30, (10,), generator=g)
+    labels[3] = -1
+    w = torch.rand(10, generator=g, dtype=torch.float64)
+    w[3] = 0.0
+    soft_rows = torch.randn(10, 16, generator=g, dtype=torch.float64) if soft else None
+    loss, _ = dflash_loss(hidden, weight, labels, w, 2.5, soft_rows=soft_rows, chunk=3)
+    loss.backward()
+    h2 = hidden.detach().clone().requires_grad_(True)
+    logp = torch.log_softmax(h2 @ weight.t(), -1)
+    if soft:
+        ce = -(torch.softmax(soft_rows @ weight.t(), -1) * logp).sum(-1)
+    else:
+        ce = -logp.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    ref = (ce * w).sum() / 2.5
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)  # fp32 logits by design
+    assert torch.allclose(hidden.grad, h2.grad, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ whole-run behaviour
+
+def test_async_equals_sync_with_two_workers_and_two_replicas(tiny_small_dir, tmp_path):
+    from trainer.train import Trainer
+    extra = ["--max-steps", "4", "--cpu-target-workers", "2", "--cpu-drafter-replicas", "2", "--use-soft-labels"]
+    cfg = parse_args(tiny_args(tiny_small_dir, tmp_path / "async", *extra))
+    t = Trainer(cfg)
+    t.setup()
+    try:
+        assert t.run() == 0
+        assert len(t.workers) == 2 and len(t.replicas) == 2
+        for p0, p1 in zip(t.replicas[0].params, t.replicas[1].params):
+            assert torch.equal(p0, p1), "drafter replicas diverged"
+        assert not torch.equal(t.master_flat, torch.zeros_like(t.master_flat))
+    finally:
+        t.shutdown()
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "sync", *extra, "--no-async")) == 0
+    a, s = losses(tmp_path / "async"), losses(tmp_path / "sync")
+    assert sorted(a) == sorted(s) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step] == pytest.approx(s[step], rel=1e-5, abs=1e-6)
+
+
+def _wait_for(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _status(out: Path) -> dict:
+    try:
+        return json.loads((out / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, tmp_path):
+    extra = ["--max-steps", "14"]
+    ref = tmp_path / "ref"
+    assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
+    env = dict(os.environ, DFLASH_FAULT_SLOW_CHECKPOINT="")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _wait_for(lambda: _status(out).get("step", 0) >= 4, 120, "step 4")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
+    st = _status(out)
+    stopped_at = st["step"]
+    assert st["phase"] == "done" and 4 <= stopped_at < 14
+    assert (out / f"step-{stopped_at:08d}" / "model.safetensors").is_file()
+    assert subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300).returncode == 0
+    st = _status(out)
+    assert st["resumed_from"].endswith(f"step-{stopped_at:08d}") and st["step"] == 14
+    a, b = losses(ref), losses(out)
+    for step in range(stopped_at + 1, 15):
+        assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step} differs after resume"
+
+
+def test_nan_storm_fails_the_run_and_keeps_the_last_good_checkpoint(tiny_small_dir, tmp_path, monkeypatch):
+    out = tmp_path / "nan"
+    monkeypatch.setenv("DFLASH_FAULT_NAN_FROM_STEP", "3")
+    rc = train_main(tiny_args(tiny_small_dir, out, "--max-steps", "20", "--save-interval", "2",
+                              "--max-nan-skips", "3"))
+    assert rc == 1
+    st = _status(out)
+    assert st["phase"] == "failed" and "consecutive" in st["error"] and st["nan_skips"] >= 3
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-00000002"]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in recs] == [False, False, True, True, True]
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def test_original_command_line_parses(tiny_small_dir):
+    args = ORIGINAL.replace("/dev/shm/Qwen3.6-27B", str(tiny_small_dir / "target")).replace(
+        "/workspace/tokenized_completions", str(tiny_small_dir / "data")).replace(
+        "/workspace/checkpoints", "/tmp/dflash-original-parse").split()
+    cfg = parse_args(args)
+    assert cfg.target_gpus == [0, 1, 2, 3, 4] and cfg.drafter_gpus == [5, 6, 7]
+    assert (cfg.block_size, cfg.max_anchors, cfg.gamma, cfg.token_budget, cfg.grad_accum) == (32, 1024, 10.0, 49152, 4)
+    assert cfg.use_soft_labels and cfg.noise_type == "uniform" and cfg.noise_start == 0.05
+    validate(cfg, gpu_count=8)  # on an 8-GPU node this is a valid run
+
+
+def _bad(tiny, tmp_path, **override):
+    a = dict(zip(tiny_args(tiny, tmp_path / "o")[0::2], tiny_args(tiny, tmp_path / "o")[1::2]))
+    a.update(override)
+    return [x for kv in a.items() for x in kv]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"--target-gpus": "0,1", "--drafter-gpus": "1,2"}, "--drafter-gpus"),
+    ({"--target-gpus": "0", "--drafter-gpus": "1"}, "do not exist"),
+    ({"--block-size": "1"}, "--block-size"),
+    ({"--gamma": "0"}, "--gamma"),
+    ({"--token-budget": "128"}, "--token-budget"),
+    ({"--noise-end": "0.5"}, "--noise-end"),
+    ({"--noise-type": "pink"}, "--noise-type"),
+    ({"--target-model": "/nonexistent/model"}, "--target-model"),
+])
+def test_bad_flags_exit_2_naming_the_flag(tiny_small_dir, tmp_path, capsys, override, needle):
+    assert train_main(_bad(tiny_small_dir, tmp_path, **override)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists(), "nothing may be written before validation passes"
+
+
+def test_bad_files_exit_2_naming_the_file(tiny_small_dir, tmp_path, capsys):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_small_dir / "target", model)
+    (model / "config.json").unlink()
+    assert train_main(_bad(tiny_small_dir, tmp_path, **{"--target-model": str(model)})) == 2
+    assert "config.json" in capsys.readouterr().err
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_small_dir / "target", sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert train_main(_bad(tiny_small_dir, tmp_path, **{"--target-model": str(sharded)})) == 2
+    assert "model-00002-of-00002.safetensors" in capsys.readouterr().err
+
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    assert train_main(_bad(tiny_small_dir, tmp_path, **{"--data-dir": str(empty)})) == 2
+    assert "--data-dir" in capsys.readouterr().err
+
+
+def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys):
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "o", "--check-config")) == 0
+    assert "config ok" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()

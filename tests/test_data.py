@@ -243,6 +243,8 @@ def test_planner_deterministic_per_seed_epoch():
     assert a.epoch_batches(3) == b.epoch_batches(3)
     assert a.epoch_batches(0) != a.epoch_batches(1)
     assert a.epoch_batches(0) != c.epoch_batches(0)
+    neg = BatchPlanner(lengths, 1024, 256, 16, seed=-1)
+    assert neg.epoch_batches(0) == BatchPlanner(lengths, 1024, 256, 16, seed=-1).epoch_batches(0)
     for e in range(3):  # full coverage every epoch, constant batch count
         bs = a.epoch_batches(e)
         assert len(bs) == len(a)

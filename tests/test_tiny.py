@@ -1,0 +1,92 @@
+"""dflash-tiny: a loadable tiny Qwen3 target + tokenizer and data the target generated itself."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data import check_data_dir, load_dataset
+from trainer.tiny import main
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_small_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tiny_small_dir / "target"
+    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target), local_files_only=True, dtype=torch.float32
+    )
+    model.eval()
+    return tok, model
+
+
+def test_target_loads(tiny_small_dir, loaded):
+    tok, model = loaded
+    target = tiny_small_dir / "target"
+    assert (target / "model.safetensors").is_file()
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    assert cfg["tie_word_embeddings"] is False
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.config.vocab_size >= len(tok)
+    assert model.config.num_hidden_layers >= 6
+    vocab = tok.get_vocab()
+    for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|mask|>"):
+        assert t in vocab and vocab[t] < model.config.vocab_size
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "abc"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_data_is_target_generated_and_diverse(tiny_small_dir, loaded):
+    tok, model = loaded
+    check_data_dir(tiny_small_dir / "heldout")
+    ds = load_dataset(tiny_small_dir / "data")
+    held = load_dataset(tiny_small_dir / "heldout")
+    assert len(ds) == 48 and len(held) == 8
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    comps = []
+    for i in range(len(ds)):
+        ids, mask = ds[i]
+        assert ids[0] == im_start and not mask[0]
+        k = int(np.argmax(mask))  # mask = one contiguous completion at the end
+        assert mask[k:].all() and not mask[:k].any()
+        assert 32 <= len(ids) - k <= 96
+        prompt = tok.decode(ids[:k].tolist())
+        assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_start|>assistant\n")
+        comps.append(tuple(ids[k:].tolist()))
+    # diversity: many distinct tokens, no two completions alike, not one token repeated
+    all_tokens = np.concatenate([np.array(c) for c in comps])
+    assert len(np.unique(all_tokens)) >= 40
+    assert len(set(comps)) == len(comps)
+    assert np.mean([len(set(c)) for c in comps]) >= 4
+
+    # the completions are the target's own greedy outputs (teacher-forced argmax agrees)
+    agree = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: one thread is faster on a shared 2-core machine
+    try:
+        with torch.no_grad():
+            for i in range(8):
+                ids, mask = ds[i]
+                logits = model(input_ids=torch.from_numpy(ids)[None]).logits[0, :-1]
+                pred = logits.argmax(-1).numpy()
+                m = mask[1:]
+                agree.append(np.mean(pred[m] == ids[1:][m]))
+    finally:
+        torch.set_num_threads(threads)
+    assert np.mean(agree) >= 0.95
+
+
+def test_refuses_non_empty_outdir(tmp_path, capsys):
+    (tmp_path / "x").write_text("keep")
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-tiny: error:") and "--force" in err
+    assert (tmp_path / "x").read_text() == "keep"

@@ -245,6 +245,9 @@ def test_planner_deterministic_per_seed_epoch():
     assert a.epoch_batches(0) != c.epoch_batches(0)
     neg = BatchPlanner(lengths, 1024, 256, 16, seed=-1)
     assert neg.epoch_batches(0) == BatchPlanner(lengths, 1024, 256, 16, seed=-1).epoch_batches(0)
+    assert a.batch(1, 4) == a.epoch_batches(1)[4]
+    a.batch(1, 4).append(-1)  # returned lists are copies
+    assert -1 not in a.epoch_batches(1)[4]
     for e in range(3):  # full coverage every epoch, constant batch count
         bs = a.epoch_batches(e)
         assert len(bs) == len(a)

@@ -498,7 +498,7 @@ class BatchPlanner:
             cap = max(1, min(self.max_batch_size, self.token_budget // int(bounds[b])))
             self._buckets.append((cap, members))
         self._num_batches = sum(int(math.ceil(len(m) / cap)) for cap, m in self._buckets)
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self._cache: tuple[int, list[tuple[int, ...]]] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -511,21 +511,29 @@ class BatchPlanner:
     def __len__(self) -> int:
         return self._num_batches
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def _plan(self, epoch: int) -> list[tuple[int, ...]]:
         if self._cache is not None and self._cache[0] == epoch:
-            return [list(b) for b in self._cache[1]]
+            return self._cache[1]
         rng = np.random.default_rng(
             [self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF]
         )
-        batches: list[list[int]] = []
+        batches: list[tuple[int, ...]] = []
         for cap, members in self._buckets:
-            perm = members[rng.permutation(len(members))]
+            perm = members[rng.permutation(len(members))].tolist()
             for i in range(0, len(perm), cap):
-                batches.append([int(x) for x in perm[i : i + cap]])
+                batches.append(tuple(perm[i : i + cap]))
         order = rng.permutation(len(batches))
         batches = [batches[i] for i in order]
         self._cache = (epoch, batches)
-        return [list(b) for b in batches]
+        return batches
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches (lists of sample indices) of ``epoch``, in training order."""
+        return [list(b) for b in self._plan(epoch)]
+
+    def batch(self, epoch: int, index: int) -> list[int]:
+        """Batch ``index`` of ``epoch`` (cheap: the epoch's plan is cached)."""
+        return list(self._plan(epoch)[index])
 
     def stats(self) -> dict:
         return {
@@ -644,9 +652,10 @@ def iterate(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
     for epoch in range(start.epoch, epochs):
-        batches = planner.epoch_batches(epoch)
         first = start.batch_index if epoch == start.epoch else 0
-        for bi in range(first, len(batches)):
+        for bi in range(first, len(planner)):
             if bi % world_size != rank:
                 continue
-            yield DataPosition(epoch, bi), collate(dataset, batches[bi], planner.max_seq_len)
+            yield DataPosition(epoch, bi), collate(
+                dataset, planner.batch(epoch, bi), planner.max_seq_len
+            )

@@ -232,6 +232,30 @@ def test_gpu_lines_take_the_uvm_major_from_proc_devices():
     assert "lxc.cgroup2.devices.allow: c 511:* rwm" in node_filters.dflash_nvidia_lxc_lines(other, [0])
 
 
+# /proc/devices of a real H200 host (driver 580.159.04): "nvidia" and "nvidiactl" share 195,
+# nvidia-uvm got 238 there; and the nvidia-smi query line the role parses.
+PROC_DEVICES_H200 = """Character devices:
+  1 mem
+136 pts
+195 nvidia
+195 nvidiactl
+203 cpu/cpuid
+238 nvidia-uvm
+239 nvidia-nvswitch
+240 nvidia-nvlink
+241 nvidia-caps
+242 nvidia-caps-imex-channels
+
+Block devices:
+  7 loop
+"""
+
+
+def test_majors_of_a_real_driver_580_host():
+    assert node_filters.dflash_nvidia_majors(PROC_DEVICES_H200) == {"nvidia": 195, "nvidia-uvm": 238}
+    assert "lxc.cgroup2.devices.allow: c 238:* rwm" in node_filters.dflash_nvidia_lxc_lines(PROC_DEVICES_H200, [0])
+
+
 def test_a_node_without_nvidia_uvm_loaded_fails_clearly():
     with pytest.raises(ValueError, match="nvidia-uvm"):
         node_filters.dflash_nvidia_majors("Character devices:\n195 nvidia\n")

@@ -275,3 +275,26 @@ def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "o", "--check-config")) == 0
     assert "config ok" in capsys.readouterr().out
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_path):
+    from trainer.data import load_dataset
+    from trainer.evaluate import evaluate, load_drafter
+    from trainer.model import init_drafter_weights
+    from trainer.train import load_target
+    out = tmp_path / "learn"
+    rc = train_main(tiny_args(tiny_small_dir, out, "--epochs", "12", "--grad-accum", "1", "--lr", "5e-3",
+                              "--max-anchors", "16", "--eval-data-dir", str(tiny_small_dir / "heldout")))
+    assert rc == 0
+    curve = [v for _, v in sorted(losses(out).items())]
+    assert len(curve) >= 60
+    assert np.mean(curve[-10:]) < np.mean(curve[:5]) - 1.0, curve
+    trained = json.loads((out / "eval.json").read_text())
+    target = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+    model, dcfg = load_drafter(str(sorted(out.glob("step-*"))[-1]), "cpu")
+    init_drafter_weights(model)
+    untrained = evaluate(target, model, dcfg, load_dataset(tiny_small_dir / "heldout"), torch.device("cpu"))
+    assert untrained["tau"] < 1.2
+    assert trained["tau"] > untrained["tau"] + 0.5, (trained, untrained)
+    assert trained["per_position_acceptance"][0] > 0.2

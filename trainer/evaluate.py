@@ -43,7 +43,7 @@ def evaluate(target, drafter: DFlashDrafter, dcfg: DFlashConfig, dataset, device
         ids_np, mask_np = dataset[i]
         n = len(ids_np)
         m = mask_np.astype(bool)
-        cand = np.nonzero(m[:n - 1] & np.r_[m[1:], False])[0]
+        cand = np.nonzero(m[:-1] & m[1:])[0]
         cand = cand[cand >= 1]
         if len(cand) == 0:
             continue

@@ -455,7 +455,7 @@ class Trainer:
                 return q.get(timeout=0.5)
             except queue.Empty:
                 self._check()
-                if self.stop_requested.is_set() and self._draining:
+                if self._draining:
                     raise Stop()
 
     def _make_item(self, seq: int):
@@ -762,7 +762,6 @@ class Trainer:
         finally:
             progress.close()
             self._draining = True
-            self.stop_requested.set()
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _inject_faults(self):

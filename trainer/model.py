@@ -133,11 +133,13 @@ def dense_mask(meta: PackedMeta) -> torch.Tensor:
 
 
 def _flex_mask_mod(meta: PackedMeta):
-    tc, bs = meta.num_ctx, meta.block_size
+    # lengths come from tensor shapes (symbolic under torch.compile(dynamic=True)), not Python ints,
+    # so a new batch shape does not force a recompile; only the block size is a constant
+    bs = meta.block_size
     ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
-    tq = q_seq.shape[0]
 
     def mask_mod(b, h, q, kv):
+        tc, tq = ctx_seq.shape[0], q_seq.shape[0]
         kc = torch.clamp(kv, max=tc - 1)
         ctx_ok = (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q])
         kb = torch.clamp(kv - tc, min=0, max=tq - 1)
@@ -150,10 +152,13 @@ def _flex_mask_mod(meta: PackedMeta):
 _compiled_flex = None
 
 
-def flex_attention_fn():
+def flex_attention_fn(device: torch.device):
+    """Compiled FlexAttention on CUDA; eager on the CPU (forward only: used to check the mask there)."""
     global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
     if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
 
@@ -189,7 +194,7 @@ class DFlashAttention(nn.Module):
             block_mask = BlockMask.from_kv_blocks(
                 meta.kv_num_blocks, meta.kv_indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta),
                 seq_lengths=(tq, tc + tq))
-            out = flex_attention_fn()(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh)
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh)
         else:
             mask = dense_mask(meta)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.nkv != self.nh)
@@ -326,9 +331,10 @@ def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int
     qhi = (num_ctx + blk_hi - 1) // FLEX_BLOCK + 1
     n_ctx = hi - lo
     counts = n_ctx + (qhi - qlo)
-    width = int(counts.max()) if nqb else 1
-    idx = np.zeros((nqb, max(width, 1)), dtype=np.int32)
-    col = np.arange(max(width, 1))[None, :]
+    # FlexAttention expects the last dim to span every KV tile (unused entries are ignored)
+    width = (num_ctx + num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
+    idx = np.zeros((nqb, width), dtype=np.int32)
+    col = np.arange(width)[None, :]
     ctx_part = lo[:, None] + col
     blk_part = qlo[:, None] + (col - n_ctx[:, None])
     idx[:] = np.where(col < n_ctx[:, None], ctx_part, np.where(col < counts[:, None], blk_part, 0))

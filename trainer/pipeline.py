@@ -78,6 +78,7 @@ class WorkItem:
     final_gather: torch.Tensor | None
     plan: MicroPlan
     data_s: float = 0.0
+    lengths: np.ndarray | None = None
     host: dict = field(default_factory=dict)  # chunk metadata as (pinned) host tensors
 
 
@@ -324,6 +325,7 @@ def make_item(seq_no: int, epoch: int, batch_index: int, batch, plan: MicroPlan,
         ids, gather = ids.pin_memory(), gather.pin_memory()
         fg = fg.pin_memory() if fg is not None else None
     item = WorkItem(seq_no, epoch, batch_index, ids, gather, fg, plan, data_s)
+    item.lengths = batch.lengths.numpy()
     item.host["chunks"] = to_host_tensors(plan, pin)
     return item
 

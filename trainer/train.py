@@ -237,8 +237,13 @@ class StepMetrics:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, target_factory=None, dataset=None):
+        """target_factory(device) -> model and dataset let the benchmark inject random-init targets and
+        synthetic data; production runs load both from --target-model / --data-dir."""
         self.cfg = cfg
+        self.target_factory, self.injected_dataset = target_factory, dataset
+        self.step_log: list[tuple[float, int, int]] = []  # (time, step, tokens_seen) per optimizer step
+        self.mem_log: list[dict] = []                      # allocator counters per step (no device sync)
         self.run_id = uuid.uuid4().hex[:8]
         self.out = Path(cfg.output_dir)
         self.stop_requested = threading.Event()
@@ -265,7 +270,7 @@ class Trainer:
         self.log_file = setup_logging(cfg.log_dir, self.run_id)
         self.status.update(phase="starting", force=True, log_file=str(self.log_file))
         log.info("dflash trainer %s run %s: %s", __version__, self.run_id, json.dumps(cfg.to_dict(), default=str))
-        facts = validate(cfg)
+        facts = validate(cfg) if self.target_factory is None else {}
         self.ckpt = CheckpointManager(self.out, cfg.keep_checkpoints)
         self.ckpt.cleanup_stale_tmp()
         if "slow_checkpoint" in self.faults:
@@ -279,7 +284,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
 
         # data
-        self.dataset = load_dataset(cfg.data_dir)
+        self.dataset = self.injected_dataset or load_dataset(cfg.data_dir)
         self.planner = BatchPlanner(self.dataset.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size,
                                     seed=cfg.seed, drop_long=cfg.drop_long)
         st = self.planner.stats()
@@ -293,10 +298,11 @@ class Trainer:
         self.status.update(phase="loading", force=True)
         self.notifier.extend_timeout(900)
         t0 = time.perf_counter()
-        first = load_target(cfg.target_model, t_dev[0], self.dtype)
+        load = self.target_factory or (lambda dev: load_target(cfg.target_model, dev, self.dtype))
+        first = load(t_dev[0])
         models = [first]
         for dev in t_dev[1:]:
-            models.append(copy.deepcopy(first) if dev.type == "cpu" else load_target(cfg.target_model, dev, self.dtype))
+            models.append(copy.deepcopy(first) if dev.type == "cpu" else load(dev))
             self.notifier.extend_timeout(900)
         log.info("loaded %d target replica(s) on %s in %.1fs", len(models), [str(d) for d in t_dev],
                  time.perf_counter() - t0)
@@ -724,6 +730,8 @@ class Trainer:
                 self.seq_start = seq0 + self.batches_per_step
                 self.tokens_seen += tokens
                 tok_window.append((time.perf_counter(), self.tokens_seen))
+                self.step_log.append((tok_window[-1][0], self.step, self.tokens_seen))
+                self.mem_log.append(self._memory())
                 self._drain_metrics()
                 self._check()
                 now = time.perf_counter()
@@ -764,6 +772,13 @@ class Trainer:
             self._draining = True
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _memory(self) -> dict:
+        out = {"step": self.step, "rss": _rss()}
+        for d in dict.fromkeys(self.t_devices + self.d_devices):
+            if d.type == "cuda":
+                out[str(d)] = torch.cuda.memory_allocated(d)
+        return out
+
     def _inject_faults(self):
         f = self.faults
         if "nan_from_step" in f:
@@ -803,6 +818,14 @@ class Trainer:
             self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except OSError:
+        return 0
 
 
 def read_faults() -> dict:

@@ -1,0 +1,467 @@
+"""Pipeline benchmark: each stage alone, then the whole pipeline sync and async, in one process.
+
+    python -m trainer.bench --shape 8b --settings orig,b16 --out results/h200x2-8b.json
+    python -m trainer.bench --shape tiny            # CPU smoke test (the test suite runs this)
+
+Targets are random-init Qwen3-shaped models built in memory (no weights on disk), data is synthetic
+with a length mix up to --max-seq-len. Throughput is target context tokens per second. MFU is model
+FLOPs (counted as in docs/performance.md) over wall time and the datasheet dense bf16 peak.
+Prints a table last and writes everything to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+from .data import Dataset
+from .pipeline import Delivered, Slot
+from .runlog import format_table
+
+log = logging.getLogger("trainer.bench")
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16, datasheet
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, head dim, mlp, vocab)
+    "tiny": (64, 8, 4, 2, 16, 128, 512),
+    "8b": (4096, 36, 32, 8, 128, 12288, 151936),
+    "27b": (5120, 64, 40, 8, 128, 21504, 151936),
+}
+SETTINGS = {
+    # block, anchors, token budget, max seq, grad accum, soft labels
+    "orig": dict(block_size=32, max_anchors=1024, token_budget=49152, max_seq_len=8192, grad_accum=4,
+                 use_soft_labels=True),
+    "b16": dict(block_size=16, max_anchors=512, token_budget=49152, max_seq_len=8192, grad_accum=4,
+                use_soft_labels=True),
+}
+TINY_SETTINGS = dict(token_budget=1024, max_seq_len=256, max_anchors=16)
+
+
+def qwen3_config(shape: str):
+    from transformers import Qwen3Config
+    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
+    return Qwen3Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh, num_key_value_heads=nkv,
+                       head_dim=hd, intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=32768,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def make_target_factory(shape: str, dtype):
+    from transformers import Qwen3ForCausalLM
+    cfg = qwen3_config(shape)
+
+    def factory(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                torch.manual_seed(0)
+                m = Qwen3ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+        cfg._attn_implementation = "sdpa"
+        return m.eval().requires_grad_(False)
+    return factory
+
+
+def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float, seed: int = 0,
+                      mean_len: int = 2048) -> Dataset:
+    """Log-normal lengths (median ~mean_len/1.3) clipped to [64, max_len]; the last `supervised` share of
+    each sequence is the completion (loss mask)."""
+    rng = np.random.default_rng(seed)
+    recs, total = [], 0
+    while total < n_tokens:
+        n = int(np.clip(rng.lognormal(np.log(mean_len / 1.3), 0.8), 64, max_len))
+        ids = rng.integers(0, min(vocab, 150000), n)
+        mask = np.zeros(n, np.int8)
+        mask[int(n * (1 - supervised)):] = 1
+        recs.append((ids, mask))
+        total += n
+    return Dataset.from_records(recs)
+
+
+def model_flops_target(lengths, shape: str, layers_run: int) -> float:
+    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
+    per_layer = 2 * (h * nh * hd * 2 + h * nkv * hd * 2) + 2 * 3 * h * mlp
+    lengths = np.asarray(lengths, np.float64)
+    return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
+
+
+def model_flops_drafter(plan, dcfg, soft: bool) -> float:
+    """Training FLOPs of one micro-batch: 3x forward for trainable layers, 2x for the frozen LM head
+    (forward + grad w.r.t. its input), 1x for the soft-label target logits."""
+    h, nh, nkv, hd, inter, vocab = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+                                    dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
+    k = len(dcfg.target_layer_ids)
+    rows = sum(len(c.q_seq) for c in plan.chunks)
+    ctx = sum(c.c1 - c.c0 for c in plan.chunks)
+    visible = sum(float(c.q_anchor.sum()) + len(c.q_seq) * dcfg.block_size for c in plan.chunks)
+    layer = (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter) + (rows + ctx) * 2 * h * nkv * hd * 2
+             + 4 * nh * hd * visible)
+    fwd = dcfg.num_hidden_layers * layer + ctx * 2 * k * h * h
+    head = 2 * h * vocab * rows
+    return 3 * fwd + 2 * head + (head if soft else 0)
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def peak_flops(n_gpus: int) -> float | None:
+    name = gpu_name()
+    for k, v in PEAK_BF16.items():
+        if k in name:
+            return v * n_gpus
+    return None
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def mem_snapshot(devices) -> dict:
+    out = {"host_rss_bytes": rss_bytes()}
+    for d in {str(x): x for x in devices}.values():
+        if d.type == "cuda":
+            out[f"peak_{d}"] = torch.cuda.max_memory_allocated(d)
+            out[f"alloc_{d}"] = torch.cuda.memory_allocated(d)
+    return out
+
+
+def reset_peaks(devices):
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def sync_all(devices):
+    for d in {str(x): x for x in devices}.values():
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+class _NoRelease:
+    def release(self, slot):
+        pass
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    shape: str
+    setting: str
+    dtype: torch.dtype
+    dataset: Dataset
+    factory: object
+    cfg_base: dict
+
+
+def make_cfg(ctx: Ctx, **over) -> TrainConfig:
+    a = ctx.args
+    d = dict(target_model="(random init)", data_dir="(synthetic)", output_dir=str(Path(a.work) / "run"),
+             target_gpus=a.target_gpus, drafter_gpus=a.drafter_gpus, epochs=1000, num_draft_layers=5,
+             gamma=10.0 if ctx.cfg_base["block_size"] == 32 else 7.0, noise_start=0.05, noise_end=0.01,
+             save_interval=10**9, keep_checkpoints=1, resume=False, profile_interval=3600.0,
+             status_file=str(Path(a.work) / "run" / "status.json"), log_dir=str(Path(a.work) / "run" / "logs"),
+             mask_token_id=None, lr=6e-4, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
+             max_batch_size=64)
+    d.update(ctx.cfg_base)
+    d.update(over)
+    return TrainConfig(**d)
+
+
+def _new_trainer(ctx: Ctx, **over):
+    import shutil
+    from .train import Trainer
+    shutil.rmtree(Path(ctx.args.work) / "run", ignore_errors=True)
+    t = Trainer(make_cfg(ctx, **over), target_factory=ctx.factory, dataset=ctx.dataset)
+    t.setup()
+    return t
+
+
+def bench_target(ctx: Ctx, t) -> dict:
+    """Forward + capture + pack + copy start on every target worker, slots recycled; no drafter."""
+    n = ctx.args.batches
+    items = [t._make_item(s) for s in range(n + 1)]
+    reset_peaks(t.t_devices)
+
+    def run(worker, its):
+        for it in its:
+            slot = worker.acquire()
+            ev, _ = worker.forward_pack(it, slot)
+            t.release_waiter.put(ev["copy"], lambda s=slot: worker.release(s))
+
+    run(t.workers[0], items[:1])  # one untimed item
+    sync_all(t.t_devices)
+    for w in t.workers:
+        while w.in_flight:
+            time.sleep(0.001)
+    t0 = time.perf_counter()
+    th = [threading.Thread(target=run, args=(w, items[1 + i::len(t.workers)])) for i, w in enumerate(t.workers)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    sync_all(t.t_devices)
+    for w in t.workers:
+        while w.in_flight:
+            time.sleep(0.001)
+    wall = time.perf_counter() - t0
+    tokens = sum(it.plan.num_tokens for it in items[1:])
+    lengths = np.concatenate([it.lengths for it in items[1:]])
+    layers_run = len(t.workers[0].model.model.layers)
+    flops = model_flops_target(lengths, ctx.shape, layers_run)
+    peak = peak_flops(len(t.workers))
+    return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall / len(t.workers), "batches": n,
+            "wall_s": wall, "tflops": flops / wall / 1e12, "mfu": flops / wall / peak if peak else None,
+            "memory": mem_snapshot(t.t_devices)}
+
+
+def bench_drafter(ctx: Ctx, t) -> dict:
+    """Drafter replicas fed from hidden states already on their device; micro-steps + optimizer steps."""
+    a = ctx.args
+    n = a.batches
+    items = [t._make_item(s) for s in range(n + 1)]
+    owner = _NoRelease()
+    reps = t.replicas
+    bufs = []
+    for i, it in enumerate(items):
+        r = reps[i % len(reps)]
+        rows = it.plan.num_ctx_rows
+        k = len(t.dcfg.target_layer_ids) * t.dcfg.hidden_size
+        taps = torch.randn(rows, k, device=r.device, dtype=t.dtype)
+        nf = len(it.plan.final_gather) if it.plan.final_gather is not None else 0
+        final = torch.randn(max(nf, 1), t.dcfg.hidden_size, device=r.device, dtype=t.dtype) if nf else None
+        bufs.append(Delivered(it, Slot(-1, taps, final, taps, final, owner, "same"), rows, nf, {}))
+    reset_peaks(t.d_devices)
+    scale = len(reps) * t.cfg.grad_accum
+
+    def step(ds):
+        for j, d in enumerate(ds):
+            reps[j % len(reps)].micro_step(d, 0.03, scale)
+        for r in reps:
+            r.collect_grads()
+        t._optimizer_step(0, np.zeros(t.cfg.block_size, np.int64))
+        t.pending.clear()
+
+    step(bufs[:1])
+    sync_all(t.d_devices)
+    t0 = time.perf_counter()
+    step(bufs[1:])
+    sync_all(t.d_devices)
+    wall = time.perf_counter() - t0
+    tokens = sum(d.item.plan.num_tokens for d in bufs[1:])
+    rows = sum(sum(len(c.q_seq) for c in d.item.plan.chunks) for d in bufs[1:])
+    flops = sum(model_flops_drafter(d.item.plan, t.dcfg, t.cfg.use_soft_labels) for d in bufs[1:])
+    peak = peak_flops(len(reps))
+    return {"tok_s": tokens / wall, "block_rows_per_s": rows / wall, "block_rows_per_token": rows / tokens,
+            "batches": n, "wall_s": wall, "tflops": flops / wall / 1e12,
+            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(t.d_devices)}
+
+
+def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
+    steps = ctx.args.steps
+    t = _new_trainer(ctx, async_pipeline=async_, max_steps=steps)
+    devices = t.t_devices + t.d_devices
+    try:
+        reset_peaks(devices)
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rc = t.run()
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+        sync_warn = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+        if rc != 0:
+            raise RuntimeError(f"pipeline run exited {rc}")
+        logs = t.step_log
+        first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
+        (ta, _, ka), (tb, _, kb) = logs[first], logs[-1]
+        wall = tb - ta
+        prof = t.profiler.snapshot()
+        waits = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" in k}
+        busy = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" not in k}
+        return {"tok_s": (kb - ka) / wall, "steps_timed": len(logs) - 1 - first, "wall_s": wall,
+                "wait_fraction": waits, "stage_busy_fraction": busy,
+                "pinned_bytes": sum(w.pinned_bytes() for w in t.workers),
+                "transport": sorted({w.mode for w in t.workers}),
+                "sync_warnings_in_run": len(sync_warn), "sync_warning_samples": sync_warn[:5],
+                "memory": mem_snapshot(devices),
+                "memory_per_step": t.mem_log}
+    finally:
+        t.shutdown()
+        del t
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def check_flex_on_gpu(device) -> dict:
+    """Compiled FlexAttention (with grads) against the dense-mask SDPA reference on random packed data."""
+    from .model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+    from .plan import plan_micro_batch
+    cfg = DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1], mask_token_id=999,
+                       target_num_hidden_layers=4)
+    m = DFlashDrafter(cfg)
+    init_drafter_weights(m, std=0.05)
+    m = m.to(device)
+    rng = np.random.default_rng(0)
+    out = {}
+    for trial, lens in enumerate([np.array([700, 300, 1200]), np.array([2000, 129, 64, 900])]):
+        ids = rng.integers(0, 998, size=(len(lens), lens.max()))
+        mask = np.zeros(ids.shape, bool)
+        for b, n in enumerate(lens):
+            mask[b, n // 4:n] = True
+        plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=trial, block_size=16,
+                                max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
+                                chunk_rows=10**6, flex=True)
+        c = plan.chunks[0]
+        t = lambda a: torch.from_numpy(a).to(device)
+        meta = PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
+                          t(c.kv_num_blocks), t(c.kv_indices))
+        g = torch.Generator(device=device).manual_seed(trial)
+        taps = torch.randn(len(c.ctx_seq), 512, generator=g, device=device)
+        emb = torch.randn(len(c.q_seq), 256, generator=g, device=device)
+        res = []
+        for backend in ("sdpa", "flex"):
+            m.zero_grad()
+            o = m(taps, emb, meta, backend=backend)
+            (o.float() ** 2).mean().backward()
+            res.append((o.detach(), m.fc.weight.grad.detach().clone()))
+        rel = lambda a, b: float((a - b).norm() / b.norm())
+        out[f"trial{trial}"] = {"out_rel_err": rel(res[1][0], res[0][0]), "grad_rel_err": rel(res[1][1], res[0][1]),
+                                "rows": len(c.q_seq), "ctx": len(c.ctx_seq)}
+    return out
+
+
+def run_setting(args, shape: str, setting: str, dtype, factory) -> dict:
+    base = dict(SETTINGS[setting])
+    if shape == "tiny":
+        base.update(TINY_SETTINGS)
+    vocab = SHAPES[shape][6]
+    need = base["token_budget"] * (args.batches + 2 + 2 * args.steps * base["grad_accum"] * 2)
+    ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
+                           mean_len=min(args.mean_len, base["max_seq_len"]))
+    ctx = Ctx(args, shape, setting, dtype, ds, factory, base)
+    res = {"setting": setting, **base, "dataset_tokens": ds.num_tokens, "dataset_sequences": len(ds)}
+    parts = args.parts.split(",")
+    if "target" in parts or "drafter" in parts:
+        t = _new_trainer(ctx)
+        try:
+            t.warmup()
+            for p, fn in (("target", bench_target), ("drafter", bench_drafter)):
+                if p in parts:
+                    log.info("bench %s/%s: %s stage alone", shape, setting, p)
+                    try:
+                        res[p] = fn(ctx, t)
+                    except Exception as e:  # keep the other parts
+                        log.exception("%s stage failed", p)
+                        res[p] = {"error": repr(e)}
+        finally:
+            t.shutdown()
+            del t
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    for p, flag in (("sync", False), ("async", True)):
+        if p in parts:
+            log.info("bench %s/%s: whole pipeline %s", shape, setting, p)
+            try:
+                res[p] = bench_pipeline(ctx, flag)
+            except Exception as e:
+                log.exception("%s pipeline failed", p)
+                res[p] = {"error": repr(e)}
+    rate = lambda k: res.get(k, {}).get("tok_s")
+    if rate("target") and rate("drafter"):
+        res["min_stage_tok_s"] = min(rate("target"), rate("drafter"))
+        if rate("async"):
+            res["async_over_min_stage"] = rate("async") / res["min_stage_tok_s"]
+    if rate("async") and rate("sync"):
+        res["async_over_sync"] = rate("async") / rate("sync")
+    return res
+
+
+def table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        for part in ("target", "drafter", "sync", "async"):
+            p = r.get(part)
+            if not p:
+                continue
+            mem = p.get("memory", {})
+            peaks = ", ".join(f"{k[5:]}={v / 2**30:.1f}G" for k, v in mem.items() if k.startswith("peak_"))
+            rows.append([f"{r['shape']}/{r['setting']}", part, p.get("tok_s"),
+                         None if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
+                         peaks or "-", p.get("error", "")[:40]])
+        rows.append([f"{r['shape']}/{r['setting']}", "async/min(stage)", r.get("async_over_min_stage"), "", "", ""])
+        rows.append([f"{r['shape']}/{r['setting']}", "async/sync", r.get("async_over_sync"), "", "", ""])
+    return format_table(["shape/setting", "part", "tok/s", "MFU", "peak GPU mem", "error"], rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--settings", default="orig,b16")
+    p.add_argument("--parts", default="target,drafter,sync,async")
+    p.add_argument("--target-gpus", default=None, help="default: 0 (cpu for --shape tiny)")
+    p.add_argument("--drafter-gpus", default=None, help="default: 1 if present, else 0")
+    p.add_argument("--batches", type=int, default=3, help="timed batches for each stage alone")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per pipeline run (first untimed)")
+    p.add_argument("--supervised", type=float, default=0.5, help="completion share of each sequence")
+    p.add_argument("--mean-len", type=int, default=2048)
+    p.add_argument("--work", default="/tmp/dflash-bench")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cuda = torch.cuda.is_available() and a.shape != "tiny"
+    if a.target_gpus is None:
+        a.target_gpus = "0" if cuda else "cpu"
+    if a.drafter_gpus is None:
+        a.drafter_gpus = ("1" if torch.cuda.device_count() > 1 else "0") if cuda else "cpu"
+    parse = lambda s: [] if s == "cpu" else [int(x) for x in s.split(",")]
+    a.target_gpus, a.drafter_gpus = parse(a.target_gpus), parse(a.drafter_gpus)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    factory = make_target_factory(a.shape, dtype)
+    results = []
+    meta = {"device": gpu_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus, "shape": a.shape,
+            "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
+                                   SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time()}
+    out = Path(a.out) if a.out else None
+    if cuda:
+        meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))
+        log.info("flex vs dense-mask reference: %s", meta["flex_check"])
+    for s in a.settings.split(","):
+        r = run_setting(a, a.shape, s, dtype, factory)
+        r["shape"] = a.shape
+        results.append(r)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""run.sh and the units, rendered with the PRODUCTION inventory's values, carry the original run.
+
+The templates are rendered by Ansible itself (ansible-runner driving a small playbook with the
+template module on localhost), from inventory/production, so what is asserted here is what
+deploy.yml would install on CT 200.
+"""
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# The hand-run command line the service replaces (flag -> value; None = a switch).
+ORIGINAL_RUN = {
+    "--target-model": "/dev/shm/Qwen3.6-27B",
+    "--data-dir": "/workspace/tokenized_completions",
+    "--output-dir": "/workspace/checkpoints",
+    "--target-gpus": "0,1,2,3,4",
+    "--drafter-gpus": "5,6,7",
+    "--epochs": "6",
+    "--lr": "6e-4",
+    "--warmup-ratio": "0.04",
+    "--weight-decay": "0.01",
+    "--grad-accum": "4",
+    "--grad-clip": "1.0",
+    "--token-budget": "49152",
+    "--max-seq-len": "8192",
+    "--max-batch-size": "64",
+    "--block-size": "32",
+    "--max-anchors": "1024",
+    "--num-draft-layers": "5",
+    "--gamma": "10.0",
+    "--noise-start": "0.05",
+    "--noise-end": "0.01",
+    "--noise-type": "uniform",
+    "--use-soft-labels": None,
+}
+
+PLAYBOOK = """
+- name: Render the dflash templates with the inventory's values
+  hosts: ct200
+  gather_facts: false
+  tasks:
+    - name: Load the roles' defaults
+      ansible.builtin.include_role:
+        name: "{{ item }}"
+        tasks_from: noop
+        public: true
+      loop: [dflash_weights, dflash_service]
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ repo }}/roles/{{ item.role }}/templates/{{ item.src }}"
+        dest: "{{ out }}/{{ item.dest }}"
+        mode: "0644"
+      loop:
+        - {role: dflash_service, src: run.sh.j2, dest: run.sh}
+        - {role: dflash_service, src: dflash.service.j2, dest: dflash.service}
+        - {role: dflash_service, src: dflash.env.j2, dest: dflash.env}
+        - {role: dflash_weights, src: dflash-stage-weights.service.j2, dest: dflash-stage-weights.service}
+"""
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    ansible_runner = pytest.importorskip("ansible_runner")
+    work = tmp_path_factory.mktemp("render")
+    out = work / "out"
+    out.mkdir()
+    (work / "project").mkdir()
+    (work / "project" / "render.yml").write_text(PLAYBOOK)
+    env = {
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "WANDB_API_KEY": "",
+    }
+    r = ansible_runner.run(
+        private_data_dir=str(work),
+        playbook="render.yml",
+        inventory=str(REPO / "inventory" / "production"),
+        extravars={
+            "repo": str(REPO),
+            "out": str(out),
+            # Render on the controller instead of through pct on the real node.
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+        },
+        envvars=env,
+        quiet=True,
+    )
+    assert r.rc == 0, r.stdout.read()[-4000:]
+    return out
+
+
+def exec_args(run_sh: str) -> list[str]:
+    """The argv of the final `exec` line (backslash continuations joined)."""
+    joined = run_sh.replace("\\\n", " ")
+    line = next(l for l in joined.splitlines() if l.lstrip().startswith("exec "))
+    return shlex.split(line)
+
+
+def test_run_sh_is_strict_bash(rendered):
+    text = (rendered / "run.sh").read_text()
+    assert text.startswith("#!/bin/bash\n")
+    assert "\nset -euo pipefail\n" in text
+    subprocess.run(["bash", "-n", str(rendered / "run.sh")], check=True)
+
+
+def test_run_sh_sets_the_allocator_before_the_trainer_starts(rendered):
+    text = (rendered / "run.sh").read_text()
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in text
+    assert text.index("PYTORCH_CUDA_ALLOC_CONF") < text.index("exec ")
+    assert 'export DFLASH_PROFILE_INTERVAL="${DFLASH_PROFILE_INTERVAL:-60}"' in text
+
+
+def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):
+    argv = exec_args((rendered / "run.sh").read_text())
+    assert argv[:4] == ["exec", "/opt/dflash/venv/bin/python", "-u", "-m"]
+    assert argv[4] == "trainer"
+    assert argv[-1] == "$@", "extra arguments (--check-config) must reach the trainer"
+
+
+@pytest.mark.parametrize("flag,value", ORIGINAL_RUN.items())
+def test_run_sh_carries_every_original_flag(rendered, flag, value):
+    argv = exec_args((rendered / "run.sh").read_text())
+    assert argv.count(flag) == 1, f"{flag} missing or repeated"
+    if value is not None:
+        assert argv[argv.index(flag) + 1] == value
+
+
+def test_run_sh_has_no_secret_and_no_wandb_without_a_key(rendered):
+    text = (rendered / "run.sh").read_text()
+    assert "WANDB_API_KEY=" not in text
+    assert "--wandb-mode" not in text
+
+
+def unit_settings(path: Path) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_unit_is_a_notify_service_with_a_watchdog_and_graceful_stop(rendered):
+    s = unit_settings(rendered / "dflash.service")
+    assert s["Type"] == ["notify"]
+    assert s["NotifyAccess"] == ["main"]
+    assert s["ExecStart"] == ["/opt/dflash/run.sh"]
+    assert int(s["WatchdogSec"][0]) > 0
+    assert s["Restart"] == ["on-failure"]
+    assert int(s["RestartSec"][0]) > 0
+    assert int(s["StartLimitBurst"][0]) > 0 and int(s["StartLimitIntervalSec"][0]) > 0
+    assert s["KillMode"] == ["mixed"]
+    assert int(s["TimeoutStopSec"][0]) >= 300, "long enough for a checkpoint"
+    assert int(s["TimeoutStartSec"][0]) >= 1800, "long enough to load a 27B target"
+    assert s["LimitMEMLOCK"] == ["infinity"]
+    assert s["EnvironmentFile"] == ["-/etc/default/dflash"]
+    assert s["RestartPreventExitStatus"] == ["2"]
+
+
+def test_unit_requires_and_follows_the_staging_unit(rendered):
+    s = unit_settings(rendered / "dflash.service")
+    assert "dflash-stage-weights.service" in s["Requires"]
+    assert "dflash-stage-weights.service" in s["After"]
+    stage = unit_settings(rendered / "dflash-stage-weights.service")
+    assert stage["Type"] == ["oneshot"]
+    assert stage["Before"] == ["dflash.service"]
+    assert "--source /workspace/models/Qwen3.6-27B --dest /dev/shm/Qwen3.6-27B" in stage["ExecStart"][0]

@@ -182,7 +182,7 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
              save_interval=10**9, keep_checkpoints=1, resume=False, profile_interval=3600.0,
              status_file=str(Path(a.work) / "run" / "status.json"), log_dir=str(Path(a.work) / "run" / "logs"),
              mask_token_id=None, lr=6e-4, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
-             max_batch_size=64)
+             max_batch_size=64, save_final=False)
     d.update(ctx.cfg_base)
     d.update(over)
     return TrainConfig(**d)
@@ -197,10 +197,17 @@ def _new_trainer(ctx: Ctx, **over):
     return t
 
 
+def timed_window(t) -> list[int]:
+    """The batches the pipeline runs time (every step but the first), so stage-alone rates are
+    measured on exactly the same data; plus batch 0 in front as an untimed warm-up."""
+    bps = t.batches_per_step
+    return [0] + list(range(bps, bps * t.cfg.max_steps))
+
+
 def bench_target(ctx: Ctx, t) -> dict:
     """Forward + capture + pack + copy start on every target worker, slots recycled; no drafter."""
-    n = ctx.args.batches
-    items = [t._make_item(s) for s in range(n + 1)]
+    items = [t._make_item(s) for s in timed_window(t)]
+    n = len(items) - 1
     reset_peaks(t.t_devices)
 
     def run(worker, its):
@@ -237,9 +244,8 @@ def bench_target(ctx: Ctx, t) -> dict:
 
 def bench_drafter(ctx: Ctx, t) -> dict:
     """Drafter replicas fed from hidden states already on their device; micro-steps + optimizer steps."""
-    a = ctx.args
-    n = a.batches
-    items = [t._make_item(s) for s in range(n + 1)]
+    items = [t._make_item(s) for s in timed_window(t)]
+    n = len(items) - 1
     owner = _NoRelease()
     reps = t.replicas
     bufs = []
@@ -285,18 +291,32 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         reset_peaks(devices)
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
+        caught = []
+        orig_show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message).lower():
+                caught.append((time.perf_counter(), threading.current_thread().name, str(message)[:120]))
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
-            rc = t.run()
+            warnings.showwarning = record
+            try:
+                rc = t.run()
+            finally:
+                warnings.showwarning = orig_show
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)
-        sync_warn = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
         if rc != 0:
             raise RuntimeError(f"pipeline run exited {rc}")
         logs = t.step_log
         first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
         (ta, _, ka), (tb, _, kb) = logs[first], logs[-1]
         wall = tb - ta
+        in_window = [c for c in caught if ta <= c[0] <= tb]
+        by_thread = {}
+        for _, name, _ in in_window:
+            key = name.split("_")[0]
+            by_thread[key] = by_thread.get(key, 0) + 1
         prof = t.profiler.snapshot()
         waits = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" in k}
         busy = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" not in k}
@@ -304,7 +324,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
                 "wait_fraction": waits, "stage_busy_fraction": busy,
                 "pinned_bytes": sum(w.pinned_bytes() for w in t.workers),
                 "transport": sorted({w.mode for w in t.workers}),
-                "sync_warnings_in_run": len(sync_warn), "sync_warning_samples": sync_warn[:5],
+                "sync_ops_whole_run": len(caught), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
                 "memory_per_step": t.mem_log}
     finally:
@@ -316,42 +336,60 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
 
 
 def check_flex_on_gpu(device) -> dict:
-    """Compiled FlexAttention (with grads) against the dense-mask SDPA reference on random packed data."""
-    from .model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+    """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
+    reference, with and without grouped-query attention."""
+    from . import model as M
     from .plan import plan_micro_batch
-    cfg = DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1], mask_token_id=999,
-                       target_num_hidden_layers=4)
-    m = DFlashDrafter(cfg)
-    init_drafter_weights(m, std=0.05)
-    m = m.to(device)
-    rng = np.random.default_rng(0)
     out = {}
-    for trial, lens in enumerate([np.array([700, 300, 1200]), np.array([2000, 129, 64, 900])]):
+    for kv_heads in (2, 4):
+        cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
+                             rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
+                             mask_token_id=999, target_num_hidden_layers=4)
+        base = M.DFlashDrafter(cfg)
+        M.init_drafter_weights(base, std=0.05)
+        rng = np.random.default_rng(0)
+        lens = np.array([700, 300, 1200])
         ids = rng.integers(0, 998, size=(len(lens), lens.max()))
         mask = np.zeros(ids.shape, bool)
         for b, n in enumerate(lens):
             mask[b, n // 4:n] = True
-        plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=trial, block_size=16,
+        plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
                                 max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
                                 chunk_rows=10**6, flex=True)
         c = plan.chunks[0]
-        t = lambda a: torch.from_numpy(a).to(device)
-        meta = PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
-                          t(c.kv_num_blocks), t(c.kv_indices))
-        g = torch.Generator(device=device).manual_seed(trial)
-        taps = torch.randn(len(c.ctx_seq), 512, generator=g, device=device)
-        emb = torch.randn(len(c.q_seq), 256, generator=g, device=device)
-        res = []
-        for backend in ("sdpa", "flex"):
-            m.zero_grad()
-            o = m(taps, emb, meta, backend=backend)
-            (o.float() ** 2).mean().backward()
-            res.append((o.detach(), m.fc.weight.grad.detach().clone()))
+        g = torch.Generator().manual_seed(0)
+        taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
+        emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
+        proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)  # loss = <out, proj>
+
+        def grads(dev, dtype, backend, compiled=True):
+            m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)
+            t = lambda a: torch.from_numpy(a).to(dev)
+            meta = M.PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
+                                t(c.kv_num_blocks), t(c.kv_indices))
+            saved = M._compiled_flex
+            if not compiled:
+                from torch.nn.attention.flex_attention import flex_attention
+                M._compiled_flex = flex_attention
+            try:
+                o = m(taps.to(dev, dtype), emb.to(dev, dtype), meta, backend=backend)
+                (o.double() * proj.to(dev)).sum().backward()
+            finally:
+                M._compiled_flex = saved
+            return o.detach().double().cpu(), m.fc.weight.grad.double().cpu(), m.layers[0].self_attn.q_proj.weight.grad.double().cpu()
+
+        ref = grads(torch.device("cpu"), torch.float64, "sdpa")
         rel = lambda a, b: float((a - b).norm() / b.norm())
-        out[f"trial{trial}"] = {"out_rel_err": rel(res[1][0], res[0][0]), "grad_rel_err": rel(res[1][1], res[0][1]),
-                                "rows": len(c.q_seq), "ctx": len(c.ctx_seq)}
+        res = {}
+        for name, args in (("sdpa_gpu", ("sdpa", True)), ("flex_compiled", ("flex", True)),
+                           ("flex_eager", ("flex", False))):
+            try:
+                r = grads(device, torch.float32, *args)
+                res[name] = {"out": rel(r[0], ref[0]), "grad_fc": rel(r[1], ref[1]), "grad_q": rel(r[2], ref[2])}
+            except Exception as e:
+                res[name] = {"error": repr(e)[:300]}
+        out[f"kv_heads={kv_heads}"] = res
     return out
 
 
@@ -360,14 +398,15 @@ def run_setting(args, shape: str, setting: str, dtype, factory) -> dict:
     if shape == "tiny":
         base.update(TINY_SETTINGS)
     vocab = SHAPES[shape][6]
-    need = base["token_budget"] * (args.batches + 2 + 2 * args.steps * base["grad_accum"] * 2)
+    # enough sequences that length buckets fill their batches, as with a real corpus
+    need = max(base["token_budget"] * 4 * args.steps * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
                            mean_len=min(args.mean_len, base["max_seq_len"]))
     ctx = Ctx(args, shape, setting, dtype, ds, factory, base)
     res = {"setting": setting, **base, "dataset_tokens": ds.num_tokens, "dataset_sequences": len(ds)}
     parts = args.parts.split(",")
     if "target" in parts or "drafter" in parts:
-        t = _new_trainer(ctx)
+        t = _new_trainer(ctx, max_steps=args.steps)
         try:
             t.warmup()
             for p, fn in (("target", bench_target), ("drafter", bench_drafter)):
@@ -426,10 +465,11 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="target,drafter,sync,async")
     p.add_argument("--target-gpus", default=None, help="default: 0 (cpu for --shape tiny)")
     p.add_argument("--drafter-gpus", default=None, help="default: 1 if present, else 0")
-    p.add_argument("--batches", type=int, default=3, help="timed batches for each stage alone")
+    p.add_argument("--dataset-tokens", type=int, default=20_000_000, help="synthetic corpus size")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per pipeline run (first untimed)")
     p.add_argument("--supervised", type=float, default=0.5, help="completion share of each sequence")
     p.add_argument("--mean-len", type=int, default=2048)
+    p.add_argument("--no-flex-check", action="store_true")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -449,7 +489,7 @@ def main(argv=None) -> int:
             "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
                                    SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time()}
     out = Path(a.out) if a.out else None
-    if cuda:
+    if cuda and not a.no_flex_check:
         meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))
         log.info("flex vs dense-mask reference: %s", meta["flex_check"])
     for s in a.settings.split(","):

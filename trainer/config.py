@@ -63,13 +63,14 @@ class TrainConfig:
     mask_token_id: int | None = None
     eval_data_dir: str = ""
     drafter_chunk_rows: int = 32768
-    slots_per_worker: int = 2
+    slots_per_worker: int = 3
     queue_depth: int = 2
     attention: str = "auto"   # auto | flex | sdpa
     check_config: bool = False
     drop_long: bool = False
     cpu_target_workers: int = 1
     cpu_drafter_replicas: int = 1
+    save_final: bool = True   # the benchmark turns the end-of-run checkpoint off
 
     @property
     def on_cpu(self) -> bool:
@@ -152,7 +153,7 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
     o.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>, else 151669")
     o.add_argument("--eval-data-dir", default="", help="held-out shards for the acceptance evaluation at the end")
     o.add_argument("--drafter-chunk-rows", type=int, default=32768, help="block rows per drafter forward")
-    o.add_argument("--slots-per-worker", type=int, default=2, help="copies in flight per target worker")
+    o.add_argument("--slots-per-worker", type=int, default=3, help="copies in flight per target worker")
     o.add_argument("--queue-depth", type=int, default=2, help="delivered batches waiting per drafter replica")
     o.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"))
     o.add_argument("--drop-long", action="store_true", help="drop sequences over --max-seq-len (default: truncate)")

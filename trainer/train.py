@@ -749,7 +749,7 @@ class Trainer:
                 if now - t_prof >= cfg.profile_interval:
                     self._profile_report(now - t_prof, rate)
                     t_prof = now
-                if self.step % cfg.save_interval == 0 or self.step == self.total_steps:
+                if self.step % cfg.save_interval == 0 or (self.step == self.total_steps and cfg.save_final):
                     self._drain_metrics(block=True)
                     if self.nan_streak == 0:  # never checkpoint in the middle of a NaN streak
                         self.save_checkpoint("interval" if self.step < self.total_steps else "final")

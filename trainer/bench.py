@@ -393,7 +393,7 @@ def check_flex_on_gpu(device) -> dict:
     return out
 
 
-def run_setting(args, shape: str, setting: str, dtype, factory) -> dict:
+def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: None) -> dict:
     base = dict(SETTINGS[setting])
     if shape == "tiny":
         base.update(TINY_SETTINGS)
@@ -414,6 +414,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory) -> dict:
                     log.info("bench %s/%s: %s stage alone", shape, setting, p)
                     try:
                         res[p] = fn(ctx, t)
+                        save(res)
                     except Exception as e:  # keep the other parts
                         log.exception("%s stage failed", p)
                         res[p] = {"error": repr(e)}
@@ -428,6 +429,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory) -> dict:
             log.info("bench %s/%s: whole pipeline %s", shape, setting, p)
             try:
                 res[p] = bench_pipeline(ctx, flag)
+                save(res)
             except Exception as e:
                 log.exception("%s pipeline failed", p)
                 res[p] = {"error": repr(e)}
@@ -492,13 +494,16 @@ def main(argv=None) -> int:
     if cuda and not a.no_flex_check:
         meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))
         log.info("flex vs dense-mask reference: %s", meta["flex_check"])
-    for s in a.settings.split(","):
-        r = run_setting(a, a.shape, s, dtype, factory)
-        r["shape"] = a.shape
-        results.append(r)
+    def save(partial):
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+            out.write_text(json.dumps({"meta": meta, "results": results + [partial]}, indent=2, default=str))
+
+    for s in a.settings.split(","):
+        r = run_setting(a, a.shape, s, dtype, factory, save)
+        r["shape"] = a.shape
+        results.append(r)
+        save({"shape": a.shape, "setting": "(complete)"})
     print(table(results))
     return 0
 

@@ -342,13 +342,14 @@ def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int
 
 
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim >= 2:
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        elif "norm" in name:
-            with torch.no_grad():
+    """Normal(0, std) matrices, unit norms; drawn on the parameters' own device (fast for 1B params)."""
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32) * std)
+            elif "norm" in name:
                 p.fill_(1.0)
 
 

@@ -325,7 +325,8 @@ class Trainer:
         self.copy_waiter = EventWaiter("copy-done")
         self.release_waiter.start()
         self.copy_waiter.start()
-        base = DFlashDrafter(self.dcfg, split_fc=cfg.split_fc)
+        with torch.device(d_dev[0]):
+            base = DFlashDrafter(self.dcfg, split_fc=cfg.split_fc)
         init_drafter_weights(base, seed=cfg.seed)
         self.replicas = []
         for i, dev in enumerate(d_dev):

@@ -79,13 +79,13 @@ def make_target_factory(shape: str, dtype):
 
 
 def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float, seed: int = 0,
-                      mean_len: int = 2048) -> Dataset:
-    """Log-normal lengths (median ~mean_len/1.3) clipped to [64, max_len]; the last `supervised` share of
-    each sequence is the completion (loss mask)."""
+                      mean_len: int = 2048, min_len: int = 64) -> Dataset:
+    """Log-normal lengths (median ~mean_len/1.3) clipped to [min_len, max_len]; the last `supervised`
+    share of each sequence is the completion (loss mask)."""
     rng = np.random.default_rng(seed)
     recs, total = [], 0
     while total < n_tokens:
-        n = int(np.clip(rng.lognormal(np.log(mean_len / 1.3), 0.8), 64, max_len))
+        n = int(np.clip(rng.lognormal(np.log(mean_len / 1.3), 0.8), min_len, max_len))
         ids = rng.integers(0, min(vocab, 150000), n)
         mask = np.zeros(n, np.int8)
         mask[int(n * (1 - supervised)):] = 1
@@ -401,7 +401,8 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     # enough sequences that length buckets fill their batches, as with a real corpus
     need = max(base["token_budget"] * 4 * args.steps * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
-                           mean_len=min(args.mean_len, base["max_seq_len"]))
+                           mean_len=min(args.mean_len, base["max_seq_len"]),
+                           min_len=min(args.min_len, base["max_seq_len"]))
     ctx = Ctx(args, shape, setting, dtype, ds, factory, base)
     res = {"setting": setting, **base, "dataset_tokens": ds.num_tokens, "dataset_sequences": len(ds)}
     parts = args.parts.split(",")
@@ -471,6 +472,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per pipeline run (first untimed)")
     p.add_argument("--supervised", type=float, default=0.5, help="completion share of each sequence")
     p.add_argument("--mean-len", type=int, default=2048)
+    p.add_argument("--min-len", type=int, default=64, help="shortest synthetic sequence")
     p.add_argument("--no-flex-check", action="store_true")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")

@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import logging
-import os
 import platform
 import sys
 import threading

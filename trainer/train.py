@@ -745,8 +745,9 @@ class Trainer:
                 self.status.update(phase="training", step=self.step, epoch=epoch, tokens_seen=self.tokens_seen,
                                    tokens_per_s=rate, loss=self.last_loss, nan_skips=self.nan_skips,
                                    nan_streak=self.nan_streak)
+                acc1 = self.last_acc[1] if self.last_acc and len(self.last_acc) > 1 else None
                 progress.update(self.step, loss=self.last_loss if self.last_loss is not None else float("nan"),
-                                tok_s=rate)
+                                acc1=acc1 if acc1 is not None else float("nan"), tok_s=rate)
                 if now - t_prof >= cfg.profile_interval:
                     self._profile_report(now - t_prof, rate)
                     t_prof = now

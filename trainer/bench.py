@@ -327,11 +327,16 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
                 "memory": mem_snapshot(devices),
                 "memory_per_step": t.mem_log}
     finally:
-        t.shutdown()
-        del t
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _dispose(t)
+
+
+def _dispose(t):
+    """Stop a trainer's threads and hand its GPU memory back before the next part builds one."""
+    t.shutdown()
+    del t
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_flex_on_gpu(device) -> dict:
@@ -419,11 +424,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
                         log.exception("%s stage failed", p)
                         res[p] = {"error": repr(e)}
         finally:
-            t.shutdown()
-            del t
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _dispose(t)
     for p, flag in (("sync", False), ("async", True)):
         if p in parts:
             log.info("bench %s/%s: whole pipeline %s", shape, setting, p)

@@ -333,7 +333,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
 def _dispose(t):
     """Stop a trainer's threads and hand its GPU memory back before the next part builds one."""
     t.shutdown()
-    del t
+    t.__dict__.clear()  # the caller still holds `t`: drop what it owns so the memory can go
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -121,7 +121,12 @@ node_down() {
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     fi
     rm -rf "$NODE"
-    # Only remove a pct that is our shim, never a real Proxmox one.
+    # /usr/sbin/pct is shared by every stand-in node on this host (e.g. the fault suite's CT 201
+    # behind its own sshd): remove it only when no other node is up, and only if it is our shim.
+    local other
+    for other in "$CACHE"/node*/sshd.pid; do
+        [[ -f "$other" ]] && kill -0 "$(cat "$other")" 2>/dev/null && return 0
+    done
     if [[ -f /usr/sbin/pct ]] && grep -q 'STAND-IN for Proxmox' /usr/sbin/pct; then rm -f /usr/sbin/pct; fi
 }
 

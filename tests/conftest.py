@@ -15,3 +15,23 @@ def tiny_small_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("dflash-tiny") / "out"
     make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None)
     return out
+
+
+def run_molecule(scenario: str) -> None:
+    """`molecule test -s <scenario>` from the repo root with this venv's tools first on PATH;
+    skipped where the stand-in cannot exist (not root, no lxc/debootstrap, no molecule)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.geteuid() != 0 or shutil.which("lxc-start") is None or shutil.which("debootstrap") is None:
+        pytest.skip("needs root, lxc and debootstrap (tests/setup-host.sh)")
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "molecule").exists():
+        pytest.skip("molecule not installed")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    r = subprocess.run([str(bin_dir / "molecule"), "test", "-s", scenario], cwd=Path(__file__).resolve().parents[1],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]

@@ -271,6 +271,25 @@ def test_bad_files_exit_2_naming_the_file(tiny_small_dir, tmp_path, capsys):
     assert "--data-dir" in capsys.readouterr().err
 
 
+def test_malformed_shard_exits_2_naming_the_shard(tiny_small_dir, tmp_path, capsys):
+    """A shard that passes the cheap checks (present, non-empty) but is corrupt when read is bad
+    input too: exit 2 (dflash.service does not restart it) and the error names the shard."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(tiny_small_dir / "data", data)
+    shard = sorted(data.glob("shard-*.parquet"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[100:200] = bytes(100)
+    shard.write_bytes(bytes(raw))
+    out = tmp_path / "o"
+    assert train_main(_bad(tiny_small_dir, tmp_path, **{"--data-dir": str(data)})) == 2
+    err = capsys.readouterr().err
+    assert f"dflash-train: error: --data-dir: {shard}: sha256 mismatch" in err
+    st = _status(out)
+    assert st["phase"] == "failed" and str(shard) in st["error"]
+    assert not list(out.glob("step-*"))
+
+
 def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys):
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "o", "--check-config")) == 0
     assert "config ok" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import logging
 import math
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ import torch
 from . import __version__
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load as load_checkpoint, restore_rng_state
 from .config import TrainConfig, validate
-from .data import BatchPlanner, DataPosition, collate, load_dataset
+from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from .pipeline import (Delivered, Dispatcher, EventWaiter, TargetWorker, device_ctx, make_item, new_event,
                        np_seed, stream_ctx)
@@ -46,6 +47,11 @@ class TrainingFailed(RuntimeError):
 
 class Stop(Exception):
     pass
+
+
+class BadInput(TrainingFailed):
+    """Input found bad only when it is read (e.g. a malformed data shard): exit 2 like the cheap
+    checks in config.validate, since restarting will not fix it (the unit's RestartPreventExitStatus=2)."""
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -284,7 +290,10 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
 
         # data
-        self.dataset = self.injected_dataset or load_dataset(cfg.data_dir)
+        try:
+            self.dataset = self.injected_dataset or load_dataset(cfg.data_dir)
+        except DataError as e:
+            raise BadInput(f"--data-dir: {e}") from None
         self.planner = BatchPlanner(self.dataset.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size,
                                     seed=cfg.seed, drop_long=cfg.drop_long)
         st = self.planner.stats()
@@ -865,6 +874,11 @@ def train(cfg: TrainConfig) -> int:
             from .evaluate import evaluate_trainer
             evaluate_trainer(trainer, cfg.eval_data_dir)
         return rc
+    except BadInput as e:
+        log.error("bad input: %s", e)
+        trainer.status.update(phase="failed", error=str(e), step=getattr(trainer, "step", 0), force=True)
+        print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except (TrainingFailed, CheckpointError) as e:
         log.error("training failed: %s", e)
         trainer.status.update(phase="failed", error=str(e), step=getattr(trainer, "step", 0),

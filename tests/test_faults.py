@@ -505,8 +505,10 @@ def test_09_nan_storm_fails_after_max_nan_skips_keeping_last_good_checkpoint(job
     pid = st["pid"]
     ct.clear_dropin()     # systemd's restart (Restart=on-failure) then runs without the fault
     t_fail = time.time()
-    runs = split_runs(ct.metrics())
-    storm = [r for r in runs[-1] if r["step"] > s0]
+    # metrics.jsonl gets the last skipped step when the failed trainer closes it on exit
+    wait(lambda: ct.main_pid() != pid, 120, "the failed trainer to exit")
+    failed_run = [run for run in split_runs(ct.metrics()) if any(r["skipped"] for r in run)][-1]
+    storm = [r for r in failed_run if r["step"] > s0]
     complete = ct.steps()
     good = max(s for s in complete if s < nan_from)
     ev.update(stopped_at=s0, nan_from=nan_from, max_nan_skips=max_skips, status=st,

@@ -824,7 +824,19 @@ class Trainer:
         for w in (getattr(self, "copy_waiter", None), getattr(self, "release_waiter", None)):
             if w is not None:
                 w.close()
-                w.join(timeout=10)
+        # the copy waiter may sit in Dispatcher.publish on a full replica queue nobody reads any more
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                w is not None and w.is_alive() for w in (getattr(self, "copy_waiter", None),
+                                                          getattr(self, "release_waiter", None))):
+            for q in getattr(getattr(self, "dispatcher", None), "queues", []):
+                while True:
+                    try:
+                        q.get_nowait()
+                    except queue.Empty:
+                        break
+            for w in (self.copy_waiter, self.release_waiter):
+                w.join(timeout=0.1)
         if hasattr(self, "metrics_file"):
             self.metrics_file.close()
         if self.wandb is not None:
@@ -882,7 +894,8 @@ def train(cfg: TrainConfig) -> int:
     except (TrainingFailed, CheckpointError) as e:
         log.error("training failed: %s", e)
         trainer.status.update(phase="failed", error=str(e), step=getattr(trainer, "step", 0),
-                              nan_skips=getattr(trainer, "nan_skips", 0), force=True)
+                              nan_skips=getattr(trainer, "nan_skips", 0),
+                              nan_streak=getattr(trainer, "nan_streak", 0), force=True)
         return 1
     except Exception as e:
         log.exception("training failed")

@@ -28,6 +28,7 @@ import torch
 
 from .config import TrainConfig
 from .data import Dataset
+from .fast import compile_counters
 from .pipeline import Delivered, Slot
 from .runlog import format_table
 
@@ -38,6 +39,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16, datasheet
 SHAPES = {
     # name: (hidden, layers, heads, kv heads, head dim, mlp, vocab)
     "tiny": (64, 8, 4, 2, 16, 128, 512),
+    "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
     "8b": (4096, 36, 32, 8, 128, 12288, 151936),
     "27b": (5120, 64, 40, 8, 128, 21504, 151936),
 }
@@ -49,6 +51,25 @@ SETTINGS = {
                 use_soft_labels=True),
 }
 TINY_SETTINGS = dict(token_budget=1024, max_seq_len=256, max_anchors=16)
+# --variants: each runs the chosen parts again with these trainer options (combine with '+')
+VARIANTS = {
+    "base": {},
+    "compile": {"compile": "all"},
+    "ctarget": {"compile": "target"},
+    "cdrafter": {"compile": "drafter"},
+    "cudnn": {"sdpa_backend": "cudnn"},
+    "flash": {"sdpa_backend": "flash"},
+    "pinned": {"transport": "pinned"},
+}
+
+
+def variant_options(name: str) -> dict:
+    out = {}
+    for part in name.split("+"):
+        if part not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {part!r} (known: {', '.join(VARIANTS)}; combine with '+')")
+        out.update(VARIANTS[part])
+    return out
 
 
 def qwen3_config(shape: str):
@@ -157,6 +178,44 @@ def sync_all(devices):
             torch.cuda.synchronize(d)
 
 
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "cudnn", "triton_tem")):
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")):
+        return "gemm"
+    if "memcpy" in n or "memset" in n:
+        return "copy/memset"
+    if n.startswith("triton_"):
+        return "fused (triton)"
+    return "elementwise/reduce (eager)"
+
+
+def kernel_profile(fn, device, top: int = 12) -> dict:
+    """GPU time per kernel class over one call of fn (torch.profiler, CUDA activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+    sync_all([device])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync_all([device])
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append((e.key, us / 1000.0, e.count))
+    total = sum(r[1] for r in rows)
+    by = {}
+    for name, ms, _ in rows:
+        c = _kernel_class(name)
+        by[c] = by.get(c, 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return {"gpu_ms": total, "by_class_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+            "by_class_share": {k: v / total for k, v in by.items()} if total else {},
+            "top": [{"kernel": n[:110], "ms": ms, "calls": c, "class": _kernel_class(n)} for n, ms, c in rows[:top]]}
+
+
 class _NoRelease:
     def release(self, slot):
         pass
@@ -171,6 +230,7 @@ class Ctx:
     dataset: Dataset
     factory: object
     cfg_base: dict
+    over: dict
 
 
 def make_cfg(ctx: Ctx, **over) -> TrainConfig:
@@ -183,6 +243,7 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
              mask_token_id=None, lr=6e-4, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
              max_batch_size=64, save_final=False)
     d.update(ctx.cfg_base)
+    d.update(ctx.over)
     d.update(over)
     return TrainConfig(**d)
 
@@ -220,6 +281,7 @@ def bench_target(ctx: Ctx, t) -> dict:
     for w in t.workers:
         while w.in_flight:
             time.sleep(0.001)
+    c0 = compile_counters()
     t0 = time.perf_counter()
     th = [threading.Thread(target=run, args=(w, items[1 + i::len(t.workers)])) for i, w in enumerate(t.workers)]
     for x in th:
@@ -231,6 +293,13 @@ def bench_target(ctx: Ctx, t) -> dict:
         while w.in_flight:
             time.sleep(0.001)
     wall = time.perf_counter() - t0
+    prof = None
+    if ctx.args.profile and t.t_devices[0].type == "cuda":
+        w = t.workers[0]
+        prof = kernel_profile(lambda: run(w, items[1:3]), w.device)
+        prof["tokens"] = sum(it.plan.num_tokens for it in items[1:3])
+        while w.in_flight:
+            time.sleep(0.001)
     tokens = sum(it.plan.num_tokens for it in items[1:])
     lengths = np.concatenate([it.lengths for it in items[1:]])
     layers_run = len(t.workers[0].model.model.layers)
@@ -238,7 +307,7 @@ def bench_target(ctx: Ctx, t) -> dict:
     peak = peak_flops(len(t.workers))
     return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall / len(t.workers), "batches": n,
             "wall_s": wall, "tflops": flops / wall / 1e12, "mfu": flops / wall / peak if peak else None,
-            "memory": mem_snapshot(t.t_devices)}
+            "memory": mem_snapshot(t.t_devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0)}
 
 
 def bench_drafter(ctx: Ctx, t) -> dict:
@@ -269,17 +338,26 @@ def bench_drafter(ctx: Ctx, t) -> dict:
 
     step(bufs[:1])
     sync_all(t.d_devices)
+    c0 = compile_counters()
     t0 = time.perf_counter()
     step(bufs[1:])
     sync_all(t.d_devices)
     wall = time.perf_counter() - t0
+    prof = None
+    if ctx.args.profile and reps[0].device.type == "cuda":
+        d = bufs[0]  # built on replica 0's device
+        prof = kernel_profile(lambda: reps[0].micro_step(d, 0.03, scale), reps[0].device)
+        prof["block_rows"] = sum(len(c.q_seq) for c in d.item.plan.chunks)
+        for p in reps[0].params:
+            p.grad = None
     tokens = sum(d.item.plan.num_tokens for d in bufs[1:])
     rows = sum(sum(len(c.q_seq) for c in d.item.plan.chunks) for d in bufs[1:])
     flops = sum(model_flops_drafter(d.item.plan, t.dcfg, t.cfg.use_soft_labels) for d in bufs[1:])
     peak = peak_flops(len(reps))
     return {"tok_s": tokens / wall, "block_rows_per_s": rows / wall, "block_rows_per_token": rows / tokens,
             "batches": n, "wall_s": wall, "tflops": flops / wall / 1e12,
-            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(t.d_devices)}
+            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(t.d_devices), "kernels": prof,
+            "compiles_in_timed_window": _compiles(c0)}
 
 
 def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
@@ -299,6 +377,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
+            c0 = compile_counters()
             try:
                 rc = t.run()
             finally:
@@ -323,11 +402,33 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
                 "wait_fraction": waits, "stage_busy_fraction": busy,
                 "pinned_bytes": sum(w.pinned_bytes() for w in t.workers),
                 "transport": sorted({w.mode for w in t.workers}),
-                "sync_ops_whole_run": len(caught), "sync_ops_timed_window_by_thread": by_thread,
+                "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
-                "memory_per_step": t.mem_log}
+                "memory_flatness": memory_flatness(t.mem_log),
+                "memory_per_step": t.mem_log if len(t.mem_log) <= 50 else t.mem_log[::10]}
     finally:
         _dispose(t)
+
+
+def _compiles(before: dict) -> int:
+    """Graphs dynamo compiled since `before` (a recompile inside a timed window would be a stall)."""
+    now = compile_counters()
+    return now.get("unique_graphs", 0) - before.get("unique_graphs", 0)
+
+
+def memory_flatness(mem_log: list[dict], window: int = 100) -> dict:
+    """Peak of each counter over the first and the last `window` steps (halves when the run is shorter),
+    and the growth between them: the pipeline's buffers are preallocated, so growth means a leak."""
+    if len(mem_log) < 2:
+        return {}
+    n = min(window, len(mem_log) // 2)
+    first, last = mem_log[:n], mem_log[-n:]
+    keys = [k for k in mem_log[0] if k != "step"]
+    out = {"steps": len(mem_log), "window": n}
+    for k in keys:
+        a, b = max(m[k] for m in first), max(m[k] for m in last)
+        out[k] = {"first_max": a, "last_max": b, "growth_bytes": b - a}
+    return out
 
 
 def _dispose(t):
@@ -397,18 +498,24 @@ def check_flex_on_gpu(device) -> dict:
     return out
 
 
-def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: None) -> dict:
+def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: None, variant: str = "base") -> dict:
     base = dict(SETTINGS[setting])
     if shape == "tiny":
         base.update(TINY_SETTINGS)
+    if args.token_budget:
+        base["token_budget"] = args.token_budget
+    if args.max_seq_len:
+        base["max_seq_len"] = args.max_seq_len
     vocab = SHAPES[shape][6]
     # enough sequences that length buckets fill their batches, as with a real corpus
     need = max(base["token_budget"] * 4 * args.steps * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
                            mean_len=min(args.mean_len, base["max_seq_len"]),
                            min_len=min(args.min_len, base["max_seq_len"]))
-    ctx = Ctx(args, shape, setting, dtype, ds, factory, base)
-    res = {"setting": setting, **base, "dataset_tokens": ds.num_tokens, "dataset_sequences": len(ds)}
+    over = variant_options(variant)
+    ctx = Ctx(args, shape, setting, dtype, ds, factory, base, over)
+    res = {"setting": setting, "variant": variant, "options": over, **base, "dataset_tokens": ds.num_tokens,
+           "dataset_sequences": len(ds)}
     parts = args.parts.split(",")
     if "target" in parts or "drafter" in parts:
         t = _new_trainer(ctx, max_steps=args.steps)
@@ -447,18 +554,34 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
 def table(results: list[dict]) -> str:
     rows = []
     for r in results:
+        label = f"{r['shape']}/{r['setting']}" + (f" {r['variant']}" if r.get("variant", "base") != "base" else "")
         for part in ("target", "drafter", "sync", "async"):
             p = r.get(part)
             if not p:
                 continue
             mem = p.get("memory", {})
             peaks = ", ".join(f"{k[5:]}={v / 2**30:.1f}G" for k, v in mem.items() if k.startswith("peak_"))
-            rows.append([f"{r['shape']}/{r['setting']}", part, p.get("tok_s"),
+            rows.append([label, part, p.get("tok_s"),
                          None if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                          peaks or "-", p.get("error", "")[:40]])
-        rows.append([f"{r['shape']}/{r['setting']}", "async/min(stage)", r.get("async_over_min_stage"), "", "", ""])
-        rows.append([f"{r['shape']}/{r['setting']}", "async/sync", r.get("async_over_sync"), "", "", ""])
+        rows.append([label, "async/min(stage)", r.get("async_over_min_stage"), "", "", ""])
+        rows.append([label, "async/sync", r.get("async_over_sync"), "", "", ""])
     return format_table(["shape/setting", "part", "tok/s", "MFU", "peak GPU mem", "error"], rows)
+
+
+def kernel_table(results: list[dict]) -> str:
+    """GPU milliseconds per kernel class for the profiled stages (--profile)."""
+    classes = ["gemm", "attention", "elementwise/reduce (eager)", "fused (triton)", "copy/memset"]
+    rows = []
+    for r in results:
+        label = f"{r['shape']}/{r['setting']}" + (f" {r['variant']}" if r.get("variant", "base") != "base" else "")
+        for part in ("target", "drafter"):
+            k = (r.get(part) or {}).get("kernels")
+            if k:
+                rows.append([label, part, k["gpu_ms"]] + [k["by_class_ms"].get(c, 0.0) for c in classes])
+    if not rows:
+        return ""
+    return format_table(["shape/setting", "stage", "GPU ms"] + [f"{c} ms" for c in classes], rows)
 
 
 def main(argv=None) -> int:
@@ -473,6 +596,12 @@ def main(argv=None) -> int:
     p.add_argument("--supervised", type=float, default=0.5, help="completion share of each sequence")
     p.add_argument("--mean-len", type=int, default=2048)
     p.add_argument("--min-len", type=int, default=64, help="shortest synthetic sequence")
+    p.add_argument("--variants", default="base",
+                   help=f"comma list, each runs the parts again with trainer options: {', '.join(VARIANTS)} "
+                        "(combine with '+', e.g. compile+cudnn)")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel class for each stage (torch.profiler)")
+    p.add_argument("--token-budget", type=int, default=0, help="override the setting's token budget")
+    p.add_argument("--max-seq-len", type=int, default=0, help="override the setting's max sequence length")
     p.add_argument("--no-flex-check", action="store_true")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
@@ -501,11 +630,19 @@ def main(argv=None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"meta": meta, "results": results + [partial]}, indent=2, default=str))
 
+    variants = a.variants.split(",")
+    for v in variants:
+        variant_options(v)  # fail fast on a typo, before any GPU work
     for s in a.settings.split(","):
-        r = run_setting(a, a.shape, s, dtype, factory, save)
-        r["shape"] = a.shape
-        results.append(r)
-        save({"shape": a.shape, "setting": "(complete)"})
+        for v in variants:
+            r = run_setting(a, a.shape, s, dtype, factory, save, variant=v)
+            r["shape"] = a.shape
+            results.append(r)
+            save({"shape": a.shape, "setting": "(complete)"})
+            print(table(results[-1:]), flush=True)
+    kt = kernel_table(results)
+    if kt:
+        print(kt)
     print(table(results))
     return 0
 

@@ -156,8 +156,8 @@ def flex_attention_fn(device: torch.device):
     """Compiled FlexAttention on CUDA; eager on the CPU (forward only: used to check the mask there)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
-    if device.type != "cuda":
-        return flex_attention
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled layer (--compile drafter) the layer's graph holds it
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
@@ -263,41 +263,61 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
+def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight):
+    """One chunk of rows: weighted CE of (hidden @ W^T) against hard labels (soft_rows None) or the
+    softmax of (soft_rows @ W^T); returns (weighted loss sum, d loss / d hidden, correct as float).
+    Pure function of its inputs, so it can be compiled (the elementwise passes over the fp32
+    [rows, vocab] logits fuse); the two GEMMs stay cuBLAS either way."""
+    logits = (hidden @ weight.t()).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    if soft_rows is None:
+        safe = labels.clamp(min=0)
+        nll = -logp.gather(1, safe[:, None])[:, 0]
+        g = p.scatter_add(1, safe[:, None], -torch.ones_like(nll)[:, None])
+        ok = logits.argmax(-1) == labels
+    else:
+        t_logits = (soft_rows @ weight.t()).float()
+        t_p = torch.softmax(t_logits, dim=-1)
+        nll = -(t_p * logp).sum(-1)
+        g = p - t_p
+        ok = logits.argmax(-1) == t_logits.argmax(-1)
+    grad = ((g * row_weight[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+    return (nll * row_weight).sum(), grad, ok.float()
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(fused: bool):
+    global _compiled_chunk
+    if not fused:
+        return lm_head_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(lm_head_chunk)
+    return _compiled_chunk
+
+
 class ChunkedLMHeadLoss(torch.autograd.Function):
     """Weighted CE of (hidden @ W^T) against hard labels or soft target rows, chunked over rows.
 
     Forward computes the loss and, chunk by chunk, the gradient w.r.t. hidden (W is frozen), so the
     full [rows, vocab] logits never exist; backward only scales the stored gradient. Returns
-    (loss_sum / weight_norm, correct [rows] as float).
+    (loss_sum / weight_norm, correct [rows] as float). fused=True runs the compiled chunk function.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, chunk):
+    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, chunk, fused):
         n = hidden.shape[0]
+        fn = _chunk_fn(fused)
         grad = torch.empty_like(hidden)
         correct = torch.empty(n, device=hidden.device, dtype=torch.float32)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = (hidden[s:e] @ weight.t()).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            p = logp.exp()
-            w = row_weight[s:e] / norm
-            if soft_rows is None:
-                lab = labels[s:e]
-                safe = lab.clamp(min=0)
-                nll = -logp.gather(1, safe[:, None])[:, 0]
-                p.scatter_add_(1, safe[:, None], -torch.ones_like(nll)[:, None])
-                pred_ok = logits.argmax(-1) == lab
-            else:
-                t_logits = (soft_rows[s:e] @ weight.t()).float()
-                t_p = torch.softmax(t_logits, dim=-1)
-                nll = -(t_p * logp).sum(-1)
-                p.sub_(t_p)
-                pred_ok = logits.argmax(-1) == t_logits.argmax(-1)
-            total += (nll * w).sum()
-            grad[s:e] = ((p * w[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
-            correct[s:e] = pred_ok.float()
+            soft = soft_rows[s:e] if soft_rows is not None else None
+            part, grad[s:e], correct[s:e] = fn(hidden[s:e], weight, labels[s:e], soft, row_weight[s:e] / norm)
+            total += part
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -305,12 +325,13 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None
 
 
-def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None, chunk: int = 4096):
+def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None, chunk: int = 4096,
+                fused: bool = False):
     """Loss over block rows. labels[r] = token id (hard) or -1 (ignored: weight must be 0 there)."""
-    return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, chunk)
+    return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, chunk, fused)
 
 
 def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int):

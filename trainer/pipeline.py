@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .fast import sdpa_context
 from .plan import MicroPlan
 
 log = logging.getLogger("trainer.pipeline")
@@ -161,8 +162,10 @@ class TargetWorker:
     """A frozen replica of the target on one device, its stream, its slots and its capture hooks."""
 
     def __init__(self, index: int, model, device: torch.device, tap_ids: list[int], soft_labels: bool,
-                 rows: int, drafter_devices: list[torch.device], num_slots: int, dtype: torch.dtype):
+                 rows: int, drafter_devices: list[torch.device], num_slots: int, dtype: torch.dtype,
+                 transport: str = "auto", sdpa_backend: str = "auto"):
         self.index, self.model, self.device = index, model, device
+        self.sdpa_backend = sdpa_backend
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.tap_ids, self.soft_labels = list(tap_ids), soft_labels
         self.k = len(tap_ids)
@@ -175,6 +178,11 @@ class TargetWorker:
         self._lock = threading.Lock()
         dst_dev = drafter_devices[0]
         mode = "same" if dst_dev == device else ("peer" if _peer_ok(device, dst_dev) else "pinned")
+        if transport == "pinned" and mode == "peer":
+            mode = "pinned"
+        elif transport == "peer" and mode == "pinned":
+            raise RuntimeError(f"--transport peer: {device} cannot access {dst_dev} directly "
+                               "(no peer-to-peer path); use --transport auto or pinned")
         self.mode = mode
         self.slots = []
         for i in range(num_slots):
@@ -254,7 +262,8 @@ class TargetWorker:
             fg = item.final_gather.to(dev, non_blocking=True) if item.final_gather is not None else None
             self._cur = {"slot": slot, "gather": gather, "final_gather": fg}
             try:
-                _decoder(self.model)(input_ids=ids, use_cache=False)
+                with sdpa_context(self.sdpa_backend):
+                    _decoder(self.model)(input_ids=ids, use_cache=False)
             finally:
                 self._cur = None
             ev["fwd"].record()
@@ -272,7 +281,8 @@ class TargetWorker:
         for bsz, seqlen in shapes:
             t0 = time.perf_counter()
             ids = torch.randint(0, vocab, (bsz, seqlen))
-            with torch.inference_mode(), device_ctx(self.device), stream_ctx(self.stream):
+            with torch.inference_mode(), device_ctx(self.device), stream_ctx(self.stream), \
+                    sdpa_context(self.sdpa_backend):
                 _decoder(self.model)(input_ids=ids.to(self.device), use_cache=False)
             if self.stream is not None:
                 self.stream.synchronize()

@@ -31,9 +31,10 @@ from . import __version__
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load as load_checkpoint, restore_rng_state
 from .config import TrainConfig, validate
 from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
+from .fast import compile_layers, wants
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
-from .pipeline import (Delivered, Dispatcher, EventWaiter, TargetWorker, device_ctx, make_item, new_event,
-                       np_seed, stream_ctx)
+from .pipeline import (Delivered, Dispatcher, EventWaiter, TargetWorker, _decoder, device_ctx, make_item,
+                       new_event, np_seed, stream_ctx)
 from .plan import plan_micro_batch
 from .runlog import Progress, format_table, setup_logging
 from .status import Notifier, StatusWriter
@@ -147,6 +148,7 @@ class DrafterReplica:
         self.profiler, self.release_waiter, self.attention = profiler, release_waiter, attention
         self.recv_taps = None
         self.recv_final = None
+        self.fused_loss = wants(cfg.compile, "drafter")
         self.rows, self.k_taps = rows, k_taps
         self.gen = torch.Generator(device=device)
         bs = dcfg.block_size
@@ -203,7 +205,7 @@ class DrafterReplica:
                     hidden = self.model(x, emb, meta, backend=self.attention)
                     soft = final[dev["soft_index"]] if final is not None and "soft_index" in dev else None
                     loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
-                                                soft_rows=soft)
+                                                soft_rows=soft, fused=self.fused_loss)
                     if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
                         loss = loss * float("nan")
                     loss.backward()
@@ -326,7 +328,12 @@ class Trainer:
         self.flex = (cfg.attention == "flex") or (cfg.attention == "auto" and not cfg.on_cpu)
         self.rows = cfg.token_budget + (128 * cfg.max_batch_size if self.flex else 0)
         self.workers = [TargetWorker(i, m, dev, self.dcfg.target_layer_ids, cfg.use_soft_labels, self.rows, d_dev,
-                                     cfg.slots_per_worker, self.dtype) for i, (m, dev) in enumerate(zip(models, t_dev))]
+                                     cfg.slots_per_worker, self.dtype, transport=cfg.transport,
+                                     sdpa_backend=cfg.sdpa_backend)
+                        for i, (m, dev) in enumerate(zip(models, t_dev))]
+        if wants(cfg.compile, "target"):
+            n = sum(compile_layers(_decoder(w.model).layers) for w in self.workers)
+            log.info("--compile %s: %d target layers compiled (regional; compiles during warmup)", cfg.compile, n)
         log.info("transport: %s", ", ".join(f"worker {w.index} {w.device}->{d_dev[0]} {w.mode}" for w in self.workers))
 
         # drafter replicas + fp32 master on the first drafter device
@@ -342,6 +349,8 @@ class Trainer:
             m = copy.deepcopy(base).to(device=dev, dtype=self.dtype)
             m.rotary_emb.to(dtype=torch.float32)
             m.train()
+            if wants(cfg.compile, "drafter"):
+                compile_layers(m.layers, dynamic=True)  # every micro-batch has its own row counts
             self.replicas.append(DrafterReplica(
                 i, dev, m, embed.to(dev, self.dtype), head.to(dev, self.dtype), cfg, self.dcfg, self.dtype,
                 self.rows, len(self.dcfg.target_layer_ids), self.profiler, self.release_waiter,
@@ -668,34 +677,39 @@ class Trainer:
         for w in self.workers:
             w.warmup(shapes, vocab)
             self.notifier.extend_timeout(900)
-        # one drafter forward/backward per replica at the largest chunk shape, then throw the grads away
+        # one drafter forward/backward per replica at the largest chunk shape (and, with a compiled drafter,
+        # a second smaller one so the shape-generic graphs exist before step 1), then throw the grads away
         seq = min(cfg.max_seq_len, cfg.token_budget)
-        rng = np.random.default_rng(0)
-        ids = rng.integers(0, vocab, size=(1, seq))
-        mask = np.ones((1, seq), dtype=bool)
-        mask[0, 0] = False
-        plan = plan_micro_batch(ids, mask, np.array([seq]), [0], 0, seed=0, block_size=cfg.block_size,
-                                max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
-                                mask_token_id=self.mask_token, gamma=cfg.gamma, soft_labels=cfg.use_soft_labels,
-                                chunk_rows=cfg.drafter_chunk_rows, flex=self.flex)
+        seqs = [seq] + ([max(cfg.block_size * 2, seq // 2 + 37)] if wants(cfg.compile, "drafter") else [])
         from .data import Batch
-        batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.ones(1, seq, dtype=torch.long),
-                      torch.tensor([seq]), [0], seq, seq - 1)
-        for i, r in enumerate(self.replicas):
-            w = self.workers[i % len(self.workers)]
-            item = make_item(-1, 0, 0, batch, plan, pin=not cfg.on_cpu, data_s=0.0)
-            slot = w.acquire()
-            ev, info = w.forward_pack(item, slot)
-            ev["copy"].synchronize()
-            r.micro_step(Delivered(item, slot, info["rows"], info["final_rows"], {}), 0.0, 1.0)
-            for p in r.params:
-                p.grad = None
-            r.metric.zero_()
-            r.tokens, r.pos_counts = 0, np.zeros_like(r.pos_counts)
-            if r.device.type == "cuda":
-                torch.cuda.synchronize(r.device)
-            log.info("warmup: drafter replica %d (%s) %d block rows", i, r.device,
-                     sum(len(c.q_seq) for c in plan.chunks))
+        for n in seqs:
+            rng = np.random.default_rng(n)
+            ids = rng.integers(0, vocab, size=(1, n))
+            mask = np.ones((1, n), dtype=bool)
+            mask[0, 0] = False
+            plan = plan_micro_batch(ids, mask, np.array([n]), [0], 0, seed=0, block_size=cfg.block_size,
+                                    max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
+                                    mask_token_id=self.mask_token, gamma=cfg.gamma, soft_labels=cfg.use_soft_labels,
+                                    chunk_rows=cfg.drafter_chunk_rows, flex=self.flex)
+            batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.ones(1, n, dtype=torch.long),
+                          torch.tensor([n]), [0], n, n - 1)
+            for i, r in enumerate(self.replicas):
+                t1 = time.perf_counter()
+                w = self.workers[i % len(self.workers)]
+                item = make_item(-1, 0, 0, batch, plan, pin=not cfg.on_cpu, data_s=0.0)
+                slot = w.acquire()
+                ev, info = w.forward_pack(item, slot)
+                ev["copy"].synchronize()
+                r.micro_step(Delivered(item, slot, info["rows"], info["final_rows"], {}), 0.0, 1.0)
+                for p in r.params:
+                    p.grad = None
+                r.metric.zero_()
+                r.tokens, r.pos_counts = 0, np.zeros_like(r.pos_counts)
+                if r.device.type == "cuda":
+                    torch.cuda.synchronize(r.device)
+                log.info("warmup: drafter replica %d (%s) %d block rows in %.2fs", i, r.device,
+                         sum(len(c.q_seq) for c in plan.chunks), time.perf_counter() - t1)
+                self.notifier.extend_timeout(900)
         # slots released by the waiter thread; wait until all are back
         for w in self.workers:
             while w.in_flight:

@@ -1,0 +1,73 @@
+"""Kernel-level speed options (``--compile``, ``--sdpa-backend``), measured in docs/performance.md.
+
+- Regional compilation: one ``torch.compile``d forward shared by every layer of a stack (identical
+  layers reuse the compiled code, so the cost is one layer's compile, not 36). Only the layer's
+  ``forward`` is compiled: forward hooks (the target's tap capture) stay eager around it. What it buys
+  is fusion of the memory-bound parts between the GEMMs: RMSNorm (six eager passes in fp32 -> one),
+  rotary embedding, SiLU x up, residual adds.
+- The drafter's LM-head loss uses the same per-chunk function compiled (see model.lm_head_chunk):
+  the ~20 elementwise passes over the fp32 [chunk, vocab] logits become a few fused kernels.
+- ``--sdpa-backend`` pins the target's attention kernel (auto lets PyTorch choose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+
+import torch
+
+log = logging.getLogger("trainer.fast")
+
+COMPILE_CHOICES = ("none", "target", "drafter", "all")
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")
+
+
+def _raise_cache_limits(n: int = 64):
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), n if "accumulated" not in name else 4 * n))
+
+
+def compile_layers(layers, dynamic: bool | None = None) -> int:
+    """Replace each layer's forward with one shared compiled function (regional compilation).
+    dynamic=None: compiled for the first shape, then once more with the dims that changed symbolic
+    (the warmup runs two shapes so this happens before step 1); True: symbolic from the start.
+    Returns how many layers were wrapped."""
+    layers = list(layers)
+    if not layers:
+        return 0
+    _raise_cache_limits()
+    cls = type(layers[0])
+    fn = torch.compile(cls.forward, dynamic=dynamic)
+    for layer in layers:
+        if type(layer) is not cls:
+            raise TypeError(f"compile_layers: mixed layer types {cls.__name__} and {type(layer).__name__}")
+        layer.forward = types.MethodType(fn, layer)
+    return len(layers)
+
+
+def wants(compile_opt: str, part: str) -> bool:
+    return compile_opt == "all" or compile_opt == part
+
+
+def sdpa_context(backend: str):
+    """Context that restricts scaled_dot_product_attention to one backend ('auto': no restriction)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return sdpa_kernel([kinds[backend]])
+
+
+def compile_counters() -> dict:
+    """Dynamo's running totals (graphs compiled, frames seen): differences show recompiles."""
+    try:
+        from torch._dynamo.utils import counters
+        return {k: int(v) for k, v in counters["stats"].items()}
+    except Exception:
+        return {}

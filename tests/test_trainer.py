@@ -183,7 +183,8 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, t
     assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
-    env = dict(os.environ, DFLASH_FAULT_SLOW_CHECKPOINT="")
+    # 0.5 s per step: the signal lands mid-run however fast this host trains the tiny model
+    env = dict(os.environ, DFLASH_FAULT_STEP_DELAY="0.5")
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _wait_for(lambda: _status(out).get("step", 0) >= 4, 120, "step 4")
     p.send_signal(signal.SIGTERM)

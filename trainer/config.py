@@ -66,7 +66,7 @@ class TrainConfig:
     slots_per_worker: int = 3
     queue_depth: int = 2
     attention: str = "auto"   # auto | flex | sdpa
-    compile: str = "none"     # none | target | drafter | all (regional torch.compile, see trainer/fast.py)
+    compile: str = "auto"     # auto | none | target | drafter | all (regional torch.compile, trainer/fast.py)
     sdpa_backend: str = "auto"  # auto | flash | cudnn | efficient (the target's attention kernel)
     transport: str = "auto"   # auto | peer | pinned (how hidden states reach the drafter GPU)
     check_config: bool = False
@@ -159,8 +159,9 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
     o.add_argument("--slots-per-worker", type=int, default=3, help="copies in flight per target worker")
     o.add_argument("--queue-depth", type=int, default=2, help="delivered batches waiting per drafter replica")
     o.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"))
-    o.add_argument("--compile", default="none", choices=("none", "target", "drafter", "all"),
-                   help="regional torch.compile of the target's and/or the drafter's layers and loss")
+    o.add_argument("--compile", default="auto", choices=("auto", "none", "target", "drafter", "all"),
+                   help="regional torch.compile of the target's and/or the drafter's layers and loss "
+                        "(auto: all on GPUs, none on the CPU)")
     o.add_argument("--sdpa-backend", default="auto", choices=("auto", "flash", "cudnn", "efficient"),
                    help="attention kernel of the target forward (auto: PyTorch chooses)")
     o.add_argument("--transport", default="auto", choices=("auto", "peer", "pinned"),

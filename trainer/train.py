@@ -31,7 +31,7 @@ from . import __version__
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load as load_checkpoint, restore_rng_state
 from .config import TrainConfig, validate
 from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
-from .fast import compile_layers, wants
+from .fast import compile_layers, resolve_compile, wants
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from .pipeline import (Delivered, Dispatcher, EventWaiter, TargetWorker, _decoder, device_ctx, make_item,
                        new_event, np_seed, stream_ctx)
@@ -274,6 +274,7 @@ class Trainer:
 
     def setup(self):
         cfg = self.cfg
+        cfg.compile = resolve_compile(cfg.compile, cfg.on_cpu)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_file = setup_logging(cfg.log_dir, self.run_id)
         self.status.update(phase="starting", force=True, log_file=str(self.log_file))
@@ -806,6 +807,8 @@ class Trainer:
 
     def _inject_faults(self):
         f = self.faults
+        if "step_delay" in f:
+            time.sleep(f["step_delay"])
         if "nan_from_step" in f:
             for r in self.replicas:
                 r.poison = self.step + 1 >= f["nan_from_step"]
@@ -870,12 +873,15 @@ def read_faults() -> dict:
     DFLASH_FAULT_NAN_FROM_STEP=N  losses become NaN from optimizer step N on
     DFLASH_FAULT_HANG_AT_STEP=N   the main loop stops making progress at step N (process stays alive)
     DFLASH_FAULT_SLOW_CHECKPOINT=S  sleep S seconds inside each checkpoint write (before the rename)
+    DFLASH_FAULT_STEP_DELAY=S     sleep S seconds before each optimizer step (a slow job, so tests can
+                                  act on it mid-run however fast the host is)
     """
     import os
     out = {}
     for env, key, typ in (("DFLASH_FAULT_NAN_FROM_STEP", "nan_from_step", int),
                           ("DFLASH_FAULT_HANG_AT_STEP", "hang_at_step", int),
-                          ("DFLASH_FAULT_SLOW_CHECKPOINT", "slow_checkpoint", float)):
+                          ("DFLASH_FAULT_SLOW_CHECKPOINT", "slow_checkpoint", float),
+                          ("DFLASH_FAULT_STEP_DELAY", "step_delay", float)):
         if os.environ.get(env):
             out[key] = typ(os.environ[env])
             log.warning("fault injection active: %s=%s", env, os.environ[env])

@@ -63,6 +63,28 @@ VARIANTS = {
 }
 
 
+def parse_sets(items: list[str]) -> dict:
+    """--set FIELD=VALUE -> {field: value typed like the TrainConfig default}; unknown fields are errors."""
+    import dataclasses
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of TrainConfig's fields")
+        default = fields[key].default
+        if isinstance(default, bool):
+            out[key] = val.lower() in ("1", "true", "yes", "on")
+        elif isinstance(default, int):
+            out[key] = int(val)
+        elif isinstance(default, float):
+            out[key] = float(val)
+        else:
+            out[key] = val
+    return out
+
+
 def variant_options(name: str) -> dict:
     out = {}
     for part in name.split("+"):
@@ -243,6 +265,7 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
              mask_token_id=None, lr=6e-4, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
              max_batch_size=64, save_final=False)
     d.update(ctx.cfg_base)
+    d.update(getattr(a, "extra", {}))
     d.update(ctx.over)
     d.update(over)
     return TrainConfig(**d)
@@ -468,8 +491,11 @@ def check_flex_on_gpu(device) -> dict:
         emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
         proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)  # loss = <out, proj>
 
-        def grads(dev, dtype, backend, compiled=True):
+        def grads(dev, dtype, backend, compiled=True, layers_compiled=False):
             m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)
+            if layers_compiled:
+                from .fast import compile_layers
+                compile_layers(m.layers, dynamic=True)
             t = lambda a: torch.from_numpy(a).to(dev)
             meta = M.PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
                                 t(c.kv_num_blocks), t(c.kv_indices))
@@ -488,7 +514,7 @@ def check_flex_on_gpu(device) -> dict:
         rel = lambda a, b: float((a - b).norm() / b.norm())
         res = {}
         for name, args in (("sdpa_gpu", ("sdpa", True)), ("flex_compiled", ("flex", True)),
-                           ("flex_eager", ("flex", False))):
+                           ("flex_eager", ("flex", False)), ("flex_in_compiled_layers", ("flex", True, True))):
             try:
                 r = grads(device, torch.float32, *args)
                 res[name] = {"out": rel(r[0], ref[0]), "grad_fc": rel(r[1], ref[1]), "grad_q": rel(r[2], ref[2])}
@@ -602,6 +628,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="GPU time per kernel class for each stage (torch.profiler)")
     p.add_argument("--token-budget", type=int, default=0, help="override the setting's token budget")
     p.add_argument("--max-seq-len", type=int, default=0, help="override the setting's max sequence length")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other trainer option for every variant, e.g. --set drafter_chunk_rows=16384")
     p.add_argument("--no-flex-check", action="store_true")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
@@ -630,6 +658,7 @@ def main(argv=None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"meta": meta, "results": results + [partial]}, indent=2, default=str))
 
+    a.extra = parse_sets(a.set)
     variants = a.variants.split(",")
     for v in variants:
         variant_options(v)  # fail fast on a typo, before any GPU work

@@ -800,9 +800,17 @@ class Trainer:
 
     def _memory(self) -> dict:
         out = {"step": self.step, "rss": _rss()}
+        cuda = False
         for d in dict.fromkeys(self.t_devices + self.d_devices):
             if d.type == "cuda":
+                cuda = True
                 out[str(d)] = torch.cuda.memory_allocated(d)
+                out[f"{d} reserved"] = torch.cuda.memory_reserved(d)
+        if cuda:
+            try:  # pinned host memory held by PyTorch's caching host allocator (batches' pinned inputs)
+                out["pinned host (allocator)"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+            except Exception:
+                pass
         return out
 
     def _inject_faults(self):

@@ -79,3 +79,16 @@ def compile_counters() -> dict:
         return {k: int(v) for k, v in counters["stats"].items()}
     except Exception:
         return {}
+
+
+def freeze_compiled(on: bool) -> None:
+    """After the warmup: no more compiles in this process ('eager_on_recompile'); a shape the warmup's
+    graphs do not cover runs eagerly instead. This is for correctness, not only speed: compiling traces
+    with FX, which patches nn.Module.__call__ process-wide, so a compile in one pipeline thread breaks
+    a forward running in another ("using FX to symbolically trace a dynamo-optimized function", seen on
+    the H200 when a drafter chunk shape recompiled mid-run). on=False restores the default (a new
+    warmup may compile again)."""
+    try:
+        torch.compiler.set_stance("eager_on_recompile" if on else "default")
+    except (AttributeError, RuntimeError) as e:  # torch < 2.6 has no stances
+        log.warning("cannot freeze compiled graphs (%s): a mid-run recompile could race other threads", e)

@@ -31,7 +31,7 @@ from . import __version__
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load as load_checkpoint, restore_rng_state
 from .config import TrainConfig, validate
 from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
-from .fast import compile_layers, resolve_compile, wants
+from .fast import compile_layers, freeze_compiled, resolve_compile, wants
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from .pipeline import (Delivered, Dispatcher, EventWaiter, TargetWorker, _decoder, device_ctx, make_item,
                        new_event, np_seed, stream_ctx)
@@ -672,6 +672,9 @@ class Trainer:
         cfg = self.cfg
         self.status.update(phase="warmup", force=True)
         t0 = time.perf_counter()
+        compiled = cfg.compile != "none"
+        if compiled:
+            freeze_compiled(False)
         vocab = self.dcfg.vocab_size
         long_b = max(1, cfg.token_budget // cfg.max_seq_len)
         shapes = [(long_b, cfg.max_seq_len), (min(cfg.max_batch_size, cfg.token_budget // 256 or 1), 256)]
@@ -716,7 +719,10 @@ class Trainer:
             while w.in_flight:
                 time.sleep(0.01)
         self.profiler.reset()
-        log.info("warmup done in %.1fs", time.perf_counter() - t0)
+        if compiled:
+            freeze_compiled(True)
+        log.info("warmup done in %.1fs%s", time.perf_counter() - t0,
+                 f" (--compile {cfg.compile}: graphs frozen, shapes they do not cover run eagerly)" if compiled else "")
 
     def run(self) -> int:
         cfg = self.cfg

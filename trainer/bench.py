@@ -409,7 +409,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
             torch.cuda.set_sync_debug_mode(0)
         if rc != 0:
             raise RuntimeError(f"pipeline run exited {rc}")
-        logs = t.step_log
+        logs = t.step_log.entries()
         first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
         (ta, _, ka), (tb, _, kb) = logs[first], logs[-1]
         wall = tb - ta
@@ -421,14 +421,14 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         prof = t.profiler.snapshot()
         waits = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" in k}
         busy = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" not in k}
-        return {"tok_s": (kb - ka) / wall, "steps_timed": len(logs) - 1 - first, "wall_s": wall,
+        return {"tok_s": (kb - ka) / wall, "steps_timed": logs[-1][1] - logs[first][1], "wall_s": wall,
                 "wait_fraction": waits, "stage_busy_fraction": busy,
                 "pinned_bytes": sum(w.pinned_bytes() for w in t.workers),
                 "transport": sorted({w.mode for w in t.workers}),
                 "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
-                "memory_flatness": memory_flatness(t.mem_log),
-                "memory_per_step": t.mem_log if len(t.mem_log) <= 50 else t.mem_log[::10]}
+                "memory_flatness": memory_flatness(t.mem_log.entries()),
+                "memory_per_step": t.mem_log.entries() if len(t.mem_log) <= 50 else t.mem_log.entries()[::10]}
     finally:
         _dispose(t)
 

@@ -83,6 +83,33 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
     return model
 
 
+class HeadTailLog:
+    """Append-only log that keeps the first `keep` and the last `keep` entries (memory stays bounded
+    however long the run); reads as the list head + tail, in order, without overlap."""
+
+    def __init__(self, keep: int = 100):
+        self.keep = keep
+        self.head: list = []
+        self.tail: deque = deque(maxlen=keep)
+        self.total = 0
+
+    def append(self, x):
+        self.total += 1
+        (self.head if len(self.head) < self.keep else self.tail).append(x)
+
+    def entries(self) -> list:
+        return self.head + list(self.tail)
+
+    def __len__(self):
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i):
+        return self.entries()[i]
+
+    def __iter__(self):
+        return iter(self.entries())
+
+
 class Profiler:
     """Per-stage time: host seconds, or CUDA event pairs resolved lazily (never synchronised)."""
 
@@ -101,6 +128,9 @@ class Profiler:
     def add_events(self, stage: str, start, end):
         with self.lock:
             self.pending.append((stage, start, end))
+            n = len(self.pending)
+        if n >= 64:  # fold finished pairs in as we go (query() never blocks): pending stays bounded
+            self.resolve()
 
     def resolve(self):
         done = []
@@ -250,8 +280,9 @@ class Trainer:
         synthetic data; production runs load both from --target-model / --data-dir."""
         self.cfg = cfg
         self.target_factory, self.injected_dataset = target_factory, dataset
-        self.step_log: list[tuple[float, int, int]] = []  # (time, step, tokens_seen) per optimizer step
-        self.mem_log: list[dict] = []                      # allocator counters per step (no device sync)
+        # per optimizer step, bounded for long runs: the first and the latest STEP_LOG_KEEP entries
+        self.step_log = HeadTailLog()  # (time, step, tokens_seen)
+        self.mem_log = HeadTailLog()   # allocator counters (no device sync)
         self.run_id = uuid.uuid4().hex[:8]
         self.out = Path(cfg.output_dir)
         self.stop_requested = threading.Event()

@@ -1,0 +1,119 @@
+"""Speed options on the CPU: the compiled paths must compute what the eager ones do, hooks must still
+fire around compiled layers, nothing compiles after the warmup, and the per-step logs stay bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import fast
+from trainer.model import dflash_loss, lm_head_chunk
+from trainer.train import HeadTailLog, Profiler
+
+
+@pytest.fixture(autouse=True)
+def _default_stance():
+    fast.freeze_compiled(False)
+    yield
+    fast.freeze_compiled(False)
+
+
+def _graphs() -> int:
+    return fast.compile_counters().get("unique_graphs", 0)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_compiled_lm_head_loss_matches_eager(soft):
+    g = torch.Generator().manual_seed(0)
+    rows, hidden, vocab = 37, 16, 101
+    h = torch.randn(rows, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[::5] = -1
+    row_w = torch.rand(rows, generator=g) * (labels >= 0)
+    soft_rows = torch.randn(rows, hidden, generator=g) if soft else None
+    out = {}
+    for fused in (False, True):
+        h.grad = None
+        loss, correct = dflash_loss(h, w, labels, row_w, 3.0, soft_rows=soft_rows, chunk=16, fused=fused)
+        loss.backward()
+        out[fused] = (loss.detach(), correct, h.grad.clone())
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-5)
+    assert torch.equal(out[True][1], out[False][1])
+    assert torch.allclose(out[True][2], out[False][2], rtol=1e-4, atol=1e-6)
+    # and the chunking itself is exact: one chunk over all rows gives the same loss
+    total, _, _ = lm_head_chunk(h.detach(), w, labels, soft_rows, row_w / 3.0)
+    assert torch.allclose(out[False][0], total, rtol=1e-5)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.lin(x)) * x
+
+
+def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_Layer() for _ in range(12))
+    x = torch.randn(5, 8)
+    want = x
+    for layer in layers:
+        want = layer(want)
+    seen = []
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: seen.append(i))
+    before = _graphs()
+    assert fast.compile_layers(layers) == 12
+    got = x
+    for layer in layers:
+        got = layer(got)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert seen == list(range(12))  # eager hooks around the compiled forward
+    # identical layers share compiled code: the first call specialises, the second goes generic,
+    # layers 3..12 reuse it (one graph per layer would be 12)
+    assert _graphs() - before <= 2
+    fast.freeze_compiled(True)
+    frozen = _graphs()
+    y = torch.randn(3, 2, 8)  # a new rank: would need a new graph
+    out = layers[0](y)
+    assert _graphs() == frozen  # ran eagerly instead of compiling
+    assert torch.allclose(out, torch.nn.functional.silu(layers[0].lin(y)) * y, atol=1e-6)
+
+
+def test_resolve_compile_and_flags():
+    from trainer.config import parse_args
+    assert fast.resolve_compile("auto", on_cpu=True) == "none"
+    assert fast.resolve_compile("auto", on_cpu=False) == "all"
+    assert fast.resolve_compile("target", on_cpu=True) == "target"
+    assert fast.wants("all", "drafter") and not fast.wants("target", "drafter")
+    base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z"]
+    cfg = parse_args(base + ["--compile", "drafter", "--sdpa-backend", "flash", "--transport", "pinned"])
+    assert (cfg.compile, cfg.sdpa_backend, cfg.transport) == ("drafter", "flash", "pinned")
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--compile", "everything"])
+
+
+def test_head_tail_log_is_bounded_and_ordered():
+    log = HeadTailLog(keep=3)
+    for i in range(10):
+        log.append(i)
+    assert log.entries() == [0, 1, 2, 7, 8, 9] and log.total == 10 and log[-1] == 9 and log[0] == 0
+    short = HeadTailLog(keep=3)
+    for i in range(4):
+        short.append(i)
+    assert list(short) == [0, 1, 2, 3]
+
+
+def test_profiler_folds_finished_event_pairs_as_it_goes():
+    from trainer.pipeline import _HostEvent
+    p = Profiler()
+    for _ in range(1000):
+        a, b = _HostEvent(), _HostEvent()
+        a.record()
+        b.record()
+        p.add_events("stage", a, b)
+    assert len(p.pending) < 64
+    assert p.snapshot()["stage"]["count"] == 1000

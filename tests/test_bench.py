@@ -30,3 +30,34 @@ def test_flop_counts_scale_as_expected():
     eight = bench.model_flops_target(np.array([4096]), "8b", 36)
     # ~2 x 6.95B non-embedding parameters per token plus causal attention
     assert 2 * 6.9e9 * 4096 < eight < 2 * 7.0e9 * 4096 * 1.2
+
+
+@pytest.mark.slow
+def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
+    """Nothing the pipeline keeps per step may pile up on the Python heap (work items, events, logs):
+    traced heap at the peak of the last 100 steps within 256 KB of the first 100 (220 tiny steps)."""
+    import tracemalloc
+
+    from trainer.train import Trainer
+
+    orig = Trainer._memory
+
+    def memory(self):
+        d = orig(self)
+        d["py_heap"] = tracemalloc.get_traced_memory()[0]
+        return d
+
+    monkeypatch.setattr(Trainer, "_memory", memory)
+    out = tmp_path / "bench.json"
+    tracemalloc.start()
+    try:
+        rc = bench.main(["--shape", "tiny", "--settings", "b16", "--steps", "220", "--dataset-tokens", "100000",
+                         "--parts", "async", "--set", "grad_accum=1", "--work", str(tmp_path / "work"),
+                         "--out", str(out)])
+    finally:
+        tracemalloc.stop()
+    assert rc == 0
+    res = json.loads(out.read_text())["results"][0]["async"]
+    flat = res["memory_flatness"]
+    assert flat["steps"] == 200 and flat["window"] == 100  # logs keep the first and last 100 steps
+    assert abs(flat["py_heap"]["growth_bytes"]) < 256 * 1024, flat["py_heap"]

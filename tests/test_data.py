@@ -272,6 +272,12 @@ def test_collate():
     assert b.num_tokens == 11 and b.num_loss_tokens == 8 and b.sample_ids == [0, 1, 2]
     b2 = collate(ds, [2, 0], max_seq_len=6)
     assert tuple(b2.input_ids.shape) == (2, 3)  # S = longest in the batch
+    b3 = collate(ds, [2, 0], max_seq_len=6, pad_multiple=4)  # S rounded up: a bounded set of shapes
+    assert tuple(b3.input_ids.shape) == (2, 4) and b3.lengths.tolist() == [2, 3]
+    assert b3.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]] and b3.num_tokens == 5
+    assert not b3.loss_mask[:, 3].any()
+    with pytest.raises(ValueError, match="pad_multiple"):
+        collate(ds, [0], max_seq_len=6, pad_multiple=0)
 
 
 def test_iterate_resume_and_position():

@@ -139,6 +139,18 @@ def test_chunked_loss_matches_full_logits_reference(soft):
 
 # ------------------------------------------------------------------------------ whole-run behaviour
 
+def test_padding_batches_to_a_multiple_changes_no_loss(tiny_small_dir, tmp_path):
+    """--pad-multiple only adds right padding the causal target never attends to from real tokens:
+    the same steps give the same losses with and without it."""
+    extra = ["--max-steps", "3", "--use-soft-labels"]
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "p1", *extra, "--pad-multiple", "1")) == 0
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "p96", *extra, "--pad-multiple", "96")) == 0
+    a, b = losses(tmp_path / "p1"), losses(tmp_path / "p96")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-6)
+
+
 def test_async_equals_sync_with_two_workers_and_two_replicas(tiny_small_dir, tmp_path):
     from trainer.train import Trainer
     extra = ["--max-steps", "4", "--cpu-target-workers", "2", "--cpu-drafter-replicas", "2", "--use-soft-labels"]

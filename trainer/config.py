@@ -69,6 +69,7 @@ class TrainConfig:
     compile: str = "auto"     # auto | none | target | drafter | all (regional torch.compile, trainer/fast.py)
     sdpa_backend: str = "auto"  # auto | flash | cudnn | efficient (the target's attention kernel)
     transport: str = "auto"   # auto | peer | pinned (how hidden states reach the drafter GPU)
+    pad_multiple: int = 64    # target batches padded to a multiple of this length (bounded set of shapes)
     check_config: bool = False
     drop_long: bool = False
     cpu_target_workers: int = 1
@@ -164,6 +165,9 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
                         "(auto: all on GPUs, none on the CPU)")
     o.add_argument("--sdpa-backend", default="auto", choices=("auto", "flash", "cudnn", "efficient"),
                    help="attention kernel of the target forward (auto: PyTorch chooses)")
+    o.add_argument("--pad-multiple", type=int, default=64,
+                   help="pad each target batch's length up to a multiple of this (bounds the number of distinct "
+                        "batch shapes, and with it per-shape kernel-plan caches; 1 = no rounding)")
     o.add_argument("--transport", default="auto", choices=("auto", "peer", "pinned"),
                    help="target->drafter copies: GPU peer-to-peer or through pinned host memory "
                         "(auto: peer where the GPUs allow it)")
@@ -239,6 +243,7 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
         (cfg.max_nan_skips >= 1, "--max-nan-skips", f"must be >= 1, got {cfg.max_nan_skips}"),
         (cfg.slots_per_worker >= 1, "--slots-per-worker", f"must be >= 1, got {cfg.slots_per_worker}"),
         (cfg.queue_depth >= 1, "--queue-depth", f"must be >= 1, got {cfg.queue_depth}"),
+        (cfg.pad_multiple >= 1, "--pad-multiple", f"must be >= 1, got {cfg.pad_multiple}"),
         (cfg.cpu_target_workers >= 1, "--cpu-target-workers", "must be >= 1"),
         (cfg.cpu_drafter_replicas >= 1, "--cpu-drafter-replicas", "must be >= 1"),
         (cfg.drafter_chunk_rows >= cfg.block_size, "--drafter-chunk-rows", "must hold at least one block"),

@@ -586,16 +586,20 @@ class Batch:
         )
 
 
-def collate(dataset: Dataset, indices: Sequence[int], max_seq_len: int) -> Batch:
+def collate(dataset: Dataset, indices: Sequence[int], max_seq_len: int, pad_multiple: int = 1) -> Batch:
     """Stack samples ``indices`` of ``dataset`` into a right-padded :class:`Batch`, each truncated
-    to its first ``max_seq_len`` tokens."""
+    to its first ``max_seq_len`` tokens. The padded length is rounded up to a multiple of
+    ``pad_multiple``: without it nearly every batch has its own [B, S] shape, and per-shape caches
+    (cuDNN attention plans are kept per thread and per shape, unbounded) grow with the run."""
     import torch
 
     if len(indices) == 0:
         raise ValueError("collate needs at least one index")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     starts = dataset.offsets[np.asarray(indices, dtype=np.int64)]
     lens = np.minimum(dataset.lengths[np.asarray(indices, dtype=np.int64)], max_seq_len)
-    B, S = len(indices), int(lens.max())
+    B, S = len(indices), -(-int(lens.max()) // pad_multiple) * pad_multiple
     ids = np.zeros((B, S), dtype=np.int64)
     mask = np.zeros((B, S), dtype=bool)
     for r, (a, n) in enumerate(zip(starts, lens)):

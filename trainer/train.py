@@ -519,7 +519,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         ep, bi = self._position(seq)
-        batch = collate(self.dataset, self.planner.epoch_batches(ep)[bi], cfg.max_seq_len)
+        batch = collate(self.dataset, self.planner.epoch_batches(ep)[bi], cfg.max_seq_len, cfg.pad_multiple)
         plan = plan_micro_batch(batch.input_ids.numpy(), batch.loss_mask.numpy(), batch.lengths.numpy(),
                                 batch.sample_ids, ep, seed=cfg.seed, block_size=cfg.block_size,
                                 max_anchors=cfg.max_anchors, mask_token_id=self.mask_token, gamma=cfg.gamma,

@@ -34,4 +34,11 @@ def run_molecule(scenario: str) -> None:
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
     r = subprocess.run([str(bin_dir / "molecule"), "test", "-s", scenario], cwd=Path(__file__).resolve().parents[1],
                        env=env, capture_output=True, text=True)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
+    if r.returncode != 0:
+        # the failing task's own message sits before long command output (debootstrap, pip), so show
+        # every line that names a failure, then the tails of both streams
+        lines = (r.stdout + "\n" + r.stderr).splitlines()
+        marks = [ln for ln in lines if any(k in ln for k in ("fatal:", "FAILED!", "\"msg\"", "msg:", "ERROR", "rc:"))]
+        pytest.fail(f"molecule test -s {scenario} exited {r.returncode}\n--- lines naming the failure ---\n"
+                    + "\n".join(marks[-60:]) + "\n--- stdout tail ---\n" + r.stdout[-4000:]
+                    + "\n--- stderr tail ---\n" + r.stderr[-3000:])

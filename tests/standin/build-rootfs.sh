@@ -50,7 +50,8 @@ command -v debootstrap >/dev/null || { echo "build-rootfs.sh: debootstrap not in
 parent="$(dirname "$DEST")"
 mkdir -p "$parent"
 work="$(mktemp -d "$parent/.rootfs-build.XXXXXX")"
-cleanup() { [[ -n "${work:-}" && -d "$work" ]] && rm -rf --one-file-system "$work"; }
+# (an if, not `[[ ]] && rm`: a false test as the trap's last command would become the exit status)
+cleanup() { if [[ -n "${work:-}" && -d "$work" ]]; then rm -rf --one-file-system "$work"; fi; }
 trap cleanup EXIT
 
 echo "build-rootfs.sh: debootstrap $SUITE minbase into $work (a few minutes)" >&2

@@ -13,6 +13,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# choices of the speed options (trainer/fast.py, trainer/pipeline.py); kept here so config stays torch-free
+COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")
+TRANSPORTS = ("auto", "peer", "pinned")
+
 NOISE_TYPES = ("uniform", "gaussian", "none")
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -160,15 +165,15 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
     o.add_argument("--slots-per-worker", type=int, default=3, help="copies in flight per target worker")
     o.add_argument("--queue-depth", type=int, default=2, help="delivered batches waiting per drafter replica")
     o.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"))
-    o.add_argument("--compile", default="auto", choices=("auto", "none", "target", "drafter", "all"),
+    o.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                    help="regional torch.compile of the target's and/or the drafter's layers and loss "
                         "(auto: all on GPUs, none on the CPU)")
-    o.add_argument("--sdpa-backend", default="auto", choices=("auto", "flash", "cudnn", "efficient"),
+    o.add_argument("--sdpa-backend", default="auto", choices=SDPA_BACKENDS,
                    help="attention kernel of the target forward (auto: PyTorch chooses)")
     o.add_argument("--pad-multiple", type=int, default=64,
                    help="pad each target batch's length up to a multiple of this (bounds the number of distinct "
                         "batch shapes, and with it per-shape kernel-plan caches; 1 = no rounding)")
-    o.add_argument("--transport", default="auto", choices=("auto", "peer", "pinned"),
+    o.add_argument("--transport", default="auto", choices=TRANSPORTS,
                    help="target->drafter copies: GPU peer-to-peer or through pinned host memory "
                         "(auto: peer where the GPUs allow it)")
     o.add_argument("--drop-long", action="store_true", help="drop sequences over --max-seq-len (default: truncate)")

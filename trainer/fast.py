@@ -20,9 +20,6 @@ import torch
 
 log = logging.getLogger("trainer.fast")
 
-COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
-SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")
-
 
 def _raise_cache_limits(n: int = 64):
     cfg = torch._dynamo.config

@@ -280,7 +280,7 @@ class Trainer:
         synthetic data; production runs load both from --target-model / --data-dir."""
         self.cfg = cfg
         self.target_factory, self.injected_dataset = target_factory, dataset
-        # per optimizer step, bounded for long runs: the first and the latest STEP_LOG_KEEP entries
+        # per optimizer step, bounded for long runs: the first and the latest 100 entries (HeadTailLog)
         self.step_log = HeadTailLog()  # (time, step, tokens_seen)
         self.mem_log = HeadTailLog()   # allocator counters (no device sync)
         self.run_id = uuid.uuid4().hex[:8]

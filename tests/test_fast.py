@@ -117,3 +117,33 @@ def test_profiler_folds_finished_event_pairs_as_it_goes():
         p.add_events("stage", a, b)
     assert len(p.pending) < 64
     assert p.snapshot()["stage"]["count"] == 1000
+
+
+def test_metrics_file_on_a_full_disk_warns_once_and_goes_on(caplog):
+    """metrics.jsonl is a record: a write that fails (ENOSPC) must not end the run (the checkpoint save
+    decides that, with its own message); the trainer warns once and recovers when space returns."""
+    import errno
+    import io
+
+    from trainer.train import Trainer
+
+    class Disk(io.StringIO):
+        full = True
+        name = "/out/metrics.jsonl"
+
+        def flush(self):
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().flush()
+
+    t = Trainer.__new__(Trainer)  # only the metrics writer is exercised
+    t.metrics_file, t._metrics_error = Disk(), False
+    with caplog.at_level("WARNING", logger="trainer"):
+        t._append_metrics(['{"step": 1}\n'])
+        t._append_metrics(['{"step": 2}\n'])
+    warned = [r for r in caplog.records if "could not write /out/metrics.jsonl" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0].getMessage()
+    t.metrics_file.full = False
+    t._append_metrics(['{"step": 3}\n'])
+    assert not t._metrics_error
+    assert t.metrics_file.getvalue().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3}']

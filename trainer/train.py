@@ -441,6 +441,7 @@ class Trainer:
             self._resume(latest)
         self._broadcast()
         self.metrics_file = open(self.out / "metrics.jsonl", "a")
+        self._metrics_error = False
         self.pending: deque[StepMetrics] = deque()
         self.last_loss = None
         self.last_acc = None
@@ -669,6 +670,31 @@ class Trainer:
         self.pending.append(StepMetrics(self.step + 1, host, ev, tokens, lr, pos_counts, 0))
 
     def _drain_metrics(self, block: bool = False):
+        lines: list[str] = []
+        try:
+            self._drain_metrics_into(lines, block)
+        finally:
+            self._append_metrics(lines)
+
+    def _append_metrics(self, lines: list[str]):
+        """metrics.jsonl is a record, not state: when it cannot be written (a full disk) the trainer warns
+        once and goes on, and the next checkpoint save is what fails the run, with a message naming the
+        checkpoint and the cause (so the outcome does not depend on which write hits the full disk first)."""
+        if not lines:
+            return
+        try:
+            self.metrics_file.write("".join(lines))
+            self.metrics_file.flush()
+            if self._metrics_error:
+                log.info("%s is writable again", self.metrics_file.name)
+            self._metrics_error = False
+        except OSError as e:
+            if not self._metrics_error:
+                log.warning("could not write %s: %s (training goes on; the next checkpoint save will tell "
+                            "whether the disk can hold it)", self.metrics_file.name, e)
+            self._metrics_error = True
+
+    def _drain_metrics_into(self, lines: list[str], block: bool):
         while self.pending and (block or self.pending[0].event.query()):
             m = self.pending.popleft()
             if block:
@@ -688,7 +714,7 @@ class Trainer:
             rec = {"step": m.step, "loss": loss if math.isfinite(loss) else None, "skipped": skipped,
                    "grad_norm": gnorm if math.isfinite(gnorm) else None, "lr": m.lr, "tokens": m.tokens,
                    "acc": acc[1:]}
-            self.metrics_file.write(json.dumps(rec) + "\n")
+            lines.append(json.dumps(rec) + "\n")
             if self.wandb is not None:
                 self.wandb.log({"loss": loss, "grad_norm": gnorm, "lr": m.lr,
                                 **{f"acc/pos{k}": a for k, a in enumerate(acc) if k and a is not None}}, step=m.step)
@@ -696,7 +722,6 @@ class Trainer:
                 raise TrainingFailed(f"{self.nan_streak} consecutive optimizer steps had a non-finite loss or "
                                      f"gradient (--max-nan-skips {self.cfg.max_nan_skips}); last good checkpoint "
                                      f"{self.last_ckpt or 'none'} left untouched")
-        self.metrics_file.flush()
 
     # --------------------------------------------------------------------------------------- run
     def warmup(self):
@@ -900,7 +925,10 @@ class Trainer:
             for w in (self.copy_waiter, self.release_waiter):
                 w.join(timeout=0.1)
         if hasattr(self, "metrics_file"):
-            self.metrics_file.close()
+            try:
+                self.metrics_file.close()
+            except OSError as e:  # lines still buffered from a full disk
+                log.warning("could not close %s: %s", self.metrics_file.name, e)
         if self.wandb is not None:
             self.wandb.finish()
 

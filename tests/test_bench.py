@@ -23,6 +23,37 @@ def test_bench_tiny_cpu_smoke(tmp_path, capsys):
     assert res["async_over_sync"] > 0 and res["async_over_min_stage"] > 0
     # the timed steps' allocator/RSS counters are recorded per step
     assert [m["step"] for m in res["async"]["memory_per_step"]] == [1, 2]
+    # and how many distinct [B, S] batch shapes the target has been fed so far (per-shape caches)
+    seen = [m["batch shapes seen"] for m in res["async"]["memory_per_step"]]
+    assert 1 <= seen[0] <= seen[1]
+
+
+def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path, monkeypatch, capsys):
+    """--shape-cache-probe must measure what it claims: a cache that keeps 2 MB per new input shape
+    (as cuDNN's SDPA graph cache keeps its plans) shows in the first pass and not in the second."""
+    from trainer import pipeline
+    real = pipeline._decoder
+    cache = {}
+
+    def leaky_decoder(model):
+        dec = real(model)
+
+        def call(input_ids, **kw):
+            cache.setdefault(tuple(input_ids.shape), b"\x01" * (2 << 20))  # touched, so resident
+            return dec(input_ids=input_ids, **kw)
+        return call
+
+    monkeypatch.setattr(pipeline, "_decoder", leaky_decoder)
+    out = tmp_path / "probe.json"
+    assert bench.main(["--shape", "tiny", "--shape-cache-probe", "10", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["shape_cache_probe"]
+    assert [(r["backend"], r["pass"], r["shapes"]) for r in rows] == [
+        ("auto", "new shapes", 10), ("auto", "same shapes again", 10)]
+    first, again = rows
+    assert first["rss_growth_after_trim_bytes"] >= 15e6, first     # 10 new shapes x 2 MB
+    assert again["rss_growth_after_trim_bytes"] < 5e6, again
+    assert len(cache) == 11  # the 10 shapes and the probe's first-call shape
+    assert "KB/shape" in capsys.readouterr().out
 
 
 def test_flop_counts_scale_as_expected():

@@ -60,6 +60,7 @@ VARIANTS = {
     "cudnn": {"sdpa_backend": "cudnn"},
     "flash": {"sdpa_backend": "flash"},
     "pinned": {"transport": "pinned"},
+    "pad1": {"pad_multiple": 1},   # each batch padded to its exact longest length (the old behaviour)
 }
 
 
@@ -428,7 +429,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
                 "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
                 "memory_flatness": memory_flatness(t.mem_log.entries()),
-                "memory_per_step": t.mem_log.entries() if len(t.mem_log) <= 50 else t.mem_log.entries()[::10]}
+                "memory_per_step": t.mem_log.entries()}  # the first and the last 100 steps
     finally:
         _dispose(t)
 
@@ -452,6 +453,88 @@ def memory_flatness(mem_log: list[dict], window: int = 100) -> dict:
         a, b = max(m[k] for m in first), max(m[k] for m in last)
         out[k] = {"first_max": a, "last_max": b, "growth_bytes": b - a}
     return out
+
+
+def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[str], n_shapes: int,
+                      layers: int = 2, tokens: int = 16384) -> list[dict]:
+    """Host memory per new attention input shape: a `layers`-layer target of `shape` runs forward (as the
+    target worker does: inference mode, one thread of its own, one SDPA backend) over `n_shapes` batch
+    shapes [B, S] it has not seen, then over the same shapes again. Per-shape caches (cuDNN's SDPA graph
+    cache is one: per thread, keyed on exact shapes, unbounded) grow host RSS in the first pass only.
+    RSS is read again after malloc_trim(0), which separates memory that is held from free memory glibc
+    has not given back."""
+    import ctypes
+    from .fast import sdpa_context
+    from .pipeline import _decoder
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except OSError:
+        trim = lambda _: 0
+    cfg = qwen3_config(shape)
+    cfg.num_hidden_layers = layers
+    from transformers import Qwen3ForCausalLM
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    cfg._attn_implementation = "sdpa"
+    model.eval().requires_grad_(False)
+    decoder = _decoder(model)
+    rows: list[dict] = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run_pass(backend, shapes):
+        with torch.inference_mode(), sdpa_context(backend):
+            for b, s in shapes:
+                decoder(input_ids=torch.randint(0, cfg.vocab_size, (b, s), device=device), use_cache=False)
+        sync()
+
+    def body():
+        for j, backend in enumerate(backends):
+            # lengths no other backend's pass used (offset j), one [B, S] per length
+            lens = [64 + 16 * i + j for i in range(n_shapes)]
+            shapes = [(max(1, tokens // s), s) for s in lens]
+            run_pass(backend, [(1, 64 + j)])  # first call: kernels load, handles are created
+            gc.collect()
+            trim(0)
+            base = rss_bytes()
+            for label in ("new shapes", "same shapes again"):
+                t0 = time.perf_counter()
+                run_pass(backend, shapes)
+                gc.collect()
+                rss = rss_bytes()
+                trim(0)
+                rss_trim = rss_bytes()
+                rows.append({"backend": backend, "pass": label, "shapes": len(shapes),
+                             "seconds": round(time.perf_counter() - t0, 3),
+                             "rss_growth_bytes": rss - base, "rss_growth_after_trim_bytes": rss_trim - base,
+                             "per_shape_bytes": (rss - base) / len(shapes)})
+                log.info("shape-cache probe: %s %s: RSS +%.1f MB (+%.1f MB after malloc_trim) over %d shapes",
+                         backend, label, (rss - base) / 1e6, (rss_trim - base) / 1e6, len(shapes))
+                base = rss_trim
+
+    errors = []
+    th = threading.Thread(target=lambda: _run_catching(body, errors), name="shape-cache-probe")
+    th.start()
+    th.join()
+    if errors:
+        raise errors[0]
+    del model, decoder
+    gc.collect()
+    return rows
+
+
+def _run_catching(fn, errors: list):
+    try:
+        fn()
+    except BaseException as e:  # re-raised by the caller's thread
+        errors.append(e)
 
 
 def _dispose(t):
@@ -631,6 +714,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other trainer option for every variant, e.g. --set drafter_chunk_rows=16384")
     p.add_argument("--no-flex-check", action="store_true")
+    p.add_argument("--shape-cache-probe", type=int, default=0, metavar="N",
+                   help="only measure host RSS per new attention shape (N new shapes, then the same again) "
+                        "for each SDPA backend in --probe-backends, then exit")
+    p.add_argument("--probe-backends", default="auto,flash,efficient",
+                   help="SDPA backends for --shape-cache-probe (auto on the CPU)")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -650,6 +738,17 @@ def main(argv=None) -> int:
             "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
                                    SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time()}
     out = Path(a.out) if a.out else None
+    if a.shape_cache_probe:
+        backends = a.probe_backends.split(",") if cuda else ["auto"]
+        dev = torch.device("cuda", a.target_gpus[0]) if cuda else torch.device("cpu")
+        rows = probe_shape_cache(a.shape, dev, dtype, backends, a.shape_cache_probe)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"meta": meta, "shape_cache_probe": rows}, indent=2))
+        print(format_table(["backend", "pass", "shapes", "s", "RSS growth MB", "after trim MB", "KB/shape"],
+                           [[r["backend"], r["pass"], r["shapes"], r["seconds"], r["rss_growth_bytes"] / 1e6,
+                             r["rss_growth_after_trim_bytes"] / 1e6, r["per_shape_bytes"] / 1e3] for r in rows]))
+        return 0
     if cuda and not a.no_flex_check:
         meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))
         log.info("flex vs dense-mask reference: %s", meta["flex_check"])

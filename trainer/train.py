@@ -283,6 +283,7 @@ class Trainer:
         # per optimizer step, bounded for long runs: the first and the latest 100 entries (HeadTailLog)
         self.step_log = HeadTailLog()  # (time, step, tokens_seen)
         self.mem_log = HeadTailLog()   # allocator counters (no device sync)
+        self.batch_shapes: set[tuple[int, int]] = set()  # distinct [B, S] fed to the target (per-shape caches)
         self.run_id = uuid.uuid4().hex[:8]
         self.out = Path(cfg.output_dir)
         self.stop_requested = threading.Event()
@@ -525,6 +526,7 @@ class Trainer:
                                 batch.sample_ids, ep, seed=cfg.seed, block_size=cfg.block_size,
                                 max_anchors=cfg.max_anchors, mask_token_id=self.mask_token, gamma=cfg.gamma,
                                 soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows, flex=self.flex)
+        self.batch_shapes.add(tuple(batch.input_ids.shape))
         item = make_item(seq, ep, bi, batch, plan, pin=not cfg.on_cpu, data_s=0.0)
         item.data_s = time.perf_counter() - t0
         self.profiler.add("data (collate+plan)", item.data_s)
@@ -861,7 +863,7 @@ class Trainer:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _memory(self) -> dict:
-        out = {"step": self.step, "rss": _rss()}
+        out = {"step": self.step, "rss": _rss(), "batch shapes seen": len(self.batch_shapes)}
         cuda = False
         for d in dict.fromkeys(self.t_devices + self.d_devices):
             if d.type == "cuda":

@@ -234,6 +234,25 @@ def test_planner_budget_batch_size_truncation():
         BatchPlanner(lengths, token_budget=256, max_seq_len=512, max_batch_size=4)
 
 
+def test_planner_bounds_the_distinct_batch_shapes_of_any_number_of_epochs():
+    """max_batch_shapes is an upper bound on the [B, S] shapes every epoch's batches can have (per-shape
+    caches stop growing there), and padding to a multiple shrinks it."""
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(20, 700, size=500)
+    p = BatchPlanner(lengths, token_budget=2048, max_seq_len=512, max_batch_size=12, seed=0)
+    eff = np.minimum(lengths, 512)
+    bounds = {}
+    for pm in (1, 8, 64):
+        seen = {(len(b), -(-int(eff[b].max()) // pm) * pm) for ep in range(60) for b in p.epoch_batches(ep)}
+        bounds[pm] = p.max_batch_shapes(pm)
+        assert len(seen) <= bounds[pm], (pm, len(seen), bounds[pm])
+    assert bounds[64] < bounds[8] < bounds[1]
+    # tight case: ten sequences of one length, three per batch -> batches of 3, 3, 3 and 1
+    t = BatchPlanner([100] * 10, token_budget=300, max_seq_len=100, max_batch_size=3)
+    assert {(len(b), 128) for b in t.epoch_batches(0)} == {(3, 128), (1, 128)}
+    assert t.max_batch_shapes(64) == 2 and t.max_batch_shapes(1) == 2
+
+
 def test_planner_deterministic_per_seed_epoch():
     lengths = np.random.default_rng(2).integers(1, 300, size=400)
     a = BatchPlanner(lengths, 1024, 256, 16, seed=5)

@@ -96,6 +96,24 @@ def test_resolve_compile_and_flags():
         parse_args(base + ["--compile", "everything"])
 
 
+def test_sdpa_auto_leaves_out_cudnn_on_gpus_only():
+    """auto must never let the target's attention reach cuDNN on a GPU (its per-shape plan cache grows
+    host memory without limit); 'any' and auto on the CPU leave PyTorch's choice alone."""
+    b = torch.backends.cuda
+    enabled = lambda: (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+                       b.cudnn_sdp_enabled())
+    before = enabled()
+    assert before[3], "test needs PyTorch's default: cuDNN attention enabled"
+    with fast.sdpa_context("auto", "cuda"):
+        assert enabled() == (True, True, True, False)
+    with fast.sdpa_context("cudnn", "cuda"):
+        assert enabled() == (False, False, False, True)
+    for backend, dev in (("any", "cuda"), ("auto", "cpu")):
+        with fast.sdpa_context(backend, dev):
+            assert enabled() == before
+    assert enabled() == before
+
+
 def test_head_tail_log_is_bounded_and_ordered():
     log = HeadTailLog(keep=3)
     for i in range(10):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # choices of the speed options (trainer/fast.py, trainer/pipeline.py); kept here so config stays torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
-SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")
+SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("auto", "peer", "pinned")
 
 NOISE_TYPES = ("uniform", "gaussian", "none")
@@ -72,7 +72,7 @@ class TrainConfig:
     queue_depth: int = 2
     attention: str = "auto"   # auto | flex | sdpa
     compile: str = "auto"     # auto | none | target | drafter | all (regional torch.compile, trainer/fast.py)
-    sdpa_backend: str = "auto"  # auto | flash | cudnn | efficient (the target's attention kernel)
+    sdpa_backend: str = "auto"  # auto | any | flash | cudnn | efficient (the target's attention kernel)
     transport: str = "auto"   # auto | peer | pinned (how hidden states reach the drafter GPU)
     pad_multiple: int = 64    # target batches padded to a multiple of this length (bounded set of shapes)
     check_config: bool = False
@@ -169,7 +169,8 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
                    help="regional torch.compile of the target's and/or the drafter's layers and loss "
                         "(auto: all on GPUs, none on the CPU)")
     o.add_argument("--sdpa-backend", default="auto", choices=SDPA_BACKENDS,
-                   help="attention kernel of the target forward (auto: PyTorch chooses)")
+                   help="attention kernel of the target forward (auto: flash on GPUs, never cuDNN, whose "
+                        "per-shape plan cache grows host memory without limit; any: PyTorch chooses)")
     o.add_argument("--pad-multiple", type=int, default=64,
                    help="pad each target batch's length up to a multiple of this (bounds the number of distinct "
                         "batch shapes, and with it per-shape kernel-plan caches; 1 = no rounding)")

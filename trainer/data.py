@@ -535,6 +535,19 @@ class BatchPlanner:
         """Batch ``index`` of ``epoch`` (cheap: the epoch's plan is cached)."""
         return list(self._plan(epoch)[index])
 
+    def max_batch_shapes(self, pad_multiple: int = 1) -> int:
+        """Upper bound on the distinct [B, S] batch shapes over any number of epochs, with each batch
+        padded to its longest sequence rounded up to ``pad_multiple``. A bucket's batches all hold
+        ``cap`` sequences except one of ``len % cap`` per epoch; S is a member's padded length. Per-shape
+        caches (cuDNN's attention plans: about 1.7 MB of host memory each on the H200) stop growing
+        at this many entries."""
+        total = 0
+        for cap, members in self._buckets:
+            padded = -(-self.lengths[members] // pad_multiple) * pad_multiple
+            sizes = {min(cap, len(members))} | ({len(members) % cap} if len(members) % cap else set())
+            total += len(np.unique(padded)) * len(sizes)
+        return total
+
     def stats(self) -> dict:
         return {
             "num_sequences": int(len(self.raw_lengths)),

@@ -7,7 +7,10 @@
   rotary embedding, SiLU x up, residual adds.
 - The drafter's LM-head loss uses the same per-chunk function compiled (see model.lm_head_chunk):
   the ~20 elementwise passes over the fp32 [chunk, vocab] logits become a few fused kernels.
-- ``--sdpa-backend`` pins the target's attention kernel (auto lets PyTorch choose).
+- ``--sdpa-backend`` picks the target's attention kernels. auto (on GPUs) leaves out cuDNN's: its compiled
+  plans sit in a per-thread cache keyed on exact shapes with no limit (about 1.7 MB of host memory per
+  shape on the H200), so host memory grows with every new batch shape; flash is as fast on the target
+  (docs/performance.md, "Memory flat"). ``any`` lets PyTorch choose (cuDNN on H100/H200).
 """
 
 from __future__ import annotations
@@ -59,14 +62,17 @@ def wants(compile_opt: str, part: str) -> bool:
     return compile_opt == "all" or compile_opt == part
 
 
-def sdpa_context(backend: str):
-    """Context that restricts scaled_dot_product_attention to one backend ('auto': no restriction)."""
-    if backend == "auto":
+def sdpa_context(backend: str, device_type: str = "cuda"):
+    """Context that restricts scaled_dot_product_attention to `backend`. 'auto' on CUDA: flash, then the
+    memory-efficient and math kernels, never cuDNN (see the module docstring); 'auto' on the CPU and
+    'any': no restriction."""
+    if backend == "any" or (backend == "auto" and device_type != "cuda"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    return sdpa_kernel([kinds[backend]])
+    kinds = {"auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+             "flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+             "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
+    return sdpa_kernel(kinds[backend])
 
 
 def compile_counters() -> dict:

@@ -262,7 +262,7 @@ class TargetWorker:
             fg = item.final_gather.to(dev, non_blocking=True) if item.final_gather is not None else None
             self._cur = {"slot": slot, "gather": gather, "final_gather": fg}
             try:
-                with sdpa_context(self.sdpa_backend):
+                with sdpa_context(self.sdpa_backend, self.device.type):
                     _decoder(self.model)(input_ids=ids, use_cache=False)
             finally:
                 self._cur = None
@@ -282,7 +282,7 @@ class TargetWorker:
             t0 = time.perf_counter()
             ids = torch.randint(0, vocab, (bsz, seqlen))
             with torch.inference_mode(), device_ctx(self.device), stream_ctx(self.stream), \
-                    sdpa_context(self.sdpa_backend):
+                    sdpa_context(self.sdpa_backend, self.device.type):
                 _decoder(self.model)(input_ids=ids.to(self.device), use_cache=False)
             if self.stream is not None:
                 self.stream.synchronize()

@@ -335,6 +335,8 @@ class Trainer:
         log.info("data: %d sequences, %d tokens; %d batches/epoch; %d truncated, %d dropped (over --max-seq-len %d)",
                  st["num_sequences"], self.dataset.num_tokens, st["num_batches_per_epoch"], st["num_truncated"],
                  st["num_dropped"], cfg.max_seq_len)
+        log.info("target batch shapes: at most %d distinct [B, S] over the whole run (--pad-multiple %d)",
+                 self.planner.max_batch_shapes(cfg.pad_multiple), cfg.pad_multiple)
         if st["num_batches_per_epoch"] == 0:
             raise TrainingFailed(f"--data-dir: {cfg.data_dir} yields no batches")
 

@@ -104,9 +104,12 @@ def qwen3_config(shape: str):
                        tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
-def make_target_factory(shape: str, dtype):
+def make_target_factory(shape: str, dtype, layers: int | None = None):
+    """device -> a frozen random-init Qwen3 of `shape` (its first `layers` layers only, if given)."""
     from transformers import Qwen3ForCausalLM
     cfg = qwen3_config(shape)
+    if layers is not None:
+        cfg.num_hidden_layers = layers
 
     def factory(device):
         prev = torch.get_default_dtype()
@@ -465,24 +468,15 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     RSS is read again after malloc_trim(0), which separates memory that is held from free memory glibc
     has not given back."""
     import ctypes
+    from concurrent.futures import ThreadPoolExecutor
     from .fast import sdpa_context
     from .pipeline import _decoder
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except OSError:
         trim = lambda _: 0
-    cfg = qwen3_config(shape)
-    cfg.num_hidden_layers = layers
-    from transformers import Qwen3ForCausalLM
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    cfg._attn_implementation = "sdpa"
-    model.eval().requires_grad_(False)
+    model = make_target_factory(shape, dtype, layers)(device)
+    vocab = model.config.vocab_size
     decoder = _decoder(model)
     rows: list[dict] = []
 
@@ -493,7 +487,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     def run_pass(backend, shapes):
         with torch.inference_mode(), sdpa_context(backend, device.type):
             for b, s in shapes:
-                decoder(input_ids=torch.randint(0, cfg.vocab_size, (b, s), device=device), use_cache=False)
+                decoder(input_ids=torch.randint(0, vocab, (b, s), device=device), use_cache=False)
         sync()
 
     def body():
@@ -527,22 +521,11 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
                          backend, label, (rss - base) / 1e6, (rss_trim - base) / 1e6, len(shapes))
                 base = rss_trim
 
-    errors = []
-    th = threading.Thread(target=lambda: _run_catching(body, errors), name="shape-cache-probe")
-    th.start()
-    th.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="shape-cache-probe") as pool:
+        pool.submit(body).result()  # re-raises the thread's error here
     del model, decoder
     gc.collect()
     return rows
-
-
-def _run_catching(fn, errors: list):
-    try:
-        fn()
-    except BaseException as e:  # re-raised by the caller's thread
-        errors.append(e)
 
 
 def _dispose(t):

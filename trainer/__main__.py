@@ -1,4 +1,9 @@
-"""`python -m trainer` / `dflash-train`: parse, validate cheaply (exit 2 on bad input), then train."""
+"""`python -m trainer` / `dflash-train`: parse, validate cheaply (exit 2 on bad input), then train.
+
+Started by hand or by run.sh, this process is the supervisor: it launches this node's ranks (one per
+GPU) through PyTorch's launcher and waits (trainer/dist.py). Started by the launcher (or by torchrun),
+it is one rank.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,24 @@ import sys
 
 def main(argv=None) -> int:
     from .config import ConfigError, main_check, parse_args, validate
+    from .dist import in_launched_rank
 
     prog = "dflash-train"
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv, prog=prog)
         if cfg.check_config:
             return main_check(cfg)
-        validate(cfg)  # before anything heavy loads
+        if not in_launched_rank():
+            validate(cfg)  # before anything heavy loads; ranks validate again in setup
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    from .train import train
-    return train(cfg)
+    if in_launched_rank():
+        from .train import train_rank
+        return train_rank(cfg)
+    from .dist import launch
+    return launch(argv, cfg)
 
 
 if __name__ == "__main__":

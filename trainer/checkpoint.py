@@ -83,6 +83,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(path: Path) -> None:
+    """fsync every file below `path` (other writers' files included) and every directory."""
+    for d, _, files in os.walk(path):
+        for fn in files:
+            _fsync_path(Path(d) / fn)
+        _fsync_dir(Path(d))
+
+
 def _write_json(path: Path, data: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -274,20 +282,44 @@ class CheckpointManager:
 
     def save(self, step: int, model_state: Mapping[str, torch.Tensor], model_config: Mapping,
              train_state: Mapping, meta: Mapping | None = None) -> Path:
+        """Write and publish a checkpoint in one call (single writer)."""
+        return self.commit(self.begin(step), step, model_state, model_config, train_state, meta)
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.output_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+
+    def begin(self, step: int) -> Path:
+        """Create the (empty) temp dir of a checkpoint; other writers (the drafter ranks' sharded state,
+        torch.distributed.checkpoint) may fill it before `commit`."""
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        name = step_dir_name(step)
-        final = self.output_dir / name
-        tmp = self.output_dir / f".tmp-{name}-{os.getpid()}"
-        t0 = time.monotonic()
+        tmp = self.tmp_dir(step)
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 _rmtree(tmp)
             tmp.mkdir()
+        except OSError as e:
+            _rmtree(tmp)
+            raise CheckpointError(f"checkpoint step {step} not saved to {self.output_dir / step_dir_name(step)}: "
+                                  f"{_describe(e)} (earlier checkpoints left intact)") from e
+        return tmp
+
+    def abort(self, tmp: Path) -> None:
+        _rmtree(tmp)
+
+    def commit(self, tmp: Path, step: int, model_state: Mapping[str, torch.Tensor], model_config: Mapping,
+               train_state: Mapping, meta: Mapping | None = None) -> Path:
+        """Add the model, config, training state and meta files to `tmp`, fsync, rename it to
+        step-XXXXXXXX atomically, then prune. On failure the temp dir goes and earlier checkpoints stay."""
+        step = int(step)
+        name = step_dir_name(step)
+        final = self.output_dir / name
+        t0 = time.monotonic()
+        try:
             self._write_files(tmp, step, model_state, model_config, train_state, meta)
-            _fsync_dir(tmp)
+            _fsync_tree(tmp)
             if self.before_publish is not None:  # test hook: the fault suite kills the trainer here
                 self.before_publish(tmp)
             self._publish(tmp, final, step)

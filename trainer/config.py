@@ -80,6 +80,12 @@ class TrainConfig:
     cpu_target_workers: int = 1
     cpu_drafter_replicas: int = 1
     save_final: bool = True   # the benchmark turns the end-of-run checkpoint off
+    # torch.distributed (trainer/dist.py)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    dist_timeout: float = 600.0   # seconds a collective / point-to-point op may block before the job fails
+    stop_timeout: float = 840.0   # SIGTERM -> ranks get this long to checkpoint before SIGKILL
 
     @property
     def on_cpu(self) -> bool:
@@ -180,6 +186,17 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
     o.add_argument("--drop-long", action="store_true", help="drop sequences over --max-seq-len (default: truncate)")
     o.add_argument("--cpu-target-workers", type=int, default=1, help="CPU runs: target worker threads")
     o.add_argument("--cpu-drafter-replicas", type=int, default=1, help="CPU runs: drafter replicas")
+    n = p.add_argument_group("distributed (one process per GPU; see docs/distributed.md)")
+    n.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs `python -m trainer` "
+                   "with its own --target-gpus/--drafter-gpus)")
+    n.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = the first drafter's node)")
+    n.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (the first node); "
+                   "default on one node: a free local port")
+    n.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a blocked collective or send waits before the job fails")
+    n.add_argument("--stop-timeout", type=float, default=840.0,
+                   help="after SIGTERM, seconds the ranks get to reach a step and checkpoint before SIGKILL "
+                        "(keep below the unit's TimeoutStopSec)")
     o.add_argument("--check-config", action="store_true", help="validate everything cheap, load nothing, exit")
     return p
 
@@ -214,8 +231,10 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
     if bool(cfg.target_gpus) != bool(cfg.drafter_gpus):
         raise ConfigError("--target-gpus/--drafter-gpus: both must list GPUs, or both be 'cpu'")
     overlap = set(cfg.target_gpus) & set(cfg.drafter_gpus)
-    if overlap:
-        raise ConfigError(f"--drafter-gpus: GPU(s) {sorted(overlap)} are also in --target-gpus")
+    shared = len(cfg.target_gpus) == 1 and cfg.target_gpus == cfg.drafter_gpus
+    if overlap and not shared:
+        raise ConfigError(f"--drafter-gpus: GPU(s) {sorted(overlap)} are also in --target-gpus (one GPU may hold "
+                          "both only when it is the node's only GPU: --target-gpus 0 --drafter-gpus 0)")
     if cfg.target_gpus:
         n = _gpu_count() if gpu_count is None else gpu_count
         missing = [i for i in cfg.target_gpus + cfg.drafter_gpus if i >= n]
@@ -253,6 +272,12 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
         (cfg.cpu_target_workers >= 1, "--cpu-target-workers", "must be >= 1"),
         (cfg.cpu_drafter_replicas >= 1, "--cpu-drafter-replicas", "must be >= 1"),
         (cfg.drafter_chunk_rows >= cfg.block_size, "--drafter-chunk-rows", "must hold at least one block"),
+        (cfg.nnodes >= 1, "--nnodes", f"must be >= 1, got {cfg.nnodes}"),
+        (0 <= cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
+        (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
+         f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
+        (cfg.dist_timeout > 0, "--dist-timeout", f"must be > 0, got {cfg.dist_timeout}"),
+        (cfg.stop_timeout > 0, "--stop-timeout", f"must be > 0, got {cfg.stop_timeout}"),
     ]
     for ok, flag, why in checks:
         if not ok:

@@ -1,0 +1,399 @@
+"""Ranks, process groups, the launcher, the dispatch plan and the stop vote.
+
+One process per GPU. `python -m trainer <flags>` on one machine is the *supervisor*: it starts this
+node's ranks through PyTorch's launcher API (torch.distributed.launcher.elastic_launch, the engine
+behind torchrun), relays the job's health to systemd (the process systemd watches is the one that
+sends READY/WATCHDOG) and turns a failed rank into a status.json naming it. Under `torchrun ... -m
+trainer` the same code runs as a rank directly.
+
+Roles follow the flags of each node. Local ranks 0..D-1 are this node's drafter GPUs, D..D+T-1 its
+target GPUs, so the first node's first drafter is global rank 0 (it writes status.json, metrics and
+the consolidated checkpoint files). One GPU named in both lists (or a CPU run with one target worker
+and one drafter replica) is world size 1: one rank holds both roles and nothing is sent.
+
+Groups (all built on every rank, in the same order):
+  WORLD     NCCL on GPUs / gloo on the CPU: target->drafter point-to-point sends
+  control   gloo over all ranks: the asynchronous per-step stop vote and per-rank rates
+  drafters  the drafter ranks (FSDP2 mesh: reduce-scatter, all-gather, metrics all-reduce)
+  dctl      gloo over the drafter ranks: checkpoint coordination (object broadcast/gather)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("trainer.dist")
+
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+# ------------------------------------------------------------------------------------------ roles
+
+@dataclass(frozen=True)
+class LocalRole:
+    """What one local rank of this node does, from the flags alone."""
+    target: bool
+    drafter: bool
+    device: str            # "cpu" or "cuda:<index>"
+
+
+def local_roles(cfg) -> list[LocalRole]:
+    """This node's ranks in local-rank order: drafters first, then targets; a shared device is one rank."""
+    if cfg.on_cpu:
+        nt, nd = max(1, cfg.cpu_target_workers), max(1, cfg.cpu_drafter_replicas)
+        if nt == 1 and nd == 1:
+            return [LocalRole(True, True, "cpu")]
+        return [LocalRole(False, True, "cpu")] * nd + [LocalRole(True, False, "cpu")] * nt
+    if cfg.target_gpus == cfg.drafter_gpus and len(cfg.target_gpus) == 1:
+        return [LocalRole(True, True, f"cuda:{cfg.target_gpus[0]}")]
+    return ([LocalRole(False, True, f"cuda:{g}") for g in cfg.drafter_gpus]
+            + [LocalRole(True, False, f"cuda:{g}") for g in cfg.target_gpus])
+
+
+@dataclass
+class Topology:
+    """The whole job as every rank sees it (identical on all ranks after init)."""
+    rank: int
+    world: int
+    local_rank: int
+    role: LocalRole
+    host: str
+    roles: list[LocalRole] = field(default_factory=list)      # by global rank
+    hosts: list[str] = field(default_factory=list)
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return [r for r, x in enumerate(self.roles) if x.target]
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return [r for r, x in enumerate(self.roles) if x.drafter]
+
+    @property
+    def is_target(self) -> bool:
+        return self.role.target
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.role.drafter
+
+    @property
+    def leader(self) -> bool:
+        """Global rank 0: a drafter by construction (status.json, metrics, checkpoint files)."""
+        return self.rank == 0
+
+    @property
+    def target_index(self) -> int:
+        return self.target_ranks.index(self.rank)
+
+    @property
+    def drafter_index(self) -> int:
+        return self.drafter_ranks.index(self.rank)
+
+    def describe(self) -> str:
+        parts = []
+        for r, (x, h) in enumerate(zip(self.roles, self.hosts)):
+            kind = "target+drafter" if x.target and x.drafter else ("target" if x.target else "drafter")
+            parts.append(f"rank {r} {kind} {h}/{x.device}")
+        return "; ".join(parts)
+
+
+class Groups:
+    """Process groups of the job; built once, on every rank, in the same order."""
+
+    def __init__(self, topo: Topology, timeout: datetime.timedelta):
+        import torch.distributed as dist
+        self.world = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
+        self.dctl = dist.new_group(topo.drafter_ranks, backend="gloo", timeout=timeout)
+
+
+def in_launched_rank() -> bool:
+    """True inside a process started by torchrun / elastic_launch (it sets RANK etc.)."""
+    return all(k in os.environ for k in RANK_ENV)
+
+
+def init_rank(cfg) -> tuple[Topology, Groups]:
+    """Join the job: process group, device, roles of every rank, groups. Raises ValueError on a
+    flag that does not fit the launch (e.g. --nproc-per-node disagrees with the GPU lists)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    mine = local_roles(cfg)
+    if local_world != len(mine):
+        raise ValueError(f"--nproc-per-node: this node runs {local_world} rank(s) but its --target-gpus/"
+                         f"--drafter-gpus give {len(mine)} (one per GPU; a GPU in both lists counts once)")
+    role = mine[local_rank]
+    device = torch.device(role.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    host = socket.gethostname()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (role, host))
+    topo = Topology(rank, world, local_rank, role, host, [r for r, _ in everyone], [h for _, h in everyone])
+    if not topo.roles[0].drafter:
+        raise ValueError("--drafter-gpus: the first node (node rank 0) must have at least one drafter GPU "
+                         "(its first drafter rank writes status.json and the checkpoints)")
+    if not topo.target_ranks:
+        raise ValueError("--target-gpus: no node has a target GPU")
+    if world > 1 and any(x.target and x.drafter for x in topo.roles):
+        raise ValueError("--target-gpus/--drafter-gpus: a GPU may hold both roles only when it is the job's "
+                         "only GPU (world size 1)")
+    return topo, Groups(topo, timeout)
+
+
+# --------------------------------------------------------------------------------------- dispatch
+
+def eligible_anchors(dataset, max_seq_len: int) -> np.ndarray:
+    """Per sequence: positions p (within the first max_seq_len tokens) where p and p+1 are supervised,
+    i.e. the anchor candidates plan.sample_anchors draws from. Pure numpy, computed once."""
+    m = (np.asarray(dataset.mask) != 0)
+    pair = np.zeros(len(m) + 1, np.int64)
+    if len(m) > 1:
+        pair[1:len(m)] = np.cumsum(m[:-1] & m[1:])
+        pair[len(m)] = pair[len(m) - 1]
+    starts = np.asarray(dataset.offsets[:len(dataset.lengths)], np.int64)
+    n = np.minimum(np.asarray(dataset.lengths, np.int64), max_seq_len)
+    last = np.maximum(starts + n - 1, starts)            # pairs (p, p+1) with p in [start, start+n-2]
+    return np.where(n >= 2, pair[last] - pair[starts], 0)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    seq: int          # global micro-batch number
+    step: int         # optimizer step it belongs to
+    target: int       # index among target ranks
+    drafter: int      # index among drafter ranks
+    rows: int         # planned block rows (drafter work)
+    tokens: int       # padded tokens (target work)
+
+
+class DispatchPlan:
+    """Which target rank computes, and which drafter rank trains on, each micro-batch. Every rank
+    computes the same plan from the batch plan alone (no messages): per optimizer step, the step's
+    micro-batches go to the drafter ranks by longest-processing-time-first over their planned block
+    rows (each drafter rank gets at least one), and to the target ranks the same way by padded
+    tokens. Each rank then works through its micro-batches in increasing sequence number, so the
+    point-to-point operations are posted in the same order at both ends."""
+
+    def __init__(self, planner, dataset, cfg, num_targets: int, num_drafters: int):
+        self.planner, self.dataset, self.cfg = planner, dataset, cfg
+        self.T, self.D = num_targets, num_drafters
+        self.per_step = num_drafters * cfg.grad_accum
+        self.elig = eligible_anchors(dataset, cfg.max_seq_len)
+        self._cache: dict[int, list[Assignment]] = {}
+
+    def _work(self, seq: int) -> tuple[int, int]:
+        n = self.planner.num_batches
+        idx = np.asarray(self.planner.epoch_batches(seq // n)[seq % n], np.int64)
+        rows = int(np.minimum(self.elig[idx], self.cfg.max_anchors).sum()) * self.cfg.block_size
+        lens = np.minimum(np.asarray(self.dataset.lengths)[idx], self.cfg.max_seq_len)
+        pm = self.cfg.pad_multiple
+        tokens = len(idx) * (-(-int(lens.max()) // pm) * pm)
+        return rows, tokens
+
+    @staticmethod
+    def _lpt(work: list[int], bins: int) -> list[int]:
+        order = sorted(range(len(work)), key=lambda i: (-work[i], i))
+        load = [0] * bins
+        out = [0] * len(work)
+        for i in order:
+            b = min(range(bins), key=lambda j: (load[j], j))
+            out[i] = b
+            load[b] += work[i]
+        return out
+
+    def step(self, step: int) -> list[Assignment]:
+        if step not in self._cache:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            seq0 = step * self.per_step
+            work = [self._work(s) for s in range(seq0, seq0 + self.per_step)]
+            d = self._lpt([w[0] for w in work], self.D)
+            t = self._lpt([w[1] for w in work], self.T)
+            self._cache[step] = [Assignment(seq0 + i, step, t[i], d[i], w[0], w[1]) for i, w in enumerate(work)]
+        return self._cache[step]
+
+    def for_target(self, index: int, step: int) -> list[Assignment]:
+        return [a for a in self.step(step) if a.target == index]
+
+    def for_drafter(self, index: int, step: int) -> list[Assignment]:
+        return [a for a in self.step(step) if a.drafter == index]
+
+
+# ------------------------------------------------------------------------------------ stop vote
+
+class StopVote:
+    """The job's agreement on when to stop, without a per-step barrier: after each step every rank
+    posts an asynchronous all-reduce (gloo, control group) of [stop flag, items, tokens, busy s, wait s]
+    per rank; after step k it reads the vote of step k - lag, so every rank sees the same verdict at
+    the same step, and target ranks running ahead rarely wait. Rates per rank come for free."""
+
+    FIELDS = ("stop", "items", "tokens", "busy_s", "wait_s")
+
+    def __init__(self, topo: Topology, group, lag: int = 2):
+        self.topo, self.group, self.lag = topo, group, lag
+        self.pending: dict[int, tuple] = {}
+        self.last: np.ndarray | None = None   # [world, len(FIELDS)] of the newest vote read
+
+    def post(self, step: int, stop: bool, counters: dict) -> None:
+        import torch
+        import torch.distributed as dist
+        t = torch.zeros(self.topo.world, len(self.FIELDS), dtype=torch.float64)
+        t[self.topo.rank] = torch.tensor([float(stop)] + [float(counters.get(k, 0.0)) for k in self.FIELDS[1:]],
+                                         dtype=torch.float64)
+        self.pending[step] = (t, dist.all_reduce(t, group=self.group, async_op=True))
+
+    def verdict(self, step: int) -> bool:
+        """Stop after `step`? Waits for the vote of step - lag (posted by every rank long ago)."""
+        k = step - self.lag
+        for old in [s for s in self.pending if s < k]:
+            self.pending.pop(old)[1].wait()
+        if k not in self.pending:
+            return False
+        t, work = self.pending.pop(k)
+        work.wait()
+        self.last = t.numpy()
+        return bool(self.last[:, 0].max() > 0)
+
+    def drain(self) -> None:
+        for s in sorted(self.pending):
+            self.pending.pop(s)[1].wait()
+
+
+# ------------------------------------------------------------------------------------- launcher
+
+def launch(argv: list[str], cfg) -> int:
+    """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
+    WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
+    rank in status.json. SIGTERM/SIGINT reach every rank through the launcher (its shutdown sends
+    SIGTERM, then SIGKILL after --stop-timeout)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .status import Notifier, StatusWriter, read_status
+
+    notifier = Notifier()
+    os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
+    os.environ.pop("WATCHDOG_USEC", None)
+    os.environ.pop("WATCHDOG_PID", None)
+    nproc = len(local_roles(cfg))
+    multi = cfg.nnodes > 1
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    run_id = os.environ.get("DFLASH_RUN_ID") or (f"dflash-{cfg.rdzv_endpoint}" if multi else uuid.uuid4().hex[:8])
+    lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
+                      rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
+                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout)} if multi else {},
+                      start_method="spawn", shutdown_timeout=int(cfg.stop_timeout),
+                      log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None)
+    relay = _NotifyRelay(cfg.status_file, notifier)
+    relay.start()
+    log.info("launching %d rank(s) on this node (node %d of %d, rendezvous %s)", nproc, cfg.node_rank, cfg.nnodes,
+             endpoint)
+    rc = 0
+    try:
+        elastic_launch(lc, sys.executable)("-u", "-m", "trainer", *argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        why = failure.message if isinstance(failure.message, str) else str(failure.message)
+        if failure.exitcode == 2:
+            rc = 2
+        else:
+            rc = 1
+            sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
+            err = f"rank {rank} failed ({sig}): {why or 'see the log'}"
+            _mark_failed(cfg.status_file, err)
+            print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
+    except SignalException as e:
+        # the launcher already stopped the ranks (SIGTERM, grace, SIGKILL); report how they ended
+        st = {}
+        try:
+            st = read_status(cfg.status_file)
+        except Exception:  # noqa: BLE001
+            pass
+        rc = 0 if st.get("phase") == "done" else 1
+        log.info("supervisor: %s; ranks stopped (phase %s)", e.sigval.name, st.get("phase"))
+    finally:
+        relay.stop()
+        notifier.stopping()
+    _ = StatusWriter  # (status.json itself is written by rank 0)
+    return rc
+
+
+def _mark_failed(path: str, error: str) -> None:
+    from .status import atomic_write_json, read_status
+    try:
+        st = read_status(path)
+    except Exception:  # noqa: BLE001
+        st = {}
+    if st.get("phase") == "failed" and st.get("error"):
+        st["error"] = f"{error}; {st['error']}"
+    else:
+        st.update(phase="failed", error=error)
+    st["updated_at"] = time.time()
+    st["pid"] = os.getpid()
+    try:
+        atomic_write_json(path, st)
+    except OSError as e:
+        log.warning("could not write %s: %s", path, e)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _NotifyRelay(threading.Thread):
+    """Supervisor thread: READY=1 once rank 0 reports training, WATCHDOG=1 whenever status.json moves,
+    EXTEND_TIMEOUT while the job loads or warms up (a 27B load takes minutes)."""
+
+    def __init__(self, status_file: str, notifier):
+        super().__init__(name="notify-relay", daemon=True)
+        self.path, self.notifier = status_file, notifier
+        self._stop = threading.Event()
+
+    def stop(self):
+        self._stop.set()
+
+    def run(self):
+        from .status import read_status
+        ready, last = False, None
+        start = time.time()
+        while not self._stop.wait(1.0):
+            try:
+                st = read_status(self.path)
+            except Exception:  # noqa: BLE001
+                continue
+            if (st.get("updated_at") or 0) < start:
+                continue   # a previous run's file
+            phase = st.get("phase")
+            if phase in ("starting", "loading", "warmup"):
+                self.notifier.extend_timeout(900)
+            if not ready and phase in ("training", "checkpointing", "done"):
+                self.notifier.ready(f"training: step {st.get('step')}")
+                ready = True
+            stamp = st.get("updated_at")
+            if stamp != last:
+                last = stamp
+                self.notifier.watchdog()
+                if ready:
+                    self.notifier.status(f"{phase}: step {st.get('step')}")

@@ -1,0 +1,142 @@
+"""The drafter rank's stage: its FSDP2 shard of the drafter, the frozen embedding and LM head, one
+compute stream, the per-step metric accumulators.
+
+FSDP2 (`fully_shard`) over the drafter ranks' mesh: fp32 sharded parameters are the master weights,
+compute runs in bf16 on GPUs (MixedPrecisionPolicy), the optimizer state is sharded like the
+parameters. Per optimizer step every drafter rank issues exactly one all-gather and one
+reduce-scatter per FSDP unit, whatever number of forward calls its micro-batches need (ranks get
+different micro-batches, so their forward counts differ and per-forward collectives would pair up
+wrongly): parameters stay unsharded over the step (reshard_after_forward=False, reshard after
+backward only at the rank's last backward of the step), gradients accumulate unsharded in fp32 (the
+reduce dtype) with gradient sync off, and the last backward of the step reduce-scatters them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .fast import compile_layers, wants
+from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
+from .transport import device_ctx, new_event, new_stream, stream_ctx
+
+log = logging.getLogger("trainer.drafter")
+
+
+def np_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dtype, mesh) -> DFlashDrafter:
+    """The drafter, initialised from the seed (identical on every rank), then sharded over `mesh`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device(device):
+        model = DFlashDrafter(dcfg, split_fc=cfg.split_fc)
+    init_drafter_weights(model, seed=cfg.seed)
+    model.train()
+    if wants(cfg.compile, "drafter"):
+        compile_layers(model.layers, dynamic=True)  # every micro-batch has its own row counts
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+class DrafterStage:
+    """Owns: the FSDP2 module, one compute stream, the metric vector, the step's host counters."""
+
+    def __init__(self, model: DFlashDrafter, device: torch.device, embed: torch.Tensor, lm_head: torch.Tensor,
+                 cfg, dcfg: DFlashConfig, attention: str):
+        self.model, self.device, self.embed, self.lm_head = model, device, embed, lm_head
+        self.cfg, self.dcfg, self.attention = cfg, dcfg, attention
+        self.stream = new_stream(device)
+        self.fused_loss = wants(cfg.compile, "drafter")
+        self.gen = torch.Generator(device=device)
+        bs = dcfg.block_size
+        self.metric = torch.zeros(1 + bs, device=device, dtype=torch.float32)  # loss, correct per slot
+        self.poison = False
+        self.tokens = 0
+        self.items = 0
+        self.pos_counts = np.zeros(bs, np.int64)
+
+    def begin_step(self):
+        """Before the step's first forward: no gradient sync, parameters kept unsharded between calls."""
+        self.model.set_requires_gradient_sync(False)
+        self.model.set_reshard_after_backward(False)
+
+    def _final_backward(self, last: bool):
+        if last:   # this backward reduce-scatters the step's gradients and reshards the parameters
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
+
+    def micro_step(self, item, taps: torch.Tensor, final: torch.Tensor | None, noise_amp: float,
+                   loss_scale: float, last: bool, ready=None) -> tuple:
+        """Forward + backward of one micro-batch on this stage's stream (after `ready`, if given).
+        loss_scale multiplies each micro-batch's normalised loss (D / micro-batches per step, so that
+        FSDP's average over the D ranks gives the mean over the step's micro-batches). `last`: the
+        rank's last micro-batch of the step (its last backward syncs the gradients).
+        Returns (start, done) events; `done` marks the end of every read of taps/final."""
+        cfg, bs = self.cfg, self.dcfg.block_size
+        plan = item.plan
+        self.tokens += plan.num_tokens
+        self.items += 1
+        self.pos_counts += plan.pos_counts
+        with device_ctx(self.device), stream_ctx(self.stream):
+            e0, e1 = new_event(self.device, True), new_event(self.device, True)
+            if ready is not None and self.stream is not None:
+                self.stream.wait_event(ready)
+            e0.record()
+            chunks = list(zip(plan.chunks, item.host["chunks"])) if plan.weight_total > 0 else []
+            norm = plan.weight_total / loss_scale
+            if chunks:
+                self.gen.manual_seed(np_seed(cfg.seed, item.seq_no + 1))
+            for i, (c, h) in enumerate(chunks):
+                dev = {k: v.to(self.device, non_blocking=True) for k, v in h.items()}
+                meta = PackedMeta(dev["ctx_seq"], dev["ctx_pos"], dev["q_seq"], dev["q_anchor"], dev["q_pos"],
+                                  bs, dev.get("kv_num_blocks"), dev.get("kv_indices"))
+                x = taps[c.c0:c.c1]
+                if noise_amp > 0 and cfg.noise_type != "none":
+                    if cfg.noise_type == "uniform":
+                        noise = torch.rand(x.shape, generator=self.gen, device=self.device, dtype=torch.float32)
+                        noise = (noise * 2 - 1) * noise_amp
+                    else:
+                        noise = torch.randn(x.shape, generator=self.gen, device=self.device,
+                                            dtype=torch.float32) * noise_amp
+                    x = x + noise.to(x.dtype)
+                emb = self.embed[dev["block_tokens"]]
+                hidden = self.model(x, emb, meta, backend=self.attention)
+                soft = final[dev["soft_index"]] if final is not None and "soft_index" in dev else None
+                loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
+                                            soft_rows=soft, fused=self.fused_loss)
+                if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
+                    loss = loss * float("nan")
+                self._final_backward(last and i == len(chunks) - 1)
+                loss.backward()
+                valid = (dev["row_weight"] > 0).float()
+                self.metric[0] += loss.detach() / loss_scale
+                self.metric[1:] += (correct * valid).view(-1, bs).sum(0)
+            if not chunks and last:
+                self._empty_backward()
+            e1.record()
+        return e0, e1
+
+    def _empty_backward(self):
+        """A micro-batch with nothing to train on that ends this rank's step: one block of zero-weight
+        rows through the drafter, so this rank still joins the step's all-gather and reduce-scatter."""
+        bs, dev = self.dcfg.block_size, self.device
+        k = len(self.dcfg.target_layer_ids)
+        zeros = lambda n: torch.zeros(n, dtype=torch.long, device=dev)  # noqa: E731
+        meta = PackedMeta(zeros(1), zeros(1), zeros(bs), zeros(bs) + 1, torch.arange(1, bs + 1, device=dev), bs)
+        x = torch.zeros(1, k * self.dcfg.hidden_size, device=dev, dtype=self.embed.dtype)
+        hidden = self.model(x, self.embed[zeros(bs)], meta, backend="sdpa")
+        self._final_backward(True)
+        (hidden.float().sum() * 0.0).backward()
+
+    def reset_counters(self):
+        self.metric.zero_()
+        self.tokens, self.items = 0, 0
+        self.pos_counts = np.zeros_like(self.pos_counts)

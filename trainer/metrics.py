@@ -1,0 +1,177 @@
+"""Metrics of the run: stage timings (Profiler), bounded step logs (HeadTailLog) and metrics.jsonl.
+
+metrics.jsonl is written by rank 0 only. On resume it is cut back to the checkpoint's step first,
+so a reader never sees the steps between the checkpoint and a kill twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .runlog import format_table
+
+log = logging.getLogger("trainer.metrics")
+
+
+class HeadTailLog:
+    """Append-only log that keeps the first `keep` and the last `keep` entries (memory stays bounded
+    however long the run); reads as the list head + tail, in order, without overlap."""
+
+    def __init__(self, keep: int = 100):
+        self.keep = keep
+        self.head: list = []
+        self.tail: deque = deque(maxlen=keep)
+        self.total = 0
+
+    def append(self, x):
+        self.total += 1
+        (self.head if len(self.head) < self.keep else self.tail).append(x)
+
+    def entries(self) -> list:
+        return self.head + list(self.tail)
+
+    def __len__(self):
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i):
+        return self.entries()[i]
+
+    def __iter__(self):
+        return iter(self.entries())
+
+
+class Profiler:
+    """Per-stage time: host seconds, or CUDA event pairs resolved lazily (never synchronised)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.pending: deque = deque()
+        self.t0 = time.perf_counter()
+
+    def add(self, stage: str, seconds: float):
+        with self.lock:
+            self.totals[stage] = self.totals.get(stage, 0.0) + seconds
+            self.counts[stage] = self.counts.get(stage, 0) + 1
+
+    def add_events(self, stage: str, start, end):
+        with self.lock:
+            self.pending.append((stage, start, end))
+            n = len(self.pending)
+        if n >= 64:  # fold finished pairs in as we go (query() never blocks): pending stays bounded
+            self.resolve()
+
+    def resolve(self):
+        done = []
+        with self.lock:
+            keep = deque()
+            while self.pending:
+                stage, s, e = self.pending.popleft()
+                (done if e.query() else keep).append((stage, s, e))
+            self.pending = keep
+        for stage, s, e in done:
+            self.add(stage, s.elapsed_time(e) / 1000.0)
+
+    def table(self, wall: float, extra: list[list] | None = None) -> str:
+        self.resolve()
+        rows = []
+        with self.lock:
+            for stage in sorted(self.totals):
+                tot, n = self.totals[stage], self.counts[stage]
+                rows.append([stage, n, tot, 1000 * tot / max(n, 1), 100 * tot / max(wall, 1e-9)])
+        rows += extra or []
+        return format_table(["stage", "count", "total s", "ms each", "% of wall"], rows)
+
+    def snapshot(self) -> dict:
+        self.resolve()
+        with self.lock:
+            return {k: {"total_s": v, "count": self.counts[k]} for k, v in self.totals.items()}
+
+    def reset(self):
+        with self.lock:
+            self.totals.clear()
+            self.counts.clear()
+            self.t0 = time.perf_counter()
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step's numbers, still on their way to the host (read when `event` has fired)."""
+    step: int
+    host: object          # pinned [loss, skipped, grad norm, tokens, correct per slot, rows per slot]
+    event: object
+    lr: float
+
+
+class MetricsFile:
+    """Append-only metrics.jsonl, cut back to a checkpoint's step on resume. A failed write (a full
+    disk) warns once and training goes on; the next checkpoint save is what fails the run."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = Path(path)
+        if resume_step is not None:
+            self.truncate_after(resume_step)
+        self.f = open(self.path, "a")
+        self.error = False
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records of steps > step (written after the checkpoint we resume from). Returns how many."""
+        if not self.path.exists():
+            return 0
+        keep, dropped = [], 0
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                rec_step = json.loads(line).get("step")
+            except ValueError:
+                dropped += 1     # a torn last line from a kill
+                continue
+            if rec_step is not None and rec_step > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        if dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(keep))
+            tmp.replace(self.path)
+            log.info("%s: dropped %d record(s) after step %d (resumed from that checkpoint)", self.path, dropped, step)
+        return dropped
+
+    def write(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        try:
+            self.f.write("".join(lines))
+            self.f.flush()
+            if self.error:
+                log.info("%s is writable again", self.path)
+            self.error = False
+        except OSError as e:
+            if not self.error:
+                log.warning("could not write %s: %s (training goes on; the next checkpoint save will tell "
+                            "whether the disk can hold it)", self.path, e)
+            self.error = True
+
+    def close(self):
+        try:
+            self.f.close()
+        except OSError as e:
+            log.warning("could not close %s: %s", self.path, e)
+
+
+def step_record(m: StepMetrics, values: list[float], block_size: int) -> dict:
+    loss, skipped, gnorm, tokens = values[0], values[1] > 0, values[2], values[3]
+    correct = values[4:4 + block_size]
+    counts = values[4 + block_size:4 + 2 * block_size]
+    acc = [c / n if n else None for c, n in zip(correct, counts)]
+    return {"step": m.step, "loss": loss if math.isfinite(loss) else None, "skipped": skipped,
+            "grad_norm": gnorm if math.isfinite(gnorm) else None, "lr": m.lr, "tokens": int(tokens), "acc": acc[1:]}

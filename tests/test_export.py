@@ -219,3 +219,14 @@ def test_reference_model_class_loads_the_export_and_agrees(exported, tmp_path):
         a = ref(position_ids=pos, noise_embedding=noise, target_hidden=taps, is_causal=False)
         b = ours(position_ids=pos, noise_embedding=noise, target_hidden=taps)
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_readme_route_spec_generate_on_the_export_equals_greedy(exported, tiny_small_dir):
+    """AutoModel(trust_remote_code) -> draft.spec_generate(target=..., ...), as the reference README does."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    draft = AutoModel.from_pretrained(exported, trust_remote_code=True, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_small_dir / "target", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 60, 61, 62, 63, 2, 64]])
+    out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, stop_token_ids=[], temperature=0.0)
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)

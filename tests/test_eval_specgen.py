@@ -216,7 +216,8 @@ def test_trained_drafter_beats_untrained_and_eval_reports_it(target, trained, ti
     out = tmp_path / "run"
     CheckpointManager(out).save(3, model.state_dict(), cfg.to_dict(), {})
     after = evaluate_checkpoint(str(out), str(tiny_small_dir / "target"), str(tiny_small_dir / "heldout"),
-                                device="cpu", max_prompts=8, max_new_tokens=64, target=target)
+                                device="cpu", max_prompts=8, max_new_tokens=64, target=target, out_dir=str(out))
+    assert json.loads((out / "eval.json").read_text()) == after
     assert after["step"] == 3 and after["checkpoint"].endswith("step-00000003")
     # 10 epochs on 48 sequences: tau ~1.4 (the teacher-forced block length reads ~1.9 on the same drafter)
     assert after["tau"] > before["tau"] + 0.25, (before, after)

@@ -211,11 +211,13 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
 
 def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, device: str | None = None,
                         max_prompts: int = 16, max_new_tokens: int = 128, temperature: float = 0.0,
-                        seed: int = 0, with_block_accuracy: bool = True, target=None) -> dict:
+                        seed: int = 0, with_block_accuracy: bool = True, target=None,
+                        out_dir: str | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
     loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
-    "checkpoint" (the directory read) and "step" (None for an export)."""
+    "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
+    `out_dir/eval.json`."""
     from .data import load_dataset
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -231,6 +233,8 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     log.info("eval %s: tau %.3f over %d verify steps (%d prompts, %.1f steps/s); per-position acceptance %s",
              src, res["tau"], res["verify_steps"], res["prompts"], res["verify_steps_per_s"] or 0,
              [round(x, 3) for x in res["per_position_acceptance"]])
+    if out_dir is not None:
+        (Path(out_dir) / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
     return res
 
 
@@ -238,9 +242,8 @@ def evaluate_trainer(trainer, data_dir: str) -> dict:
     """Compatibility shim for today's train.py: evaluate its newest checkpoint, write eval.json."""
     out = Path(trainer.cfg.output_dir)
     src = getattr(trainer, "last_ckpt", None) or str(out)
-    res = evaluate_checkpoint(src, trainer.cfg.target_model, data_dir, device=str(trainer.master_dev))
-    (out / "eval.json").write_text(json.dumps(res, indent=2))
-    return res
+    return evaluate_checkpoint(src, trainer.cfg.target_model, data_dir, device=str(trainer.master_dev),
+                               out_dir=str(out))
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,22 @@
-"""Acceptance-length evaluation: from real contexts, the drafter proposes a block, the target verifies it.
+"""dflash-eval: acceptance length measured the way serving measures it, by speculative generation.
 
-For an anchor p of a held-out sequence: the target has seen tokens[:p] (their hidden states are the
-context) and token p is known (slot 0). The drafter proposes d_1..d_{B-1} for positions p+1..p+B-1 in
-one forward. The target then runs on tokens[:p+1] + drafts and its greedy choices t_k verify them:
-accepted = the longest prefix with d_k == t_k; tau = accepted + 1 (the bonus token), at most B.
+On held-out prompts (each record's tokens before its first supervised token) the target generates;
+at each step the drafter proposes B-1 tokens from the target's taps of the accepted prefix, the target
+verifies [last token, drafts] in one forward, and the matching prefix plus the bonus token are
+emitted (trainer/modeling_dflash.py `dflash_generate`, the same loop the export ships).
 
-`dflash-eval --target-model DIR --checkpoint DIR --data-dir DIR [--device cpu|cuda:N]`
+    tau                      mean tokens emitted per verify step (<= B), as in the DFlash paper
+    per_position_acceptance  [k-1]: fraction of verify steps whose draft k was accepted (k = 1..B-1)
+    block_accuracy           the cheap teacher-forced figure (anchors on held-out text, one block each):
+                             the fraction of draft slots equal to the target's argmax; with
+                             teacher_forced_block_len (mean accepted prefix + 1). Not tau.
+
+Greedy (temperature 0) by default; temperature > 0 runs standard speculative sampling.
+
+    dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
+                [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
+
+Public entry point for the trainer: `evaluate_checkpoint(checkpoint, target_model, eval_data)`.
 """
 
 from __future__ import annotations
@@ -14,31 +25,129 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .export import ExportError, hf_config_dict, read_checkpoint
 from .model import DFlashConfig, DFlashDrafter, PackedMeta
+from .modeling_dflash import DFlashDraftModel, dflash_generate
 
 log = logging.getLogger("trainer.evaluate")
 
 
-def _taps(target, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+# ------------------------------------------------------------------------------- loading
+
+
+def load_target(path: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa",
+        device_map={"": str(device)} if device.type == "cuda" else None)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:
+    """The servable drafter class with these weights, loaded strictly (a name mismatch raises)."""
+    from transformers import Qwen3Config
+    model = DFlashDraftModel(Qwen3Config(**hf_config_dict(cfg)))
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_drafter(checkpoint: str, device, dtype=torch.float32) -> tuple[DFlashDrafter, DFlashConfig]:
+    """The trainer's drafter class from a checkpoint, output dir or export; strict."""
+    cfg, state, _ = read_checkpoint(checkpoint)
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype), cfg
+
+
+def _as_hf(drafter, cfg: DFlashConfig) -> DFlashDraftModel:
+    if isinstance(drafter, DFlashDraftModel):
+        return drafter
+    p = next(drafter.parameters())
+    return hf_drafter(cfg, {k: v.detach() for k, v in drafter.state_dict().items()}, p.device, p.dtype)
+
+
+def stop_token_ids(target) -> list[int]:
+    ids = []
+    for src in (target.config, getattr(target, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids += [e] if isinstance(e, int) else list(e or [])
+    return sorted(set(ids))
+
+
+def heldout_prompts(dataset, max_prompts: int) -> list[np.ndarray]:
+    """Each record's tokens before its first supervised token (records without a prompt are skipped)."""
+    prompts = []
+    for i in range(len(dataset)):
+        ids, mask = dataset[i]
+        sup = np.nonzero(mask)[0]
+        if len(sup) and sup[0] > 0:
+            prompts.append(np.asarray(ids[:sup[0]], dtype=np.int64))
+        if len(prompts) >= max_prompts:
+            break
+    return prompts
+
+
+# ------------------------------------------------------------------------------- tau by generation
 
 
 @torch.no_grad()
-def evaluate(target, drafter: DFlashDrafter, dcfg: DFlashConfig, dataset, device: torch.device,
-             anchors_per_seq: int = 8, max_seqs: int = 64, seed: int = 0) -> dict:
-    drafter.eval()
-    bs = dcfg.block_size
+def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = 128,
+                     temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0) -> dict:
+    """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
+    dev = next(target.parameters()).device
+    bs = drafter.block_size
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
+    lengths: list[int] = []
+    new_tokens = 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
+        res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen)
+        lengths += res.accept_lengths
+        new_tokens += res.output_ids.shape[1] - res.num_prompt_tokens
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    secs = time.perf_counter() - t0
+    if not lengths:
+        raise ValueError("no verify steps: every prompt stopped at its first token")
+    arr = np.asarray(lengths)
+    return {
+        "tau": float(arr.mean()),
+        "verify_steps": int(len(arr)),
+        "prompts": len(prompts),
+        "new_tokens": int(new_tokens),
+        "per_position_acceptance": [float((arr > k).mean()) for k in range(1, bs)],
+        "accept_length_histogram": [int((arr == n).sum()) for n in range(1, bs + 1)],
+        "block_size": bs,
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+        "seconds": round(secs, 3),
+        "verify_steps_per_s": round(len(arr) / secs, 2) if secs > 0 else None,
+    }
+
+
+# ------------------------------------------------------------------------------- teacher-forced figure
+
+
+@torch.no_grad()
+def block_accuracy(target, drafter: DFlashDrafter, cfg: DFlashConfig, dataset, device: torch.device,
+                   anchors_per_seq: int = 8, max_seqs: int = 64, seed: int = 0) -> dict:
+    """Cheap and teacher-forced (not tau): anchors sampled on held-out text, one block drafted each from
+    the target's taps of the true prefix, compared with the target's argmax on the true text + drafts."""
+    bs = cfg.block_size
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     dtype = next(drafter.parameters()).dtype
     rng = np.random.default_rng(seed)
-    taus, accepted_hist = [], np.zeros(bs, np.int64)
+    lens, slots_ok, slots = [], 0, 0
     for i in range(min(len(dataset), max_seqs)):
         ids_np, mask_np = dataset[i]
         n = len(ids_np)
@@ -49,111 +158,144 @@ def evaluate(target, drafter: DFlashDrafter, dcfg: DFlashConfig, dataset, device
             continue
         anchors = np.sort(rng.choice(cand, size=min(anchors_per_seq, len(cand)), replace=False))
         ids = torch.from_numpy(ids_np.astype(np.int64))[None].to(device)
-        taps = _taps(target, ids, dcfg.target_layer_ids)[0].to(dtype)
+        out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
+        taps = torch.cat([out.hidden_states[t + 1] for t in cfg.target_layer_ids], dim=-1)[0].to(dtype)
         a = torch.from_numpy(anchors).to(device)
         slot = torch.arange(bs, device=device)
         q_anchor = a.repeat_interleave(bs)
         q_pos = (a[:, None] + slot[None]).reshape(-1)
-        tokens = torch.full((len(anchors), bs), dcfg.mask_token_id, device=device, dtype=torch.long)
+        tokens = torch.full((len(anchors), bs), cfg.mask_token_id, device=device, dtype=torch.long)
         tokens[:, 0] = ids[0, a]
         meta = PackedMeta(ctx_seq=torch.zeros(n, dtype=torch.long, device=device),
                           ctx_pos=torch.arange(n, device=device), q_seq=torch.zeros_like(q_anchor),
                           q_anchor=q_anchor, q_pos=q_pos, block_size=bs)
         hidden = drafter(taps, embed[tokens.reshape(-1)].to(dtype), meta, backend="sdpa")
         drafts = (hidden.to(head.dtype) @ head.t()).argmax(-1).view(len(anchors), bs)[:, 1:]
-        # verify: target on tokens[:p+1] + drafts, right padded (causal: padding changes nothing)
-        lens = anchors + bs
-        seqs = torch.zeros(len(anchors), int(lens.max()), dtype=torch.long, device=device)
-        for j, p in enumerate(anchors):
+        width = int(anchors.max()) + bs
+        seqs = torch.zeros(len(anchors), width, dtype=torch.long, device=device)
+        for j, p in enumerate(anchors):  # right padded; causal, so the padding changes nothing
             seqs[j, :p + 1] = ids[0, :p + 1]
             seqs[j, p + 1:p + bs] = drafts[j]
         logits = target(input_ids=seqs, use_cache=False).logits
         for j, p in enumerate(anchors):
-            t = logits[j, p:p + bs - 1].argmax(-1)
-            ok = (t == drafts[j]).long()
-            acc = int(torch.cumprod(ok, 0).sum())
-            taus.append(acc + 1)
-            accepted_hist[acc] += 1
-    if not taus:
+            ok = (logits[j, p:p + bs - 1].argmax(-1) == drafts[j]).long()
+            lens.append(int(torch.cumprod(ok, 0).sum()) + 1)
+            slots_ok += int(ok.sum())
+            slots += bs - 1
+    if not lens:
         raise ValueError("no evaluable anchors in the held-out data")
-    total = len(taus)
-    # fraction of blocks whose draft position k was accepted (k = 1..B-1)
-    at_least = [float(accepted_hist[k:].sum() / total) for k in range(1, bs)]
-    drafter.train()
-    return {"tau": float(np.mean(taus)), "blocks": total, "per_position_acceptance": at_least}
+    return {"block_accuracy": slots_ok / slots, "teacher_forced_block_len": float(np.mean(lens)),
+            "blocks": len(lens)}
 
 
-def evaluate_trainer(trainer, data_dir: str) -> dict:
-    """End-of-training evaluation with the trained master weights (a fresh, un-truncated target)."""
-    from .data import load_dataset
-    from .train import load_target
-    dev = trainer.master_dev
-    target = load_target(trainer.cfg.target_model, dev, trainer.dtype)
-    model = DFlashDrafter(trainer.dcfg, split_fc=trainer.cfg.split_fc).to(dev)
-    with torch.no_grad():
-        for p, mp in zip(model.parameters(), trainer.master_params):
-            p.copy_(mp)
-    model.to(trainer.dtype)
-    res = evaluate(target, model, trainer.dcfg, load_dataset(data_dir), dev)
-    log.info("evaluation on %s: tau %.3f over %d blocks; per-position acceptance %s", data_dir, res["tau"],
-             res["blocks"], [round(x, 3) for x in res["per_position_acceptance"]])
-    (Path(trainer.cfg.output_dir) / "eval.json").write_text(json.dumps(res, indent=2))
+# ------------------------------------------------------------------------------- entry points
+
+
+def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device, max_prompts: int = 16,
+             max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
+             with_block_accuracy: bool = False) -> dict:
+    """tau by speculative generation for a drafter object (trainer's class or the servable one)."""
+    hf = _as_hf(drafter, dcfg).to(device)
+    prompts = heldout_prompts(dataset, max_prompts)
+    if not prompts:
+        raise ValueError("no held-out record has a prompt (tokens before its first supervised one)")
+    res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed)
+    if with_block_accuracy:
+        packed = drafter if isinstance(drafter, DFlashDrafter) else None
+        if packed is None:
+            packed = DFlashDrafter(dcfg).to(device=device, dtype=next(hf.parameters()).dtype)
+            packed.load_state_dict(hf.state_dict(), strict=True)
+        res.update(block_accuracy(target, packed, dcfg, dataset, device, seed=seed))
     return res
 
 
-def load_drafter(checkpoint: str, device, dtype=torch.float32) -> tuple[DFlashDrafter, DFlashConfig]:
-    from .checkpoint import load
-    state, mcfg, _, _ = load(checkpoint)
-    dcfg = DFlashConfig.from_dict(mcfg)
-    model = DFlashDrafter(dcfg)
-    model.load_state_dict(state, strict=False)
-    return model.to(device=device, dtype=dtype), dcfg
+def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, device: str | None = None,
+                        max_prompts: int = 16, max_new_tokens: int = 128, temperature: float = 0.0,
+                        seed: int = 0, with_block_accuracy: bool = True, target=None,
+                        out_dir: str | None = None) -> dict:
+    """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
+    dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
+    loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
+    "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
+    `out_dir/eval.json`."""
+    from .data import load_dataset
+    dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg, state, src = read_checkpoint(checkpoint)
+    drafter = hf_drafter(cfg, state, dev, dtype)
+    if target is None:
+        target = load_target(target_model, dev, dtype)
+    res = evaluate(target, drafter, cfg, load_dataset(eval_data), dev, max_prompts, max_new_tokens,
+                   temperature, seed, with_block_accuracy)
+    from .checkpoint import STEP_DIR_RE
+    m = STEP_DIR_RE.match(src.name)
+    res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
+    log.info("eval %s: tau %.3f over %d verify steps (%d prompts, %.1f steps/s); per-position acceptance %s",
+             src, res["tau"], res["verify_steps"], res["prompts"], res["verify_steps_per_s"] or 0,
+             [round(x, 3) for x in res["per_position_acceptance"]])
+    if out_dir is not None:
+        (Path(out_dir) / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def evaluate_trainer(trainer, data_dir: str) -> dict:
+    """Compatibility shim for today's train.py: evaluate its newest checkpoint, write eval.json."""
+    out = Path(trainer.cfg.output_dir)
+    src = getattr(trainer, "last_ckpt", None) or str(out)
+    return evaluate_checkpoint(src, trainer.cfg.target_model, data_dir, device=str(trainer.master_dev),
+                               out_dir=str(out))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True)
-    p.add_argument("--checkpoint", help="a step-* directory; default: the newest in --output-dir")
-    p.add_argument("--output-dir")
+    p.add_argument("--checkpoint", help="a step-* dir, an output dir (newest step) or a dflash-export dir")
+    p.add_argument("--output-dir", help="same as --checkpoint with an output dir")
     p.add_argument("--data-dir", required=True, help="held-out shards")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--anchors-per-seq", type=int, default=8)
-    p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--untrained", action="store_true", help="evaluate a freshly initialised drafter (baseline)")
+    p.add_argument("--max-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-block-accuracy", action="store_true", help="skip the teacher-forced figure")
+    p.add_argument("--untrained", action="store_true", help="re-initialise the drafter (baseline)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .checkpoint import CheckpointManager
     from .config import ConfigError, check_model_dir
     from .data import DataError, load_dataset
-    from .train import load_target
+    src = a.checkpoint or a.output_dir
+    if not src:
+        print("dflash-eval: error: give --checkpoint (or --output-dir)", file=sys.stderr)
+        return 2
     try:
         check_model_dir(a.target_model)
         ds = load_dataset(a.data_dir)
-    except (ConfigError, DataError) as e:
+        cfg, state, ckpt = read_checkpoint(src)
+    except (ConfigError, DataError, ExportError) as e:
         print(f"dflash-eval: error: {e}", file=sys.stderr)
-        return 2
-    ckpt = a.checkpoint
-    if ckpt is None and a.output_dir:
-        latest = CheckpointManager(a.output_dir).latest()
-        ckpt = str(latest) if latest else None
-    if ckpt is None:
-        print("dflash-eval: error: --checkpoint: none given and none found in --output-dir", file=sys.stderr)
         return 2
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model, dcfg = load_drafter(ckpt, dev, dtype)
     if a.untrained:
         from .model import init_drafter_weights
-        init_drafter_weights(model)
+        fresh = DFlashDrafter(cfg)
+        init_drafter_weights(fresh)
+        state = fresh.state_dict()
+    drafter = hf_drafter(cfg, state, dev, dtype)
     target = load_target(a.target_model, dev, dtype)
-    res = evaluate(target, model, dcfg, ds, dev, a.anchors_per_seq, a.max_seqs)
-    res["checkpoint"] = ckpt
+    res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
+                   not a.no_block_accuracy)
+    res["checkpoint"] = str(ckpt)
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"tau {res['tau']:.3f} over {res['blocks']} blocks (block size {dcfg.block_size})")
+        print(f"tau {res['tau']:.3f} over {res['verify_steps']} verify steps, {res['prompts']} prompts "
+              f"(block size {cfg.block_size}, temperature {a.temperature}; {res['verify_steps_per_s']} steps/s)")
         print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in res["per_position_acceptance"]))
+        if "block_accuracy" in res:
+            print(f"teacher-forced (not tau): block accuracy {res['block_accuracy']:.3f}, "
+                  f"block length {res['teacher_forced_block_len']:.3f} over {res['blocks']} blocks")
     return 0
 
 

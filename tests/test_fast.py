@@ -8,7 +8,7 @@ import torch
 
 from trainer import fast
 from trainer.model import dflash_loss, lm_head_chunk
-from trainer.train import HeadTailLog, Profiler
+from trainer.metrics import HeadTailLog, MetricsFile, Profiler
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_head_tail_log_is_bounded_and_ordered():
 
 
 def test_profiler_folds_finished_event_pairs_as_it_goes():
-    from trainer.pipeline import _HostEvent
+    from trainer.transport import HostEvent as _HostEvent
     p = Profiler()
     for _ in range(1000):
         a, b = _HostEvent(), _HostEvent()
@@ -137,13 +137,11 @@ def test_profiler_folds_finished_event_pairs_as_it_goes():
     assert p.snapshot()["stage"]["count"] == 1000
 
 
-def test_metrics_file_on_a_full_disk_warns_once_and_goes_on(caplog):
+def test_metrics_file_on_a_full_disk_warns_once_and_goes_on(caplog, tmp_path):
     """metrics.jsonl is a record: a write that fails (ENOSPC) must not end the run (the checkpoint save
     decides that, with its own message); the trainer warns once and recovers when space returns."""
     import errno
     import io
-
-    from trainer.train import Trainer
 
     class Disk(io.StringIO):
         full = True
@@ -154,14 +152,27 @@ def test_metrics_file_on_a_full_disk_warns_once_and_goes_on(caplog):
                 raise OSError(errno.ENOSPC, "No space left on device")
             super().flush()
 
-    t = Trainer.__new__(Trainer)  # only the metrics writer is exercised
-    t.metrics_file, t._metrics_error = Disk(), False
+    mf = MetricsFile(tmp_path / "metrics.jsonl", None)
+    mf.f.close()
+    mf.f, mf.path = Disk(), "/out/metrics.jsonl"
     with caplog.at_level("WARNING", logger="trainer"):
-        t._append_metrics(['{"step": 1}\n'])
-        t._append_metrics(['{"step": 2}\n'])
+        mf.write(['{"step": 1}\n'])
+        mf.write(['{"step": 2}\n'])
     warned = [r for r in caplog.records if "could not write /out/metrics.jsonl" in r.getMessage()]
     assert len(warned) == 1 and "No space left on device" in warned[0].getMessage()
-    t.metrics_file.full = False
-    t._append_metrics(['{"step": 3}\n'])
-    assert not t._metrics_error
-    assert t.metrics_file.getvalue().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3}']
+    mf.f.full = False
+    mf.write(['{"step": 3}\n'])
+    assert not mf.error
+    assert mf.f.getvalue().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3}']
+
+
+def test_metrics_file_drops_records_after_the_resumed_checkpoint(tmp_path):
+    """A kill after step 5 with the last checkpoint at step 3: on resume, steps 4-5 (and a torn line)
+    go, so steps 4-5 are not in the file twice once the run has redone them."""
+    import json
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    mf = MetricsFile(path, resume_step=3)
+    mf.write([json.dumps({"step": 4}) + "\n"])
+    mf.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]

@@ -151,25 +151,15 @@ def test_padding_batches_to_a_multiple_changes_no_loss(tiny_small_dir, tmp_path)
         assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-6)
 
 
-def test_async_equals_sync_with_two_workers_and_two_replicas(tiny_small_dir, tmp_path):
-    from trainer.train import Trainer
-    extra = ["--max-steps", "4", "--cpu-target-workers", "2", "--cpu-drafter-replicas", "2", "--use-soft-labels"]
-    cfg = parse_args(tiny_args(tiny_small_dir, tmp_path / "async", *extra))
-    t = Trainer(cfg)
-    t.setup()
-    try:
-        assert t.run() == 0
-        assert len(t.workers) == 2 and len(t.replicas) == 2
-        for p0, p1 in zip(t.replicas[0].params, t.replicas[1].params):
-            assert torch.equal(p0, p1), "drafter replicas diverged"
-        assert not torch.equal(t.master_flat, torch.zeros_like(t.master_flat))
-    finally:
-        t.shutdown()
+def test_no_async_runs_the_same_math(tiny_small_dir, tmp_path):
+    """--no-async waits for every stage on the host; the numbers are the async run's."""
+    extra = ["--max-steps", "3", "--use-soft-labels"]
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "async", *extra)) == 0
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "sync", *extra, "--no-async")) == 0
     a, s = losses(tmp_path / "async"), losses(tmp_path / "sync")
-    assert sorted(a) == sorted(s) == [1, 2, 3, 4]
+    assert sorted(a) == sorted(s) == [1, 2, 3]
     for step in a:
-        assert a[step] == pytest.approx(s[step], rel=1e-5, abs=1e-6)
+        assert a[step] == pytest.approx(s[step], rel=1e-6, abs=1e-7)
 
 
 def _wait_for(pred, timeout, what):

@@ -29,7 +29,7 @@ import torch
 from .config import TrainConfig
 from .data import Dataset
 from .fast import compile_counters
-from .pipeline import Delivered, Slot
+from .target import decoder
 from .runlog import format_table
 
 log = logging.getLogger("trainer.bench")
@@ -243,11 +243,6 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
             "top": [{"kernel": n[:110], "ms": ms, "calls": c, "class": _kernel_class(n)} for n, ms, c in rows[:top]]}
 
 
-class _NoRelease:
-    def release(self, slot):
-        pass
-
-
 @dataclass
 class Ctx:
     args: argparse.Namespace
@@ -277,10 +272,14 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
 
 
 def _new_trainer(ctx: Ctx, **over):
+    """A world-size-1 trainer in this process (target and drafter roles on one device)."""
     import shutil
+    from .dist import init_single
     from .train import Trainer
     shutil.rmtree(Path(ctx.args.work) / "run", ignore_errors=True)
-    t = Trainer(make_cfg(ctx, **over), target_factory=ctx.factory, dataset=ctx.dataset)
+    cfg = make_cfg(ctx, **over)
+    topo, groups = init_single(cfg)
+    t = Trainer(cfg, topo, groups, target_factory=ctx.factory, dataset=ctx.dataset)
     t.setup()
     return t
 
@@ -293,105 +292,92 @@ def timed_window(t) -> list[int]:
 
 
 def bench_target(ctx: Ctx, t) -> dict:
-    """Forward + capture + pack + copy start on every target worker, slots recycled; no drafter."""
-    items = [t._make_item(s) for s in timed_window(t)]
+    """Forward + capture + pack on the target stage, slots recycled; no drafter, nothing sent."""
+    items = [t.make_item(s) for s in timed_window(t)]
     n = len(items) - 1
-    reset_peaks(t.t_devices)
+    st = t.target
+    devices = [st.device]
+    reset_peaks(devices)
 
-    def run(worker, its):
+    def run(its):
         for it in its:
-            slot = worker.acquire()
-            ev, _ = worker.forward_pack(it, slot)
-            t.release_waiter.put(ev["copy"], lambda s=slot: worker.release(s))
+            slot = st.next_slot()
+            st.forward_pack(it, slot)
 
-    run(t.workers[0], items[:1])  # one untimed item
-    sync_all(t.t_devices)
-    for w in t.workers:
-        while w.in_flight:
-            time.sleep(0.001)
+    run(items[:1])  # one untimed item
+    sync_all(devices)
     c0 = compile_counters()
     t0 = time.perf_counter()
-    th = [threading.Thread(target=run, args=(w, items[1 + i::len(t.workers)])) for i, w in enumerate(t.workers)]
-    for x in th:
-        x.start()
-    for x in th:
-        x.join()
-    sync_all(t.t_devices)
-    for w in t.workers:
-        while w.in_flight:
-            time.sleep(0.001)
+    run(items[1:])
+    sync_all(devices)
     wall = time.perf_counter() - t0
     prof = None
-    if ctx.args.profile and t.t_devices[0].type == "cuda":
-        w = t.workers[0]
-        prof = kernel_profile(lambda: run(w, items[1:3]), w.device)
+    if ctx.args.profile and st.device.type == "cuda":
+        prof = kernel_profile(lambda: run(items[1:3]), st.device)
         prof["tokens"] = sum(it.plan.num_tokens for it in items[1:3])
-        while w.in_flight:
-            time.sleep(0.001)
     tokens = sum(it.plan.num_tokens for it in items[1:])
     lengths = np.concatenate([it.lengths for it in items[1:]])
-    layers_run = len(t.workers[0].model.model.layers)
+    layers_run = len(decoder(st.model).layers)
     flops = model_flops_target(lengths, ctx.shape, layers_run)
-    peak = peak_flops(len(t.workers))
-    return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall / len(t.workers), "batches": n,
+    peak = peak_flops(1)
+    return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall, "batches": n,
             "wall_s": wall, "tflops": flops / wall / 1e12, "mfu": flops / wall / peak if peak else None,
-            "memory": mem_snapshot(t.t_devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0)}
+            "memory": mem_snapshot(devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0)}
 
 
 def bench_drafter(ctx: Ctx, t) -> dict:
-    """Drafter replicas fed from hidden states already on their device; micro-steps + optimizer steps."""
-    items = [t._make_item(s) for s in timed_window(t)]
+    """The drafter stage fed from hidden states already on its device: micro-steps + optimizer steps."""
+    items = [t.make_item(s) for s in timed_window(t)]
     n = len(items) - 1
-    owner = _NoRelease()
-    reps = t.replicas
+    d = t.drafter
+    devices = [d.device]
+    k = len(t.dcfg.target_layer_ids) * t.dcfg.hidden_size
     bufs = []
-    for i, it in enumerate(items):
-        r = reps[i % len(reps)]
+    for it in items:
         rows = it.plan.num_ctx_rows
-        k = len(t.dcfg.target_layer_ids) * t.dcfg.hidden_size
-        taps = torch.randn(rows, k, device=r.device, dtype=t.dtype)
+        taps = torch.randn(rows, k, device=d.device, dtype=t.dtype)
         nf = len(it.plan.final_gather) if it.plan.final_gather is not None else 0
-        final = torch.randn(max(nf, 1), t.dcfg.hidden_size, device=r.device, dtype=t.dtype) if nf else None
-        bufs.append(Delivered(it, Slot(-1, taps, final, taps, final, owner, "same"), rows, nf, {}))
-    reset_peaks(t.d_devices)
-    scale = len(reps) * t.cfg.grad_accum
+        final = torch.randn(nf, t.dcfg.hidden_size, device=d.device, dtype=t.dtype) if nf else None
+        bufs.append((it, taps, final))
+    reset_peaks(devices)
+    per_step = t.batches_per_step
 
-    def step(ds):
-        for j, d in enumerate(ds):
-            reps[j % len(reps)].micro_step(d, 0.03, scale)
-        for r in reps:
-            r.collect_grads()
-        t._optimizer_step(0, np.zeros(t.cfg.block_size, np.int64))
+    def steps(bs):
+        for i in range(0, len(bs), per_step):
+            chunk = bs[i:i + per_step]
+            d.begin_step()
+            for j, (it, taps, final) in enumerate(chunk):
+                d.micro_step(it, taps, final, 0.03, 1.0 / per_step, last=j == len(chunk) - 1)
+            t.optimizer_step()
         t.pending.clear()
 
-    step(bufs[:1])
-    sync_all(t.d_devices)
+    steps(bufs[:1])
+    sync_all(devices)
     c0 = compile_counters()
     t0 = time.perf_counter()
-    step(bufs[1:])
-    sync_all(t.d_devices)
+    steps(bufs[1:])
+    sync_all(devices)
     wall = time.perf_counter() - t0
     prof = None
-    if ctx.args.profile and reps[0].device.type == "cuda":
-        d = bufs[0]  # built on replica 0's device
-        prof = kernel_profile(lambda: reps[0].micro_step(d, 0.03, scale), reps[0].device)
-        prof["block_rows"] = sum(len(c.q_seq) for c in d.item.plan.chunks)
-        for p in reps[0].params:
-            p.grad = None
-    tokens = sum(d.item.plan.num_tokens for d in bufs[1:])
-    rows = sum(sum(len(c.q_seq) for c in d.item.plan.chunks) for d in bufs[1:])
-    flops = sum(model_flops_drafter(d.item.plan, t.dcfg, t.cfg.use_soft_labels) for d in bufs[1:])
-    peak = peak_flops(len(reps))
+    if ctx.args.profile and d.device.type == "cuda":
+        it, taps, final = bufs[0]
+        prof = kernel_profile(lambda: (d.begin_step(), d.micro_step(it, taps, final, 0.03, 1.0, last=True)), d.device)
+        prof["block_rows"] = sum(len(c.q_seq) for c in it.plan.chunks)
+        t.opt.zero_grad(set_to_none=True)
+    tokens = sum(b[0].plan.num_tokens for b in bufs[1:])
+    rows = sum(sum(len(c.q_seq) for c in b[0].plan.chunks) for b in bufs[1:])
+    flops = sum(model_flops_drafter(b[0].plan, t.dcfg, t.cfg.use_soft_labels) for b in bufs[1:])
+    peak = peak_flops(1)
     return {"tok_s": tokens / wall, "block_rows_per_s": rows / wall, "block_rows_per_token": rows / tokens,
             "batches": n, "wall_s": wall, "tflops": flops / wall / 1e12,
-            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(t.d_devices), "kernels": prof,
+            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(devices), "kernels": prof,
             "compiles_in_timed_window": _compiles(c0)}
 
 
 def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
     steps = ctx.args.steps
     t = _new_trainer(ctx, async_pipeline=async_, max_steps=steps)
-    devices = t.t_devices + t.d_devices
+    devices = [t.device]
     try:
         reset_peaks(devices)
         if torch.cuda.is_available():
@@ -428,8 +414,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         busy = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" not in k}
         return {"tok_s": (kb - ka) / wall, "steps_timed": logs[-1][1] - logs[first][1], "wall_s": wall,
                 "wait_fraction": waits, "stage_busy_fraction": busy,
-                "pinned_bytes": sum(w.pinned_bytes() for w in t.workers),
-                "transport": sorted({w.mode for w in t.workers}),
+                "transport": "same rank (world size 1)" if t.topo.world == 1 else "NCCL point-to-point",
                 "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
                 "memory_flatness": memory_flatness(t.mem_log.entries()),
@@ -470,7 +455,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
     from .fast import sdpa_context
-    from .pipeline import _decoder
+    from .target import decoder as _decoder
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except OSError:
@@ -530,7 +515,9 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
 
 def _dispose(t):
     """Stop a trainer's threads and hand its GPU memory back before the next part builds one."""
+    from .dist import finish_single
     t.shutdown()
+    finish_single()
     t.__dict__.clear()  # the caller still holds `t`: drop what it owns so the memory can go
     gc.collect()
     if torch.cuda.is_available():

@@ -312,8 +312,14 @@ def launch(argv: list[str], cfg) -> int:
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "trainer", *argv)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        why = failure.message if isinstance(failure.message, str) else str(failure.message)
+        # the cause, not its echoes: a rank killed by a signal other than the launcher's own SIGTERM
+        # (sent to the survivors while it shuts the job down) first, else the earliest error
+        rank, failure = min(e.failures.items(),
+                            key=lambda kv: (kv[1].exitcode == -15, kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+        why = failure.message
+        if isinstance(why, dict):
+            why = why.get("message", why)
+        why = str(why)
         if failure.exitcode == 2:
             rc = 2
         else:
@@ -397,3 +403,24 @@ class _NotifyRelay(threading.Thread):
                 self.notifier.watchdog()
                 if ready:
                     self.notifier.status(f"{phase}: step {st.get('step')}")
+
+
+def init_single(cfg) -> tuple[Topology, Groups]:
+    """World size 1 inside this process (tests, the benchmark): the launcher's environment for one rank,
+    then the same init_rank every launched rank runs."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for k, v in env.items():
+        os.environ[k] = v
+    if len(local_roles(cfg)) != 1:
+        raise ValueError("in-process runs are world size 1: one GPU for both roles, or the CPU with one "
+                         "target worker and one drafter replica")
+    return init_rank(cfg)
+
+
+def finish_single() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k in RANK_ENV + ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)

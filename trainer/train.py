@@ -501,6 +501,8 @@ class Trainer:
                 slot = self.target.next_slot()
                 ev = self.target.forward_pack(item, slot)
                 self.profiler.add_events("target fwd+pack", ev["start"], ev["done"])
+                if not self.cfg.async_pipeline:   # --no-async: the baseline, every stage waited for
+                    ev["done"].synchronize()
                 if a.drafter != di:
                     self.sender.send(slot, topo.drafter_ranks[a.drafter], self.target.numel(slot))
             if a.drafter == di:
@@ -515,6 +517,8 @@ class Trainer:
                 e0, e1 = self.drafter.micro_step(item, taps, final, noise, scale, last=a.seq == mine_d[-1],
                                                  ready=ready)
                 self.profiler.add_events("drafter fwd+bwd", e0, e1)
+                if not self.cfg.async_pipeline:
+                    e1.synchronize()
                 if slot is not None:
                     slot.work = e1          # the target reuses this slot only after the drafter read it
                 else:
@@ -522,9 +526,9 @@ class Trainer:
                     self._post_receives()
             self.busy_s += time.perf_counter() - t0
         if topo.is_drafter:
-            self._optimizer_step()
+            self.optimizer_step()
 
-    def _optimizer_step(self):
+    def optimizer_step(self):
         import torch.distributed as dist
         cfg, d = self.cfg, self.drafter
         with device_ctx(self.device), stream_ctx(d.stream):

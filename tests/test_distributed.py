@@ -1,0 +1,224 @@
+"""The trainer on torch.distributed, on the CPU with gloo: several ranks, real launcher, real signals.
+
+Layouts are given the way users give them: `--target-gpus cpu --drafter-gpus cpu` with
+`--cpu-target-workers T --cpu-drafter-replicas D` starts D drafter ranks and T target ranks
+(1 + 1 is world size 1: one rank holds both roles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.__main__ import main as train_main
+from trainer.config import parse_args
+from trainer.data import BatchPlanner, load_dataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer import losses, tiny_args  # noqa: E402
+
+THREE_RANKS = ("--cpu-target-workers", "1", "--cpu-drafter-replicas", "2")
+
+
+def _status(out: Path) -> dict:
+    try:
+        return json.loads((out / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _final_weights(out: Path) -> dict:
+    last = sorted(out.glob("step-*"))[-1]
+    return load_file(str(last / "model.safetensors"))
+
+
+def _procs_with(needle: str) -> list[str]:
+    """Command lines of live processes that mention `needle` (orphan ranks would)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if needle in cmd and "pytest" not in cmd:
+                out.append(cmd)
+    return out
+
+
+# ------------------------------------------------------------------------------------ same results
+
+def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(tiny_small_dir, tmp_path):
+    """1 target + 2 drafter ranks (grad accum 2) and world size 1 (grad accum 4) see the same 4
+    micro-batches per step. Per-step losses and final weights agree to float rounding: not 0, because
+    the gradients are summed in another order (per rank, then reduce-scattered) and fp32 addition is not
+    associative; measured differences are ~1e-7 relative."""
+    extra = ["--max-steps", "5", "--use-soft-labels"]
+    one, three = tmp_path / "world1", tmp_path / "world3"
+    assert train_main(tiny_args(tiny_small_dir, one, *extra, "--grad-accum", "4")) == 0
+    assert train_main(tiny_args(tiny_small_dir, three, *extra, "--grad-accum", "2", *THREE_RANKS)) == 0
+    a, b = losses(one), losses(three)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step}"
+    wa, wb = _final_weights(one), _final_weights(three)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), k
+    st = _status(three)
+    assert st["phase"] == "done" and st["world_size"] == 3
+    assert [r["role"] for r in st["ranks"]] == ["drafter", "drafter", "target"]
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+def test_dispatch_balances_planned_rows_and_both_ends_see_one_schedule(tiny_small_dir):
+    from trainer.dist import DispatchPlan
+    ds = load_dataset(tiny_small_dir / "data")
+    cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent"), "--grad-accum", "4"))
+    planner = BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, seed=cfg.seed)
+    D, T = 3, 2
+    plan = DispatchPlan(planner, ds, cfg, T, D)
+    steps = planner.num_batches * 4 // plan.per_step
+    load = np.zeros(D)
+    for s in range(steps):
+        got = plan.step(s)
+        assert [a.seq for a in got] == list(range(s * plan.per_step, (s + 1) * plan.per_step))
+        assert {a.drafter for a in got} == set(range(D)), "every drafter rank gets work every step"
+        for a in got:
+            load[a.drafter] += a.rows
+        # the point-to-point schedule as each end computes it, independently
+        sends = {t: [(a.seq, a.drafter) for a in plan.for_target(t, s)] for t in range(T)}
+        recvs = {d: [(a.seq, a.target) for a in plan.for_drafter(d, s)] for d in range(D)}
+        from_sends = sorted((seq, t, d) for t, xs in sends.items() for seq, d in xs)
+        from_recvs = sorted((seq, t, d) for d, xs in recvs.items() for seq, t in xs)
+        assert from_sends == from_recvs
+        for xs in list(sends.values()) + list(recvs.values()):
+            assert [x[0] for x in xs] == sorted(x[0] for x in xs), "posted in sequence order"
+    spread = (load.max() - load.min()) / load.mean()
+    assert spread < 0.05, f"planned rows per drafter rank {load} (spread {spread:.3f})"
+    # a second planner (another rank) computes the identical plan
+    again = DispatchPlan(BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size,
+                                      seed=cfg.seed), ds, cfg, T, D)
+    assert all(again.step(s) == plan.step(s) for s in range(steps))
+
+
+def test_planned_rows_are_the_rows_the_plan_makes(tiny_small_dir):
+    """The dispatch counts anchors from the loss mask alone; it must match what plan_micro_batch builds."""
+    from trainer.data import collate
+    from trainer.dist import DispatchPlan
+    from trainer.plan import plan_micro_batch
+    ds = load_dataset(tiny_small_dir / "data")
+    cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent")))
+    planner = BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, seed=cfg.seed)
+    plan = DispatchPlan(planner, ds, cfg, 1, 1)
+    for a in plan.step(0) + plan.step(1):
+        ep, bi = divmod(a.seq, planner.num_batches)
+        b = collate(ds, planner.epoch_batches(ep)[bi], cfg.max_seq_len, cfg.pad_multiple)
+        p = plan_micro_batch(b.input_ids.numpy(), b.loss_mask.numpy(), b.lengths.numpy(), b.sample_ids, ep,
+                             seed=cfg.seed, block_size=cfg.block_size, max_anchors=cfg.max_anchors, mask_token_id=3,
+                             gamma=cfg.gamma, soft_labels=False, chunk_rows=cfg.drafter_chunk_rows, flex=False)
+        assert a.rows == sum(len(c.q_seq) for c in p.chunks)
+        assert a.tokens == b.input_ids.numel()
+
+
+# ------------------------------------------------------------------------------------ routing
+
+def test_a_drafter_rank_refuses_hidden_states_that_are_not_on_its_device():
+    """Today's bug was every slot's destination on the first drafter GPU; a drafter rank now receives
+    into buffers it allocated on its own device and checks that on every receive."""
+    from trainer.transport import Posted, Receiver
+    r = Receiver(torch.device("cpu"), 64, torch.float32, 2, k=2, hidden=4)
+    r.bufs[0] = torch.empty(64, device="meta")   # a buffer that lives elsewhere
+
+    class Done:
+        def wait(self):
+            pass
+    r.free.popleft()
+    r.posted.append(Posted(7, 0, Done(), rows=4, final_rows=0))
+    with pytest.raises(RuntimeError, match="micro-batch 7 arrived on meta"):
+        r.take(7)
+
+
+# ------------------------------------------------------------------------------------ lifecycle
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(tiny_small_dir, tmp_path):
+    extra = ["--max-steps", "6", "--save-interval", "2", "--grad-accum", "2", *THREE_RANKS]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
+    env = dict(os.environ, DFLASH_FAULT_DIE_AT_STEP="3", DFLASH_FAULT_DIE_RANK="1")
+    cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
+    t0 = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    took = time.time() - t0
+    assert r.returncode == 1, r.stderr[-2000:]
+    st = _status(out)
+    assert st["phase"] == "failed" and "rank 1" in st["error"] and "SIGKILL" in st["error"], st
+    assert "error: rank 1 failed" in r.stderr
+    assert took < 90, f"the job took {took:.0f}s to notice a dead rank"
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-00000002"]
+    assert not _procs_with(str(out)), "ranks left behind"
+    # systemd restarts it: it resumes from step 2 and trains what the uninterrupted run trained
+    assert subprocess.run(cmd, capture_output=True, timeout=180).returncode == 0
+    a, b = losses(ref), losses(out)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6], "metrics.jsonl holds each step once"
+    for step in range(3, 7):
+        assert b[step] == pytest.approx(a[step], rel=1e-6), f"step {step} differs after the restart"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_once_and_leaves_no_rank(tiny_small_dir, tmp_path):
+    out = tmp_path / "term"
+    cmd = [sys.executable, "-m", "trainer",
+           *tiny_args(tiny_small_dir, out, "--max-steps", "40", "--grad-accum", "2", *THREE_RANKS)]
+    env = dict(os.environ, DFLASH_FAULT_STEP_DELAY="0.4")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _wait_for(lambda: _status(out).get("step", 0) >= 3, 120, "step 3")
+    ranks = _procs_with(str(out))
+    assert len(ranks) >= 4, ranks          # the supervisor and its three ranks
+    p.send_signal(signal.SIGTERM)          # what systemd sends (KillMode=mixed: the main process only)
+    assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
+    st = _status(out)
+    assert st["phase"] == "done" and 3 <= st["step"] < 40
+    assert [x.name for x in out.glob("step-*")] == [f"step-{st['step']:08d}"]
+    ck = out / f"step-{st['step']:08d}"
+    assert (ck / "model.safetensors").is_file() and (ck / "dcp" / ".metadata").is_file()
+    _wait_for(lambda: not _procs_with(str(out)), 10, "no rank left")
+
+
+@pytest.mark.slow
+def test_resume_onto_a_different_number_of_drafter_ranks(tiny_small_dir, tmp_path):
+    """DCP reshards the model and AdamW state: 2 drafter ranks checkpoint at step 2, 1 drafter rank
+    (same micro-batches per step: grad accum 4 instead of 2) goes on and matches the 2-rank run."""
+    two = tmp_path / "two"
+    base = ["--max-steps", "4", "--save-interval", "2", "--keep-checkpoints", "0"]
+    assert train_main(tiny_args(tiny_small_dir, two, *base, "--grad-accum", "2", *THREE_RANKS)) == 0
+    one = tmp_path / "one"
+    one.mkdir()
+    import shutil
+    shutil.copytree(two / "step-00000002", one / "step-00000002")
+    assert train_main(tiny_args(tiny_small_dir, one, *base, "--grad-accum", "4")) == 0
+    assert _status(one)["resumed_from"].endswith("step-00000002")
+    a, b = losses(two), losses(one)
+    for step in (3, 4):
+        assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step}"

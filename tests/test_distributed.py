@@ -60,7 +60,7 @@ def _procs_with(needle: str) -> list[str]:
                 cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if needle in cmd and "pytest" not in cmd:
+            if needle in cmd and " -m trainer " in cmd:
                 out.append(cmd)
     return out
 

@@ -298,7 +298,8 @@ def launch(argv: list[str], cfg) -> int:
     nproc = len(local_roles(cfg))
     multi = cfg.nnodes > 1
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-    run_id = os.environ.get("DFLASH_RUN_ID") or (f"dflash-{cfg.rdzv_endpoint}" if multi else uuid.uuid4().hex[:8])
+    os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
+    run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
                       rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
                       rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout)} if multi else {},

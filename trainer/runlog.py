@@ -54,7 +54,7 @@ def _update_symlink(link: Path, target_name: str) -> None:
 
 
 def setup_logging(log_dir: str | os.PathLike, run_id: str, level: int | str = logging.INFO,
-                  *, stream: TextIO | None = None) -> Path:
+                  *, stream: TextIO | None = None, link_latest: bool = True) -> Path:
     """Configure the root logger for a training run and return the run's log file path.
 
     Calling it again replaces the handlers it installed before (not others')."""
@@ -85,7 +85,8 @@ def setup_logging(log_dir: str | os.PathLike, run_id: str, level: int | str = lo
     logging.captureWarnings(True)
 
     try:
-        _update_symlink(log_dir / "latest.log", path.name)
+        if link_latest:   # rank 0's file; other ranks' files sit beside it
+            _update_symlink(log_dir / "latest.log", path.name)
     except OSError as e:
         log.warning("could not update %s: %s", log_dir / "latest.log", e)
     log.info("logging to %s (run %s)", path, run_id)

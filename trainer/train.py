@@ -158,7 +158,8 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         cfg.compile = resolve_compile(cfg.compile, self.device.type == "cpu")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log_file = setup_logging(cfg.log_dir, self.run_id if topo.leader else f"{self.run_id}-rank{topo.rank}")
+        self.log_file = setup_logging(cfg.log_dir, self.run_id if topo.leader else f"{self.run_id}-rank{topo.rank}",
+                                      link_latest=topo.leader)
         self.status.update(phase="starting", force=True, log_file=str(self.log_file), world_size=topo.world)
         log.info("dflash trainer %s run %s rank %d of %d: %s", __version__, self.run_id, topo.rank, topo.world,
                  json.dumps(cfg.to_dict(), default=str))

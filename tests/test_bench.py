@@ -31,8 +31,8 @@ def test_bench_tiny_cpu_smoke(tmp_path, capsys):
 def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path, monkeypatch, capsys):
     """--shape-cache-probe must measure what it claims: a cache that keeps 2 MB per new input shape
     (as cuDNN's SDPA graph cache keeps its plans) shows in the first pass and not in the second."""
-    from trainer import pipeline
-    real = pipeline._decoder
+    from trainer import target
+    real = target.decoder
     cache = {}
 
     def leaky_decoder(model):
@@ -43,7 +43,7 @@ def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_
             return dec(input_ids=input_ids, **kw)
         return call
 
-    monkeypatch.setattr(pipeline, "_decoder", leaky_decoder)
+    monkeypatch.setattr(target, "decoder", leaky_decoder)
     out = tmp_path / "probe.json"
     assert bench.main(["--shape", "tiny", "--shape-cache-probe", "10", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["shape_cache_probe"]

@@ -181,6 +181,7 @@ class Assignment:
     drafter: int      # index among drafter ranks
     rows: int         # planned block rows (drafter work)
     tokens: int       # padded tokens (target work)
+    real_tokens: int  # tokens of the sequences (what tokens/s counts)
 
 
 class DispatchPlan:
@@ -198,14 +199,14 @@ class DispatchPlan:
         self.elig = eligible_anchors(dataset, cfg.max_seq_len)
         self._cache: dict[int, list[Assignment]] = {}
 
-    def _work(self, seq: int) -> tuple[int, int]:
+    def _work(self, seq: int) -> tuple[int, int, int]:
         n = self.planner.num_batches
         idx = np.asarray(self.planner.epoch_batches(seq // n)[seq % n], np.int64)
         rows = int(np.minimum(self.elig[idx], self.cfg.max_anchors).sum()) * self.cfg.block_size
         lens = np.minimum(np.asarray(self.dataset.lengths)[idx], self.cfg.max_seq_len)
         pm = self.cfg.pad_multiple
         tokens = len(idx) * (-(-int(lens.max()) // pm) * pm)
-        return rows, tokens
+        return rows, tokens, int(lens.sum())
 
     @staticmethod
     def _lpt(work: list[int], bins: int) -> list[int]:
@@ -226,7 +227,7 @@ class DispatchPlan:
             work = [self._work(s) for s in range(seq0, seq0 + self.per_step)]
             d = self._lpt([w[0] for w in work], self.D)
             t = self._lpt([w[1] for w in work], self.T)
-            self._cache[step] = [Assignment(seq0 + i, step, t[i], d[i], w[0], w[1]) for i, w in enumerate(work)]
+            self._cache[step] = [Assignment(seq0 + i, step, t[i], d[i], *w) for i, w in enumerate(work)]
         return self._cache[step]
 
     def for_target(self, index: int, step: int) -> list[Assignment]:

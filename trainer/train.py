@@ -122,6 +122,7 @@ class Trainer:
         self.profiler = Profiler()
         self.step_log = HeadTailLog()   # (time, step, tokens_seen), bounded
         self.mem_log = HeadTailLog()
+        self.step_events = HeadTailLog(keep=20)   # (step, timing event at the end of its optimizer step)
         self.batch_shapes: set[tuple[int, int]] = set()
         self.notifier = Notifier() if topo.leader else None
         self.status = (StatusWriter(cfg.status_file, self.run_id, min_interval=1.0, notifier=self.notifier)
@@ -550,6 +551,7 @@ class Trainer:
             ev.record()
             e1.record()
             self.profiler.add_events("optimizer", e0, e1)
+        self.step_events.append((self.step + 1, e1))   # GPU timestamps of step ends (rates over many steps)
         d.reset_counters()
         self.pending.append(StepMetrics(self.step + 1, host, ev, lr))
 
@@ -561,7 +563,6 @@ class Trainer:
             if block:
                 m.event.synchronize()
             rec = step_record(m, m.host.tolist(), bs)
-            self.tokens_seen += rec["tokens"]
             if rec["skipped"]:
                 self.nan_skips += 1
                 self.nan_streak += 1
@@ -659,6 +660,7 @@ class Trainer:
                 self._inject_faults()
                 epoch, _ = self._position(self.step * self.batches_per_step)
                 self.train_step()
+                self.tokens_seen += sum(a.real_tokens for a in self.dispatch.step(self.step))  # known on every rank
                 self.step += 1
                 counters = {"items": (self.target.items if self.target else 0) + (self.drafter.items if self.drafter
                                                                                    else 0),

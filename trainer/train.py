@@ -537,8 +537,9 @@ class Trainer:
             e0, e1 = new_event(self.device, True), new_event(self.device, True)
             e0.record()
             bs = self.dcfg.block_size
-            vec = torch.cat([d.metric[:1], torch.tensor([float(d.tokens)], device=self.device), d.metric[1:],
-                             torch.as_tensor(d.pos_counts, dtype=torch.float32).to(self.device)])
+            counts = torch.tensor([float(d.tokens), *d.pos_counts.tolist()], dtype=torch.float32,
+                                  pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+            vec = torch.cat([d.metric[:1], counts[:1], d.metric[1:], counts[1:]])
             dist.all_reduce(vec, group=self.groups.drafters)
             loss = vec[0]
             lr = lr_at(self.step, cfg.lr, self.warmup_steps, self.total_steps)

@@ -19,11 +19,12 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from .fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -67,41 +68,10 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _fsync_dir(directory: str | os.PathLike) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def atomic_write_json(path: str | os.PathLike, data: Any, *, mode: int = 0o644) -> None:
     """Write ``data`` as JSON to ``path`` atomically (never a partial file at ``path``)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     text = json.dumps(to_jsonable(data), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
+    atomic_write_text(path, text, mode=mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +245,6 @@ class Notifier:
     def __init__(self, env: Mapping[str, str] | None = None):
         self._env = env
         self._ready_sent = False
-        self._last_status: str | None = None
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -300,7 +269,6 @@ class Notifier:
 
     def status(self, text: str) -> bool:
         text = _one_line(text)
-        self._last_status = text
         return self.notify("STATUS=" + text)
 
     def watchdog(self) -> bool:

@@ -22,6 +22,7 @@ def _graphs() -> int:
     return fast.compile_counters().get("unique_graphs", 0)
 
 
+@pytest.mark.slow  # torch.compile on the CPU: 5-45 s
 @pytest.mark.parametrize("soft", [False, True])
 def test_compiled_lm_head_loss_matches_eager(soft):
     g = torch.Generator().manual_seed(0)

@@ -755,8 +755,7 @@ class Trainer:
                                     max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
                                     mask_token_id=self.mask_token, gamma=cfg.gamma, soft_labels=cfg.use_soft_labels,
                                     chunk_rows=cfg.drafter_chunk_rows, flex=self.flex)
-            batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.ones(1, n, dtype=torch.long),
-                          torch.tensor([n]), [0], n, n - 1)
+            batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.tensor([n]), [0], n, n - 1)
             for i, r in enumerate(self.replicas):
                 t1 = time.perf_counter()
                 w = self.workers[i % len(self.workers)]

@@ -181,3 +181,42 @@ def test_unit_requires_and_follows_the_staging_unit(rendered):
     assert stage["Type"] == ["oneshot"]
     assert stage["Before"] == ["dflash.service"]
     assert "--source /workspace/models/Qwen3.6-27B --dest /dev/shm/Qwen3.6-27B" in stage["ExecStart"][0]
+
+
+def _yaml_files(*globs):
+    import yaml
+    for g in globs:
+        for p in sorted(REPO.glob(g)):
+            yield p, yaml.safe_load(p.read_text()) or []
+
+
+def _tasks(items):
+    for t in items or []:
+        if isinstance(t, dict):
+            yield t
+            for key in ("block", "rescue", "always", "tasks"):
+                yield from _tasks(t.get(key))
+
+
+def test_one_handler_topic_owned_by_the_service_role():
+    """Across roles, a notify names the service role's one topic, `restart dflash`, and only its handler
+    listens to it; any other notify is a role's own handler."""
+    listeners: dict[str, set] = {}
+    for p, items in _yaml_files("roles/*/handlers/main.yml"):
+        for h in items:
+            listeners.setdefault(p.parts[-3], set()).add(h.get("listen"))
+    assert [r for r, topics in listeners.items() if "restart dflash" in topics] == ["dflash_service"]
+    assert listeners["dflash_service"] == {"restart dflash"}
+    for p, items in _yaml_files("roles/*/tasks/*.yml"):
+        role = p.parts[-3]
+        for t in _tasks(items):
+            for n in [t["notify"]] if isinstance(t.get("notify"), str) else t.get("notify") or []:
+                assert n == "restart dflash" or n in listeners.get(role, set()), (p, n)
+
+
+def test_restart_stop_status_are_entry_points_of_the_service_role():
+    for name in ("restart", "stop", "status"):
+        plays = [t for _, items in _yaml_files(f"playbooks/{name}.yml") for play in items for t in _tasks(play.get("tasks"))]
+        roles = [t["ansible.builtin.include_role"] for t in plays if "ansible.builtin.include_role" in t]
+        assert roles == [{"name": "dflash_service", "tasks_from": name}], plays
+    assert not (REPO / "roles/dflash_service/tasks/noop.yml").exists()

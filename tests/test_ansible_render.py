@@ -220,3 +220,37 @@ def test_restart_stop_status_are_entry_points_of_the_service_role():
         roles = [t["ansible.builtin.include_role"] for t in plays if "ansible.builtin.include_role" in t]
         assert roles == [{"name": "dflash_service", "tasks_from": name}], plays
     assert not (REPO / "roles/dflash_service/tasks/noop.yml").exists()
+
+
+SPEC_CHECK = """
+- name: Check trainer flags against the service role's argument_specs
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Validate
+      ansible.builtin.validate_argument_spec:
+        argument_spec: "{{ (lookup('file', repo ~ '/roles/dflash_service/meta/argument_specs.yml') | from_yaml).argument_specs.main.options }}"
+        provided_arguments:
+          dflash_service_target_gpus: cpu
+          dflash_service_drafter_gpus: cpu
+          dflash_service_trainer_flags: "{{ flags }}"
+"""
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"block_size": 4, "async": False, "target_layers": [1, 2], "lr": "6e-4"}, None),
+    ({"block_sise": 4}, "block_sise"),
+    ({"block_size": "big"}, "block_size"),
+    ({"noise_type": "pink"}, "noise_type"),
+])
+def test_argument_specs_reject_unknown_flags_wrong_types_and_choices_up_front(tmp_path, flags, needle):
+    import json
+    (tmp_path / "check.yml").write_text(SPEC_CHECK)
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+               ANSIBLE_NOCOLOR="1")
+    r = subprocess.run([str(BIN / "ansible-playbook"), str(tmp_path / "check.yml"), "-e",
+                        json.dumps({"repo": str(REPO), "flags": flags})], capture_output=True, text=True, env=env)
+    if needle is None:
+        assert r.returncode == 0, r.stdout[-3000:]
+    else:
+        assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]

@@ -58,6 +58,7 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, group: str = "ope
 
 
 RUN = "original run"   # the flags of the hand-run command line (docs/contracts.md)
+DIST = "distributed (one process per GPU; see docs/distributed.md)"
 
 
 @dataclass
@@ -125,6 +126,16 @@ class TrainConfig:
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
     cpu_target_workers: int = opt(1, "CPU runs: target worker threads", ge=1)
     cpu_drafter_replicas: int = opt(1, "CPU runs: drafter replicas", ge=1)
+    # ---- torch.distributed (trainer/dist.py; one process per GPU) ----
+    nnodes: int = opt(1, "nodes in the job (each runs `python -m trainer` with its own --target-gpus/--drafter-gpus)",
+                      group=DIST, ge=1)
+    node_rank: int = opt(0, "this node's rank (0 = the first drafter's node)", group=DIST, ge=0)
+    rdzv_endpoint: str = opt("", "HOST:PORT of the c10d rendezvous (the first node); default on one node: a free "
+                                 "local port", group=DIST)
+    dist_timeout: float = opt(600.0, "seconds a blocked collective or send waits before the job fails", group=DIST,
+                              gt=0)
+    stop_timeout: float = opt(840.0, "after SIGTERM, seconds the ranks get to reach a step and checkpoint before "
+                                     "SIGKILL (keep below the unit's TimeoutStopSec)", group=DIST, gt=0)
     check_config: bool = opt(False, "validate everything cheap (flags, files, shard headers), load nothing, exit")
     save_final: bool = opt(True, "checkpoint at the end of the run (the benchmark turns it off)", cli=False)
 
@@ -318,8 +329,10 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
     if bool(cfg.target_gpus) != bool(cfg.drafter_gpus):
         raise ConfigError("--target-gpus/--drafter-gpus: both must list GPUs, or both be 'cpu'")
     overlap = set(cfg.target_gpus) & set(cfg.drafter_gpus)
-    if overlap:
-        raise ConfigError(f"--drafter-gpus: GPU(s) {sorted(overlap)} are also in --target-gpus")
+    shared = len(cfg.target_gpus) == 1 and cfg.target_gpus == cfg.drafter_gpus
+    if overlap and not shared:
+        raise ConfigError(f"--drafter-gpus: GPU(s) {sorted(overlap)} are also in --target-gpus (one GPU may hold "
+                          "both only when it is the node's only GPU: --target-gpus 0 --drafter-gpus 0)")
     if cfg.target_gpus and gpu_count != -1:
         n = _gpu_count() if gpu_count is None else gpu_count
         for flag, ids in (("--target-gpus", cfg.target_gpus), ("--drafter-gpus", cfg.drafter_gpus)):
@@ -345,6 +358,9 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         (cfg.drafter_chunk_rows >= cfg.block_size, "--drafter-chunk-rows",
          f"({cfg.drafter_chunk_rows}) must hold at least one block (--block-size {cfg.block_size})"),
         (cfg.target_layers is None or len(cfg.target_layers) > 0, "--target-layers", "empty list"),
+        (cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
+        (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
+         f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
     ]
     for ok, flag, why in checks:
         if not ok:

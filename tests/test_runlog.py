@@ -71,6 +71,10 @@ def test_errors_are_one_line_on_stderr_and_tracebacks_go_to_the_file(tmp_path, r
     assert f"(traceback in {path})" in lines[0] and "Traceback" not in err.getvalue()
     text = path.read_text()
     assert "Traceback (most recent call last)" in text and 'raise RuntimeError("boom' in text
+    lg.error("bad input: --data-dir: x", extra={"console": False})  # the caller prints its own line
+    for h in logging.getLogger().handlers:
+        h.flush()
+    assert len(err.getvalue().splitlines()) == 1 and "bad input: --data-dir: x" in path.read_text()
 
 
 def test_each_line_is_printed_once_after_basic_config(tmp_path, restore_root_logging, capsys):

@@ -92,6 +92,12 @@ class _Below:
         return record.levelno < self.level
 
 
+def _on_console(record: logging.LogRecord) -> bool:
+    """``log.error(..., extra={"console": False})``: the file only (the caller prints its own line,
+    e.g. ``dflash-train: error: ...``, so the console does not get the same error twice)."""
+    return getattr(record, "console", True)
+
+
 def _is_console(h: logging.Handler) -> bool:
     """A plain StreamHandler (not a FileHandler) on stdout/stderr: what logging.basicConfig installs."""
     return type(h) is logging.StreamHandler and getattr(h, "stream", None) in (
@@ -105,6 +111,7 @@ def _console_handlers(out: TextIO | None, err: TextIO | None, log_file=None) -> 
     se = logging.StreamHandler(err if err is not None else (out if out is not None else sys.stderr))
     se.setLevel(logging.ERROR)
     for h in (so, se):
+        h.addFilter(_on_console)
         h.setFormatter(fmt)
         setattr(h, _HANDLER_MARK, True)
     return [so, se]

@@ -28,6 +28,7 @@ def test_bench_tiny_cpu_smoke(tmp_path, capsys):
     assert 1 <= seen[0] <= seen[1]
 
 
+@pytest.mark.slow
 def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path, monkeypatch, capsys):
     """--shape-cache-probe must measure what it claims: a cache that keeps 2 MB per new input shape
     (as cuDNN's SDPA graph cache keeps its plans) shows in the first pass and not in the second."""

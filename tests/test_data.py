@@ -1,4 +1,4 @@
-"""trainer.data: shards + index, DataError cases, BatchPlanner, collate, iterate/resume."""
+"""trainer.data: shards + index, DataError cases, BatchPlanner, collate."""
 
 import json
 
@@ -11,11 +11,9 @@ import torch
 from trainer.data import (
     BatchPlanner,
     DataError,
-    DataPosition,
     Dataset,
     check_data_dir,
     collate,
-    iterate,
     load_dataset,
     write_shards,
 )
@@ -264,9 +262,6 @@ def test_planner_deterministic_per_seed_epoch():
     assert a.epoch_batches(0) != c.epoch_batches(0)
     neg = BatchPlanner(lengths, 1024, 256, 16, seed=-1)
     assert neg.epoch_batches(0) == BatchPlanner(lengths, 1024, 256, 16, seed=-1).epoch_batches(0)
-    assert a.batch(1, 4) == a.epoch_batches(1)[4]
-    a.batch(1, 4).append(-1)  # returned lists are copies
-    assert -1 not in a.epoch_batches(1)[4]
     for e in range(3):  # full coverage every epoch, constant batch count
         bs = a.epoch_batches(e)
         assert len(bs) == len(a)
@@ -287,41 +282,22 @@ def test_collate():
     assert b.loss_mask[0].tolist() == [False, True, True, False, False, False]
     assert b.loss_mask[1].tolist() == [True] * 6  # truncated to max_seq_len
     assert b.lengths.tolist() == [3, 6, 2] and b.lengths.dtype == torch.long
-    assert b.attention_mask[2].tolist() == [1, 1, 0, 0, 0, 0]
     assert b.num_tokens == 11 and b.num_loss_tokens == 8 and b.sample_ids == [0, 1, 2]
     b2 = collate(ds, [2, 0], max_seq_len=6)
     assert tuple(b2.input_ids.shape) == (2, 3)  # S = longest in the batch
     b3 = collate(ds, [2, 0], max_seq_len=6, pad_multiple=4)  # S rounded up: a bounded set of shapes
     assert tuple(b3.input_ids.shape) == (2, 4) and b3.lengths.tolist() == [2, 3]
-    assert b3.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]] and b3.num_tokens == 5
+    assert b3.num_tokens == 5
     assert not b3.loss_mask[:, 3].any()
     with pytest.raises(ValueError, match="pad_multiple"):
         collate(ds, [0], max_seq_len=6, pad_multiple=0)
 
 
-def test_iterate_resume_and_position():
+def test_planned_batches_honour_the_truncation():
     recs = make_records(80, seed=3, hi=60)
     ds = Dataset.from_records(recs)
     p = BatchPlanner(ds.lengths, token_budget=256, max_seq_len=48, max_batch_size=8, seed=11)
-    n = len(p)
-    full = [(pos, b.sample_ids) for pos, b in iterate(p, ds, DataPosition(), epochs=2)]
-    assert len(full) == 2 * n
-    assert [pos for pos, _ in full[:2]] == [DataPosition(0, 0), DataPosition(0, 1)]
-    assert full[n][0] == DataPosition(1, 0)
-
-    for k in (1, n - 1, n, n + 3):  # stop after k batches, resume from the stored position
-        last_pos = full[k - 1][0]
-        stored = DataPosition.from_dict(json.loads(json.dumps(last_pos.next(n).to_dict())))
-        rest = [(pos, b.sample_ids) for pos, b in iterate(p, ds, stored, epochs=2)]
-        assert rest == full[k:]
-
-    assert DataPosition(0, n - 1).next(n) == DataPosition(1, 0)
-    assert list(iterate(p, ds, DataPosition(2, 0), epochs=2)) == []
-
-    # rank split: two ranks together see every batch once
-    r0 = [pos for pos, _ in iterate(p, ds, epochs=1, rank=0, world_size=2)]
-    r1 = [pos for pos, _ in iterate(p, ds, epochs=1, rank=1, world_size=2)]
-    assert sorted(r0 + r1) == [DataPosition(0, i) for i in range(n)]
-    # batches honour the planner's truncation
-    for _, b in iterate(p, ds, epochs=1):
-        assert b.seq_len <= 48 and b.batch_size * b.seq_len <= 256
+    for e in range(2):
+        for idx in p.epoch_batches(e):
+            b = collate(ds, idx, p.max_seq_len)
+            assert b.seq_len <= 48 and b.batch_size * b.seq_len <= 256

@@ -22,6 +22,7 @@ def _graphs() -> int:
     return fast.compile_counters().get("unique_graphs", 0)
 
 
+@pytest.mark.slow  # torch.compile on the CPU: 5-45 s
 @pytest.mark.parametrize("soft", [False, True])
 def test_compiled_lm_head_loss_matches_eager(soft):
     g = torch.Generator().manual_seed(0)
@@ -84,7 +85,7 @@ def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes():
 
 
 def test_resolve_compile_and_flags():
-    from trainer.config import parse_args
+    from trainer.config import ConfigError, parse_args
     assert fast.resolve_compile("auto", on_cpu=True) == "none"
     assert fast.resolve_compile("auto", on_cpu=False) == "all"
     assert fast.resolve_compile("target", on_cpu=True) == "target"
@@ -92,7 +93,7 @@ def test_resolve_compile_and_flags():
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z"]
     cfg = parse_args(base + ["--compile", "drafter", "--sdpa-backend", "flash", "--transport", "pinned"])
     assert (cfg.compile, cfg.sdpa_backend, cfg.transport) == ("drafter", "flash", "pinned")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--compile"):
         parse_args(base + ["--compile", "everything"])
 
 

@@ -49,8 +49,56 @@ def test_setup_logging_file_and_latest_symlink(tmp_path, restore_root_logging):
         h.flush()
     assert "second" in p2.read_text() and "second" not in p1.read_text()
     ours = [h for h in logging.getLogger().handlers if getattr(h, "_dflash_runlog", False)]
-    assert len(ours) == 2
+    assert len(ours) == 3  # stdout, stderr, the file
     assert not [x for x in log_dir.iterdir() if x.name.endswith(".tmp")]
+
+
+def test_errors_are_one_line_on_stderr_and_tracebacks_go_to_the_file(tmp_path, restore_root_logging):
+    out, err = io.StringIO(), io.StringIO()
+    path = setup_logging(tmp_path / "logs", "r", stream=out, err_stream=err)
+    lg = logging.getLogger("trainer.test")
+    lg.info("step 1")
+    try:
+        raise RuntimeError("boom\nsecond line")
+    except RuntimeError:
+        lg.exception("training failed")
+    for h in logging.getLogger().handlers:
+        h.flush()
+    assert "step 1" in out.getvalue() and "training failed" not in out.getvalue()
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert "ERROR" in lines[0] and "training failed: RuntimeError: boom | second line" in lines[0]
+    assert f"(traceback in {path})" in lines[0] and "Traceback" not in err.getvalue()
+    text = path.read_text()
+    assert "Traceback (most recent call last)" in text and 'raise RuntimeError("boom' in text
+    lg.error("bad input: --data-dir: x", extra={"console": False})  # the caller prints its own line
+    for h in logging.getLogger().handlers:
+        h.flush()
+    assert len(err.getvalue().splitlines()) == 1 and "bad input: --data-dir: x" in path.read_text()
+
+
+def test_each_line_is_printed_once_after_basic_config(tmp_path, restore_root_logging, capsys):
+    """The benchmark configured the console with basicConfig and then each run's setup_logging added its
+    own: every line came out twice, in two formats."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    out = io.StringIO()
+    setup_logging(tmp_path / "logs", "r", stream=out)
+    logging.getLogger("trainer.test").info("only once")
+    assert out.getvalue().count("only once") == 1
+    captured = capsys.readouterr()
+    assert "only once" not in captured.err + captured.out
+
+
+def test_progress_bars_are_off_in_logs_that_are_not_a_terminal(tmp_path, restore_root_logging, monkeypatch):
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    hf_logging.enable_progress_bar()
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    try:
+        setup_logging(tmp_path / "logs", "r", stream=io.StringIO())
+        assert not hf_logging.is_progress_bar_enabled()
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _fake_clock():

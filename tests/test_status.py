@@ -237,7 +237,7 @@ def test_watchdog_interval(monkeypatch):
 def _write_status(path: Path, **fields):
     base = {"phase": "training", "step": 10, "epoch": 0, "tokens_seen": 5000,
             "tokens_per_s": 321.5, "loss": 2.0, "nan_skips": 1, "nan_streak": 0,
-            "updated_at": time.time(), "started_at": time.time() - 100, "pid": 4242,
+            "updated_at": time.time(), "started_at": time.time(), "pid": os.getpid(),
             "run_id": "abc", "last_checkpoint": None, "error": None, "resumed_from": None,
             "log_file": None}
     base.update(fields)
@@ -248,7 +248,7 @@ def test_cli_healthy(tmp_path, capsys):
     _write_status(tmp_path / "status.json")
     assert main(["--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "training" in out and "heartbeat age" in out and "4242" in out and "healthy" in out
+    assert "training" in out and "heartbeat age" in out and str(os.getpid()) in out and "healthy" in out
 
 
 def test_cli_json(tmp_path, capsys):
@@ -326,3 +326,84 @@ def test_writer_output_passes_cli(tmp_path, capsys):
     assert main(["--output-dir", str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["run_id"] == "run-x" and d["loss"] is None
+
+
+# ------------------------------------------------------------------ bug 5: a killed trainer is dead at once
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_killed_trainer_is_dead_not_healthy(tmp_path, capsys):
+    """kill -9 leaves status.json saying `training` with a fresh heartbeat; where the pid lives,
+    dflash-status must say dead (exit 1) at once instead of healthy for --max-age seconds."""
+    _write_status(tmp_path / "status.json", pid=_dead_pid())
+    assert main(["--output-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "UNHEALTHY (dead: pid" in out
+    assert main(["--output-dir", str(tmp_path), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["healthy"] is False and d["pid_alive"] is False and d["reason"].startswith("dead")
+    # where the pid does not live (the node reading a container's file) the check can be left out
+    assert main(["--output-dir", str(tmp_path), "--no-pid-check"]) == 0
+
+
+def test_reused_pid_and_finished_runs(tmp_path):
+    # our own pid, but a process that started long after the trainer wrote started_at: pid reused
+    _write_status(tmp_path / "status.json", started_at=time.time() - 10 * 86400)
+    assert main(["--output-dir", str(tmp_path)]) == 1
+    # done/failed runs have exited: their pid is not checked
+    _write_status(tmp_path / "status.json", phase="done", pid=_dead_pid())
+    assert main(["--output-dir", str(tmp_path)]) == 0
+
+
+# ------------------------------------------------------------------ the handler's verdict (--unit, --training, --after-step)
+
+ACTIVE = {"ActiveState": "active", "SubState": "running", "NRestarts": 0, "Result": "success", "ExecMainStatus": "0"}
+
+
+def _verdict(tmp_path, capsys, monkeypatch, unit: dict, status: dict | None, *extra: str) -> tuple[int, dict]:
+    import trainer.status as ts
+    monkeypatch.setattr(ts, "unit_state", lambda name: dict(unit))
+    f = tmp_path / "status.json"
+    if status is None:
+        f.unlink(missing_ok=True)
+    else:
+        _write_status(f, **status)
+    rc = main(["--status-file", str(f), "--max-age", "60", "--unit", "dflash.service", "--training", "--json",
+               *extra])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_handler_verdict_healthy_and_step_advance(tmp_path, capsys, monkeypatch):
+    unit = dict(ACTIVE, MainPID=os.getpid())
+    rc, v = _verdict(tmp_path, capsys, monkeypatch, unit, {"step": 12})
+    assert rc == 0 and v["healthy"] and not v["final"] and v["problems"] == [] and v["unit"]["MainPID"] == os.getpid()
+    assert _verdict(tmp_path, capsys, monkeypatch, unit, {"step": 12}, "--after-step", "12")[0] == 1
+    assert _verdict(tmp_path, capsys, monkeypatch, unit, {"step": 12}, "--after-step", "11")[0] == 0
+
+
+@pytest.mark.parametrize("unit,status,problem", [
+    ({"ActiveState": "activating", "SubState": "auto-restart", "NRestarts": 1}, {}, "auto-restart"),
+    ({}, {"pid": 1}, "status.json is from pid 1"),
+    ({}, {"loss": None}, "loss is not finite"),
+    ({}, {"phase": "loading"}, "phase is loading, not yet training"),
+    ({}, {"updated_at": time.time() - 600}, "stale"),
+    ({}, None, "no readable status"),
+])
+def test_handler_verdict_not_yet_healthy_but_worth_waiting(tmp_path, capsys, monkeypatch, unit, status, problem):
+    rc, v = _verdict(tmp_path, capsys, monkeypatch, dict(ACTIVE, MainPID=os.getpid(), **unit), status)
+    assert rc in (1, 2) and not v["healthy"] and not v["final"]
+    assert any(problem in p for p in v["problems"]), v["problems"]
+
+
+def test_handler_verdict_unit_systemd_gave_up_on_is_final(tmp_path, capsys, monkeypatch):
+    failed = dict(ACTIVE, ActiveState="failed", SubState="failed", MainPID=0, NRestarts=3, Result="exit-code")
+    rc, v = _verdict(tmp_path, capsys, monkeypatch, failed,
+                     {"phase": "failed", "error": "RuntimeError: size mismatch"})
+    assert rc == 1 and not v["healthy"] and v["final"]
+    assert any("will not restart it by itself" in p for p in v["problems"])
+    assert any("failed: RuntimeError: size mismatch" in p for p in v["problems"])

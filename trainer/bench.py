@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .data import Dataset
 from .fast import compile_counters
 from .target import decoder
-from .runlog import format_table
+from .runlog import format_table, setup_console
 
 log = logging.getLogger("trainer.bench")
 
@@ -707,7 +707,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console()  # the console setup_logging also uses: each line printed once
     cuda = torch.cuda.is_available() and a.shape != "tiny"
     if a.target_gpus is None:
         a.target_gpus = "0" if cuda else "cpu"

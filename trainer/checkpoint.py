@@ -30,6 +30,8 @@ from typing import Any, Mapping
 import torch
 import safetensors.torch
 
+from .fsutil import fsync_dir, fsync_path
+
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
@@ -61,34 +63,12 @@ def _trainer_version() -> str:
 # ------------------------------------------------------------------------------- fs helpers
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     """fsync every file below `path` (other writers' files included) and every directory."""
     for d, _, files in os.walk(path):
         for fn in files:
-            _fsync_path(Path(d) / fn)
-        _fsync_dir(Path(d))
+            fsync_path(Path(d) / fn)
+        fsync_dir(Path(d))
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -323,7 +303,7 @@ class CheckpointManager:
             if self.before_publish is not None:  # test hook: the fault suite kills the trainer here
                 self.before_publish(tmp)
             self._publish(tmp, final, step)
-            _fsync_dir(self.output_dir)
+            fsync_dir(self.output_dir)
         except BaseException as e:
             _rmtree(tmp)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -342,7 +322,7 @@ class CheckpointManager:
                      meta) -> None:
         tensors = _cpu_tensors(model_state)
         safetensors.torch.save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        _fsync_path(tmp / MODEL_FILE)
+        fsync_path(tmp / MODEL_FILE)
         _write_json(tmp / CONFIG_FILE, dict(model_config))
         with open(tmp / STATE_FILE, "wb") as f:
             torch.save(dict(train_state), f)
@@ -366,7 +346,7 @@ class CheckpointManager:
                 raise
         # atomic exchange: tmp now holds the old checkpoint, deleted afterwards
         if _exchange(tmp, final):
-            _fsync_dir(self.output_dir)
+            fsync_dir(self.output_dir)
             _rmtree(tmp)
             return
         # fallback: move the old one aside (still a complete copy, recovered by
@@ -380,7 +360,7 @@ class CheckpointManager:
         except BaseException:
             os.rename(aside, final)
             raise
-        _fsync_dir(self.output_dir)
+        fsync_dir(self.output_dir)
         _rmtree(aside)
 
     # -------------------------------------------------------------- list / latest
@@ -467,7 +447,7 @@ class CheckpointManager:
             removed.append(p)
             log.info("pruned old checkpoint %s (keep %d)", p, self.keep)
         if removed:
-            _fsync_dir(self.output_dir)
+            fsync_dir(self.output_dir)
         return removed
 
     def cleanup_stale_tmp(self) -> list[Path]:
@@ -495,5 +475,5 @@ class CheckpointManager:
             removed.append(p)
             log.info("removed stale checkpoint temp dir %s", p)
         if removed:
-            _fsync_dir(self.output_dir)
+            fsync_dir(self.output_dir)
         return removed

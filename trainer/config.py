@@ -1,22 +1,35 @@
-"""The one run configuration, the command line that fills it, and cheap validation (`--check-config`).
+"""The one run configuration, the command line generated from it, and cheap validation (`--check-config`).
 
-Validation reads only small files (config.json, the safetensors index, the data index) and never
-imports a model, so a bad flag fails in well under a second with exit code 2.
+Every trainer option is written once, as a :class:`TrainConfig` field whose metadata holds its help
+text, flag and simple range. The argparse parser (:func:`build_parser`), the range checks in
+:func:`validate`, and the Ansible side's flag list (:func:`flag_spec`, checked against
+roles/dflash_service/meta/argument_specs.yml by the tests) are all generated from those fields.
+The defaults are the recipe we recommend: the seed run's (block 32, 1024 anchors, gamma 10, noise
+0.05 -> 0.01, soft labels); `dflash-train --help` lists them.
+
+Validation reads only small files (config.json, safetensors headers, the data index) and never
+imports a model, so a bad flag or a broken shard fails in well under a second with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import struct
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 # choices of the speed options (trainer/fast.py, trainer/pipeline.py); kept here so config stays torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("auto", "peer", "pinned")
+ATTENTION_CHOICES = ("auto", "flex", "sdpa")
 
 NOISE_TYPES = ("uniform", "gaussian", "none")
 WANDB_MODES = ("disabled", "offline", "online")
@@ -26,66 +39,105 @@ class ConfigError(ValueError):
     """Bad input; the message starts with the flag or file it is about."""
 
 
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, group: str = "operations",
+        flag: str | None = None, kind: str | None = None, choices: tuple | None = None,
+        ge: float | None = None, gt: float | None = None, lt: float | None = None,
+        env: str | None = None, metavar: str | None = None, cli: bool = True,
+        default_factory: Any = dataclasses.MISSING) -> Any:
+    """A TrainConfig field with its command-line facts.
+
+    flag: the option name (default ``--`` + the field name with dashes); kind: how the text is
+    parsed (``gpus``, ``ints``; default from the field's type); ge/gt/lt: simple ranges, checked
+    by :func:`validate` and named in the help; env: an environment variable that supplies the
+    default; cli=False: not a command-line option (set by code, e.g. the benchmark)."""
+    md = dict(help=help, group=group, flag=flag, kind=kind, choices=choices, ge=ge, gt=gt, lt=lt,
+              env=env, metavar=metavar, cli=cli)
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+RUN = "original run"   # the flags of the hand-run command line (docs/contracts.md)
+DIST = "distributed (one process per GPU; see docs/distributed.md)"
+
+
 @dataclass
 class TrainConfig:
-    target_model: str
-    data_dir: str
-    output_dir: str
-    target_gpus: list[int] = field(default_factory=list)   # [] = CPU
-    drafter_gpus: list[int] = field(default_factory=list)
-    epochs: int = 6
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.01
-    grad_accum: int = 4
-    grad_clip: float = 1.0
-    token_budget: int = 49152
-    max_seq_len: int = 8192
-    max_batch_size: int = 64
-    block_size: int = 16
-    max_anchors: int = 512
-    num_draft_layers: int = 5
-    gamma: float = 7.0
-    noise_start: float = 0.0
-    noise_end: float = 0.0
-    noise_type: str = "uniform"
-    use_soft_labels: bool = False
-    # operations
-    max_steps: int = 0
-    seed: int = 0
-    save_interval: int = 1000
-    keep_checkpoints: int = 3
-    resume: bool = True
-    status_file: str = ""
-    log_dir: str = ""
-    profile_interval: float = 60.0
-    wandb_mode: str = "disabled"
-    wandb_project: str = "dflash"
-    split_fc: bool = False
-    async_pipeline: bool = True
-    target_layers: list[int] | None = None
-    max_nan_skips: int = 10
-    mask_token_id: int | None = None
-    eval_data_dir: str = ""
-    drafter_chunk_rows: int = 32768
-    slots_per_worker: int = 3
-    queue_depth: int = 2
-    attention: str = "auto"   # auto | flex | sdpa
-    compile: str = "auto"     # auto | none | target | drafter | all (regional torch.compile, trainer/fast.py)
-    sdpa_backend: str = "auto"  # auto | any | flash | cudnn | efficient (the target's attention kernel)
-    transport: str = "auto"   # auto | peer | pinned (how hidden states reach the drafter GPU)
-    pad_multiple: int = 64    # target batches padded to a multiple of this length (bounded set of shapes)
-    check_config: bool = False
-    drop_long: bool = False
-    cpu_target_workers: int = 1
-    cpu_drafter_replicas: int = 1
-    save_final: bool = True   # the benchmark turns the end-of-run checkpoint off
-    # torch.distributed (trainer/dist.py)
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = ""
-    dist_timeout: float = 600.0   # seconds a collective / point-to-point op may block before the job fails
-    stop_timeout: float = 840.0   # SIGTERM -> ranks get this long to checkpoint before SIGKILL
+    # ---- the original run (the defaults are the recipe we recommend) ----
+    target_model: str = opt(help="local Hugging Face model directory (bf16 safetensors)", group=RUN)
+    data_dir: str = opt(help="shards written by dflash-prepare / dflash-tiny", group=RUN)
+    output_dir: str = opt(help="checkpoints, status.json, logs", group=RUN)
+    target_gpus: list[int] = opt(help="GPU indices of the frozen target, e.g. 0,1,2,3,4, or cpu", group=RUN,
+                                 kind="gpus", default_factory=list)
+    drafter_gpus: list[int] = opt(help="GPU indices of the drafter, e.g. 5,6,7, or cpu", group=RUN,
+                                  kind="gpus", default_factory=list)
+    epochs: int = opt(6, "passes over the data", group=RUN, ge=1)
+    lr: float = opt(6e-4, "peak AdamW learning rate (linear warmup, then cosine)", group=RUN, gt=0)
+    warmup_ratio: float = opt(0.04, "share of the optimizer steps spent warming up", group=RUN, ge=0, lt=1)
+    weight_decay: float = opt(0.01, "AdamW weight decay", group=RUN, ge=0)
+    grad_accum: int = opt(4, "micro-batches per optimizer step", group=RUN, ge=1)
+    grad_clip: float = opt(1.0, "clip the gradient norm to this", group=RUN, gt=0)
+    token_budget: int = opt(49152, "padded tokens per target forward", group=RUN, ge=2)
+    max_seq_len: int = opt(8192, "longer sequences are truncated (or dropped with --drop-long)", group=RUN, ge=2)
+    max_batch_size: int = opt(64, "sequences per target forward", group=RUN, ge=1)
+    block_size: int = opt(32, "tokens per draft block (slot 0 is the anchor's own token)", group=RUN, ge=2)
+    max_anchors: int = opt(1024, "anchors (blocks) per sequence", group=RUN, ge=1)
+    num_draft_layers: int = opt(5, "decoder layers of the drafter", group=RUN, ge=1)
+    gamma: float = opt(10.0, "loss decay over block slots: w_k = exp(-(k-1)/gamma)", group=RUN, gt=0)
+    noise_start: float = opt(0.05, "noise on the tapped hidden states at the start (annealed)", group=RUN, ge=0)
+    noise_end: float = opt(0.01, "noise at the end of the run (<= --noise-start)", group=RUN, ge=0)
+    noise_type: str = opt("uniform", "noise distribution", group=RUN, choices=NOISE_TYPES)
+    use_soft_labels: bool = opt(True, "train against the target's distribution (KL) instead of the data tokens",
+                                group=RUN)
+    # ---- operations ----
+    max_steps: int = opt(0, "stop after N optimizer steps (0: the epochs decide)", ge=0)
+    seed: int = opt(0, "seed of the batch plan, anchors, noise and init")
+    save_interval: int = opt(1000, "optimizer steps between checkpoints", ge=1)
+    keep_checkpoints: int = opt(3, "checkpoints kept (older ones are pruned after a save)", ge=0)
+    resume: bool = opt(True, "resume from the newest checkpoint in --output-dir (--no-resume: refuse to start "
+                             "when it holds checkpoints)")
+    status_file: str = opt("", "status.json heartbeat (default <output-dir>/status.json)")
+    log_dir: str = opt("", "one log file per run and latest.log (default <output-dir>/logs)")
+    tensorboard_dir: str = opt("", "also write the training metrics as TensorBoard events here "
+                                   "(needs the tensorboard package; empty: off)")
+    profile_interval: float = opt(60.0, "seconds between stage tables", gt=0, env="DFLASH_PROFILE_INTERVAL")
+    wandb_mode: str = opt("disabled", "Weights & Biases logging", choices=WANDB_MODES)
+    wandb_project: str = opt("dflash", "Weights & Biases project", env="WANDB_PROJECT")
+    split_fc: bool = opt(False, "fc as per-tap matmuls (same math)")
+    async_pipeline: bool = opt(True, "overlap the target, the copies and the drafter (--no-async: the same "
+                                     "math synchronously, a baseline)", flag="--async")
+    target_layers: list[int] | None = opt(None, "override the tapped target layers, e.g. 1,9,17", kind="ints")
+    max_nan_skips: int = opt(10, "consecutive non-finite steps before the run fails", ge=1)
+    mask_token_id: int | None = opt(None, "default: the tokenizer's <|mask|>, else 151669")
+    eval_data_dir: str = opt("", "held-out shards for the acceptance evaluation at the end")
+    drafter_chunk_rows: int = opt(32768, "block rows per drafter forward", ge=1)
+    slots_per_worker: int = opt(3, "copies in flight per target worker", ge=1)
+    queue_depth: int = opt(2, "delivered batches waiting per drafter replica", ge=1)
+    attention: str = opt("auto", "drafter attention kernel", choices=ATTENTION_CHOICES)
+    compile: str = opt("auto", "regional torch.compile of the target's and/or the drafter's layers and loss "
+                               "(auto: all on GPUs, none on the CPU)", choices=COMPILE_CHOICES)
+    sdpa_backend: str = opt("auto", "attention kernel of the target forward (auto: flash on GPUs, never cuDNN, "
+                                    "whose per-shape plan cache grows host memory; any: PyTorch chooses)",
+                            choices=SDPA_BACKENDS)
+    transport: str = opt("auto", "target->drafter copies: GPU peer-to-peer or through pinned host memory "
+                                 "(auto: peer where the GPUs allow it)", choices=TRANSPORTS)
+    pad_multiple: int = opt(64, "pad each target batch's length up to a multiple of this (bounds the number "
+                                "of distinct batch shapes; 1 = no rounding)", ge=1)
+    drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
+    cpu_target_workers: int = opt(1, "CPU runs: target worker threads", ge=1)
+    cpu_drafter_replicas: int = opt(1, "CPU runs: drafter replicas", ge=1)
+    # ---- torch.distributed (trainer/dist.py; one process per GPU) ----
+    nnodes: int = opt(1, "nodes in the job (each runs `python -m trainer` with its own --target-gpus/--drafter-gpus)",
+                      group=DIST, ge=1)
+    node_rank: int = opt(0, "this node's rank (0 = the first drafter's node)", group=DIST, ge=0)
+    rdzv_endpoint: str = opt("", "HOST:PORT of the c10d rendezvous (the first node); default on one node: a free "
+                                 "local port", group=DIST)
+    dist_timeout: float = opt(600.0, "seconds a blocked collective or send waits before the job fails", group=DIST,
+                              gt=0)
+    stop_timeout: float = opt(840.0, "after SIGTERM, seconds the ranks get to reach a step and checkpoint before "
+                                     "SIGKILL (keep below the unit's TimeoutStopSec)", group=DIST, gt=0)
+    check_config: bool = opt(False, "validate everything cheap (flags, files, shard headers), load nothing, exit")
+    save_final: bool = opt(True, "checkpoint at the end of the run (the benchmark turns it off)", cli=False)
 
     @property
     def on_cpu(self) -> bool:
@@ -93,6 +145,38 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _kind(f: dataclasses.Field) -> str:
+    """gpus | ints | bool | int | float | str (the field's type, as text under postponed annotations)."""
+    if f.metadata.get("kind"):
+        return f.metadata["kind"]
+    t = str(f.type)
+    for k in ("bool", "int", "float"):
+        if t == k or t.startswith(k + " "):
+            return k
+    return "str"
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _gpu_list(flag: str):
@@ -117,105 +201,117 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+_METAVARS = {"int": "N", "float": "X", "gpus": "IDS|cpu", "ints": "I,J,..."}
+_PARSERS = {"int": int, "float": float, "str": str, "ints": _int_list}
+
+
+def _range_text(f: dataclasses.Field) -> str:
+    md = f.metadata
+    parts = [f">= {md['ge']:g}" if md.get("ge") is not None else "",
+             f"> {md['gt']:g}" if md.get("gt") is not None else "",
+             f"< {md['lt']:g}" if md.get("lt") is not None else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def _help(f: dataclasses.Field) -> str:
+    md, bits = f.metadata, [f.metadata.get("help", "")]
+    if md.get("ge") is not None or md.get("gt") is not None or md.get("lt") is not None:
+        bits.append(f"[{_range_text(f)}]")
+    if md.get("env"):
+        bits.append(f"(default ${md['env']}, else %(default)s)" if not _required(f) else "")
+    elif not _required(f) and _kind(f) != "bool" and _default(f) not in ("", None, []):
+        bits.append("(default %(default)s)")
+    return " ".join(b for b in bits if b)
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # exit 2 with one line naming the flag
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message):  # the caller prints one line naming the flag and exits 2
+        raise ConfigError(message)
 
 
 def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Train a DFlash drafter against a frozen target model.")
-    g = p.add_argument_group("original run")
-    g.add_argument("--target-model", required=True, help="local Hugging Face model directory (bf16 safetensors)")
-    g.add_argument("--data-dir", required=True, help="shards written by dflash-prepare / dflash-tiny")
-    g.add_argument("--output-dir", required=True, help="checkpoints, status.json, logs")
-    g.add_argument("--target-gpus", type=_gpu_list("--target-gpus"), default=[], help="e.g. 0,1,2,3,4 or cpu")
-    g.add_argument("--drafter-gpus", type=_gpu_list("--drafter-gpus"), default=[], help="e.g. 5,6,7 or cpu")
-    g.add_argument("--epochs", type=int, default=6)
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--warmup-ratio", type=float, default=0.04)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--grad-accum", type=int, default=4)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--token-budget", type=int, default=49152, help="padded tokens per target forward")
-    g.add_argument("--max-seq-len", type=int, default=8192)
-    g.add_argument("--max-batch-size", type=int, default=64)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-anchors", type=int, default=512, help="anchors per sequence")
-    g.add_argument("--num-draft-layers", type=int, default=5)
-    g.add_argument("--gamma", type=float, default=7.0, help="loss decay: w_k = exp(-(k-1)/gamma)")
-    g.add_argument("--noise-start", type=float, default=0.0)
-    g.add_argument("--noise-end", type=float, default=0.0)
-    g.add_argument("--noise-type", default="uniform", help="|".join(NOISE_TYPES))
-    g.add_argument("--use-soft-labels", action="store_true", help="KL to the target's distribution")
-    o = p.add_argument_group("operations")
-    o.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (0: epochs decide)")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--save-interval", type=int, default=1000, help="optimizer steps between checkpoints")
-    o.add_argument("--keep-checkpoints", type=int, default=3)
-    o.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="refuse to start when the output dir holds checkpoints (default: resume the newest)")
-    o.add_argument("--status-file", default="", help="default <output-dir>/status.json")
-    o.add_argument("--log-dir", default="", help="default <output-dir>/logs")
-    o.add_argument("--profile-interval", type=float,
-                   default=None, help="seconds between stage tables (default $DFLASH_PROFILE_INTERVAL or 60)")
-    o.add_argument("--wandb-mode", default="disabled", help="|".join(WANDB_MODES))
-    o.add_argument("--wandb-project", default=os.environ.get("WANDB_PROJECT", "dflash"))
-    o.add_argument("--split-fc", action="store_true", help="fc as per-tap matmuls (same math)")
-    o.add_argument("--no-async", dest="async_pipeline", action="store_false",
-                   help="run the same math synchronously (baseline)")
-    o.add_argument("--target-layers", type=_int_list, default=None, help="override the tapped layers, e.g. 1,9,17")
-    o.add_argument("--max-nan-skips", type=int, default=10, help="consecutive non-finite steps before failing")
-    o.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>, else 151669")
-    o.add_argument("--eval-data-dir", default="", help="held-out shards for the acceptance evaluation at the end")
-    o.add_argument("--drafter-chunk-rows", type=int, default=32768, help="block rows per drafter forward")
-    o.add_argument("--slots-per-worker", type=int, default=3, help="copies in flight per target worker")
-    o.add_argument("--queue-depth", type=int, default=2, help="delivered batches waiting per drafter replica")
-    o.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"))
-    o.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
-                   help="regional torch.compile of the target's and/or the drafter's layers and loss "
-                        "(auto: all on GPUs, none on the CPU)")
-    o.add_argument("--sdpa-backend", default="auto", choices=SDPA_BACKENDS,
-                   help="attention kernel of the target forward (auto: flash on GPUs, never cuDNN, whose "
-                        "per-shape plan cache grows host memory without limit; any: PyTorch chooses)")
-    o.add_argument("--pad-multiple", type=int, default=64,
-                   help="pad each target batch's length up to a multiple of this (bounds the number of distinct "
-                        "batch shapes, and with it per-shape kernel-plan caches; 1 = no rounding)")
-    o.add_argument("--transport", default="auto", choices=TRANSPORTS,
-                   help="target->drafter copies: GPU peer-to-peer or through pinned host memory "
-                        "(auto: peer where the GPUs allow it)")
-    o.add_argument("--drop-long", action="store_true", help="drop sequences over --max-seq-len (default: truncate)")
-    o.add_argument("--cpu-target-workers", type=int, default=1, help="CPU runs: target worker threads")
-    o.add_argument("--cpu-drafter-replicas", type=int, default=1, help="CPU runs: drafter replicas")
-    n = p.add_argument_group("distributed (one process per GPU; see docs/distributed.md)")
-    n.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs `python -m trainer` "
-                   "with its own --target-gpus/--drafter-gpus)")
-    n.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = the first drafter's node)")
-    n.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (the first node); "
-                   "default on one node: a free local port")
-    n.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds a blocked collective or send waits before the job fails")
-    n.add_argument("--stop-timeout", type=float, default=840.0,
-                   help="after SIGTERM, seconds the ranks get to reach a step and checkpoint before SIGKILL "
-                        "(keep below the unit's TimeoutStopSec)")
-    o.add_argument("--check-config", action="store_true", help="validate everything cheap, load nothing, exit")
+    """The trainer's command line, generated from TrainConfig's fields."""
+    p = _Parser(prog=prog, description="Train a DFlash drafter against a frozen target model. "
+                                       "The defaults are the recommended recipe.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in cli_fields():
+        md = f.metadata
+        g = groups.setdefault(md["group"], p.add_argument_group(md["group"]))
+        flag, kind = flag_of(f), _kind(f)
+        kw: dict[str, Any] = dict(dest=f.name, help=_help(f))
+        if kind == "bool":
+            if f.name == "check_config":
+                g.add_argument(flag, action="store_true", **kw)
+                continue
+            # --x / --no-x: either can be written, whatever the default
+            kw["help"] = kw["help"] + (" (default: on)" if f.default else " (default: off)")
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kw)
+            continue
+        if kind == "gpus":
+            kw["type"] = _gpu_list(flag)
+        else:
+            kw["type"] = _PARSERS[kind]
+        if md.get("choices"):
+            kw["choices"] = md["choices"]
+        kw["metavar"] = md.get("metavar") or _METAVARS.get(kind) or (
+            "PATH" if f.name.endswith(("_dir", "_model", "_file")) else "NAME")
+        if _required(f):
+            kw["required"] = True
+        else:
+            # None marks "not given" for env-backed options; the dataclass default applies after
+            kw["default"] = None if md.get("env") else _default(f)
+        g.add_argument(flag, **kw)
     return p
 
 
 def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
     ns = build_parser(prog).parse_args(argv)
     d = vars(ns)
-    if d["profile_interval"] is None:
-        env = os.environ.get("DFLASH_PROFILE_INTERVAL", "")
-        try:
-            d["profile_interval"] = float(env) if env else 60.0
-        except ValueError:
-            raise ConfigError(f"DFLASH_PROFILE_INTERVAL: expected seconds, got {env!r}")
+    for f in cli_fields():
+        env = f.metadata.get("env")
+        if env and d.get(f.name) is None:
+            text = os.environ.get(env, "")
+            if text:
+                try:
+                    d[f.name] = _PARSERS[_kind(f)](text)
+                except ValueError:
+                    raise ConfigError(f"{env}: expected a {_kind(f)} for {flag_of(f)}, got {text!r}") from None
+            else:
+                d[f.name] = _default(f)
     cfg = TrainConfig(**d)
     if not cfg.status_file:
         cfg.status_file = str(Path(cfg.output_dir) / "status.json")
     if not cfg.log_dir:
         cfg.log_dir = str(Path(cfg.output_dir) / "logs")
     return cfg
+
+
+def flag_spec() -> dict[str, dict]:
+    """The trainer flags as the Ansible role takes them (dflash_service_trainer_flags): key = the
+    flag without dashes, with underscores; type as argument_specs spells it; choices where fixed.
+    The paths, the GPU lists and --status-file/--log-dir/--wandb-mode have role variables of their
+    own; --check-config is the deploy's, not the run's."""
+    own = {"target_model", "data_dir", "output_dir", "target_gpus", "drafter_gpus", "status_file", "log_dir",
+           "wandb_mode", "check_config"}
+    types = {"bool": "bool", "int": "int", "float": "float", "str": "str", "ints": "list", "gpus": "str"}
+    spec = {}
+    for f in cli_fields():
+        if f.name in own:
+            continue
+        key = flag_of(f)[2:].replace("-", "_")
+        s: dict[str, Any] = {"type": types[_kind(f)]}
+        if _kind(f) == "ints":
+            s["elements"] = "int"
+        if f.metadata.get("choices"):
+            s["choices"] = list(f.metadata["choices"])
+        rng, default = _range_text(f), _default(f)
+        s["description"] = (f"{flag_of(f)}: {f.metadata.get('help', '')}" + (f" [{rng}]" if rng else "")
+                            + (f" (trainer default {default})" if default not in ("", None, []) else ""))
+        spec[key] = s
+    return spec
+
+
+# ------------------------------------------------------------------------------ validation
 
 
 def _gpu_count() -> int:
@@ -226,8 +322,10 @@ def _gpu_count() -> int:
         return 0
 
 
-def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
-    """Cheap checks of every flag and file. Returns facts learnt (target config, data index)."""
+def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
+    """The flags alone: ranges, choices, flags that must agree. No file is read. GPU indices are
+    checked against ``gpu_count`` devices (None: this machine's CUDA devices; -1: not checked, as on
+    the Ansible controller)."""
     if bool(cfg.target_gpus) != bool(cfg.drafter_gpus):
         raise ConfigError("--target-gpus/--drafter-gpus: both must list GPUs, or both be 'cpu'")
     overlap = set(cfg.target_gpus) & set(cfg.drafter_gpus)
@@ -235,61 +333,54 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
     if overlap and not shared:
         raise ConfigError(f"--drafter-gpus: GPU(s) {sorted(overlap)} are also in --target-gpus (one GPU may hold "
                           "both only when it is the node's only GPU: --target-gpus 0 --drafter-gpus 0)")
-    if cfg.target_gpus:
+    if cfg.target_gpus and gpu_count != -1:
         n = _gpu_count() if gpu_count is None else gpu_count
-        missing = [i for i in cfg.target_gpus + cfg.drafter_gpus if i >= n]
-        if missing:
-            flag = "--target-gpus" if any(i in cfg.target_gpus for i in missing) else "--drafter-gpus"
-            raise ConfigError(f"{flag}: GPU index(es) {missing} do not exist (this machine has {n} CUDA device(s))")
+        for flag, ids in (("--target-gpus", cfg.target_gpus), ("--drafter-gpus", cfg.drafter_gpus)):
+            missing = [i for i in ids if i >= n]
+            if missing:
+                raise ConfigError(f"{flag}: GPU index(es) {missing} do not exist "
+                                  f"(this machine has {n} CUDA device(s))")
+    for f in cli_fields():
+        md, v = f.metadata, getattr(cfg, f.name)
+        if v is None or isinstance(v, (bool, list, str)):
+            if md.get("choices") and v not in md["choices"]:
+                raise ConfigError(f"{flag_of(f)}: unknown {v!r} (choose {', '.join(md['choices'])})")
+            continue
+        ok = ((md.get("ge") is None or v >= md["ge"]) and (md.get("gt") is None or v > md["gt"])
+              and (md.get("lt") is None or v < md["lt"]) and not (isinstance(v, float) and not math.isfinite(v)))
+        if not ok:
+            raise ConfigError(f"{flag_of(f)}: must be {_range_text(f) or 'finite'}, got {v}")
     checks = [
-        (cfg.block_size >= 2, "--block-size", f"must be >= 2, got {cfg.block_size}"),
-        (cfg.gamma > 0, "--gamma", f"must be > 0, got {cfg.gamma}"),
         (cfg.token_budget >= cfg.max_seq_len, "--token-budget",
          f"({cfg.token_budget}) is smaller than --max-seq-len ({cfg.max_seq_len})"),
-        (cfg.max_seq_len >= 2, "--max-seq-len", f"must be >= 2, got {cfg.max_seq_len}"),
         (cfg.noise_end <= cfg.noise_start, "--noise-end",
          f"({cfg.noise_end}) is larger than --noise-start ({cfg.noise_start})"),
-        (cfg.noise_start >= 0 and cfg.noise_end >= 0, "--noise-start", "noise must be >= 0"),
-        (cfg.noise_type in NOISE_TYPES, "--noise-type", f"unknown {cfg.noise_type!r} (choose {', '.join(NOISE_TYPES)})"),
-        (cfg.wandb_mode in WANDB_MODES, "--wandb-mode", f"unknown {cfg.wandb_mode!r} (choose {', '.join(WANDB_MODES)})"),
-        (cfg.epochs >= 1, "--epochs", f"must be >= 1, got {cfg.epochs}"),
-        (cfg.lr > 0, "--lr", f"must be > 0, got {cfg.lr}"),
-        (0 <= cfg.warmup_ratio < 1, "--warmup-ratio", f"must be in [0, 1), got {cfg.warmup_ratio}"),
-        (cfg.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {cfg.weight_decay}"),
-        (cfg.grad_accum >= 1, "--grad-accum", f"must be >= 1, got {cfg.grad_accum}"),
-        (cfg.grad_clip > 0, "--grad-clip", f"must be > 0, got {cfg.grad_clip}"),
-        (cfg.max_batch_size >= 1, "--max-batch-size", f"must be >= 1, got {cfg.max_batch_size}"),
-        (cfg.max_anchors >= 1, "--max-anchors", f"must be >= 1, got {cfg.max_anchors}"),
-        (cfg.num_draft_layers >= 1, "--num-draft-layers", f"must be >= 1, got {cfg.num_draft_layers}"),
-        (cfg.max_steps >= 0, "--max-steps", f"must be >= 0, got {cfg.max_steps}"),
-        (cfg.save_interval >= 1, "--save-interval", f"must be >= 1, got {cfg.save_interval}"),
-        (cfg.keep_checkpoints >= 0, "--keep-checkpoints", f"must be >= 0, got {cfg.keep_checkpoints}"),
-        (cfg.profile_interval > 0, "--profile-interval", f"must be > 0, got {cfg.profile_interval}"),
-        (cfg.max_nan_skips >= 1, "--max-nan-skips", f"must be >= 1, got {cfg.max_nan_skips}"),
-        (cfg.slots_per_worker >= 1, "--slots-per-worker", f"must be >= 1, got {cfg.slots_per_worker}"),
-        (cfg.queue_depth >= 1, "--queue-depth", f"must be >= 1, got {cfg.queue_depth}"),
-        (cfg.pad_multiple >= 1, "--pad-multiple", f"must be >= 1, got {cfg.pad_multiple}"),
-        (cfg.cpu_target_workers >= 1, "--cpu-target-workers", "must be >= 1"),
-        (cfg.cpu_drafter_replicas >= 1, "--cpu-drafter-replicas", "must be >= 1"),
-        (cfg.drafter_chunk_rows >= cfg.block_size, "--drafter-chunk-rows", "must hold at least one block"),
-        (cfg.nnodes >= 1, "--nnodes", f"must be >= 1, got {cfg.nnodes}"),
-        (0 <= cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
+        (cfg.drafter_chunk_rows >= cfg.block_size, "--drafter-chunk-rows",
+         f"({cfg.drafter_chunk_rows}) must hold at least one block (--block-size {cfg.block_size})"),
+        (cfg.target_layers is None or len(cfg.target_layers) > 0, "--target-layers", "empty list"),
+        (cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
         (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
          f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
-        (cfg.dist_timeout > 0, "--dist-timeout", f"must be > 0, got {cfg.dist_timeout}"),
-        (cfg.stop_timeout > 0, "--stop-timeout", f"must be > 0, got {cfg.stop_timeout}"),
     ]
     for ok, flag, why in checks:
         if not ok:
             raise ConfigError(f"{flag}: {why}")
+    if cfg.tensorboard_dir:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--tensorboard-dir: needs the tensorboard package "
+                              "(pip install 'dflash-trainer[tensorboard]' or pip install tensorboard)")
+
+
+def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
+    """Cheap checks of every flag and file. Returns facts learnt (target config, data index)."""
+    validate_flags(cfg, gpu_count)
 
     facts = {"target_config": check_model_dir(cfg.target_model)}
     tcfg = facts["target_config"]
     text = tcfg.get("text_config", tcfg)
     layers = text.get("num_hidden_layers")
     if cfg.target_layers is not None:
-        if len(cfg.target_layers) == 0:
-            raise ConfigError("--target-layers: empty list")
         bad = [i for i in cfg.target_layers if layers is not None and not 0 <= i < layers]
         if bad:
             raise ConfigError(f"--target-layers: {bad} outside the target's {layers} layers")
@@ -307,23 +398,115 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
         except DataError as e:
             raise ConfigError(f"--eval-data-dir: {e}") from None
 
+    for flag, value in (("--output-dir", cfg.output_dir), ("--log-dir", cfg.log_dir),
+                        ("--status-file", str(Path(cfg.status_file).parent) if cfg.status_file else ""),
+                        ("--tensorboard-dir", cfg.tensorboard_dir)):
+        if value:
+            check_writable_dir(flag, Path(value))
     out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output-dir: {out} exists and is not a directory")
-    parent = out if out.exists() else _existing_parent(out)
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--output-dir: {parent} is not writable")
     if not cfg.resume and out.is_dir() and any(out.glob("step-*")):
         raise ConfigError(f"--no-resume: {out} already holds checkpoints; refusing to overwrite them "
                           "(choose another --output-dir or drop --no-resume)")
     return facts
 
 
-def _existing_parent(p: Path) -> Path:
-    p = p.absolute()
+def check_writable_dir(flag: str, d: Path) -> None:
+    """``d`` is a directory we can write, or can be created: its nearest existing ancestor is a
+    writable directory (a regular file on the way would fail the mkdir with NotADirectoryError)."""
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{flag}: {d} exists and is not a directory")
+    p = d.absolute()
     while not p.exists():
         p = p.parent
-    return p
+    if not p.is_dir():
+        raise ConfigError(f"{flag}: cannot create {d}: {p} is a file, not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: {p} is not writable")
+
+
+# ------------------------------------------------------------------------------ the target's files
+
+# bytes per element of the dtypes safetensors writes
+_ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                   "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+                   "C64": 8}
+_ST_MAX_HEADER = 100 * 1024 * 1024   # safetensors' own limit
+
+
+def check_safetensors_header(path: str | os.PathLike, expect_tensors=()) -> dict:
+    """Read one safetensors file's header (8 bytes + JSON; cheap however large the file) and check
+    that the file holds every byte it promises: a truncated or corrupt shard is found here, before a
+    load. Raises ConfigError naming the file; returns the header."""
+    path = Path(path)
+    name = f"--target-model: {path}"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"{name}: {size} bytes, too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_ST_MAX_HEADER, size - 8):
+                raise ConfigError(f"{name}: not a safetensors file or truncated (header of {n} bytes, "
+                                  f"file of {size})")
+            raw = fh.read(n)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{name}: corrupt safetensors header ({e})") from None
+    data_len, end = size - 8 - n, 0
+    for tname, t in header.items():
+        if tname == "__metadata__":
+            continue
+        try:
+            b, e = (int(x) for x in t["data_offsets"])
+            numel = math.prod(int(d) for d in t["shape"])
+            nbytes = numel * _ST_DTYPE_BYTES.get(t["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{name}: corrupt safetensors header (entry {tname!r})") from None
+        if not 0 <= b <= e or (t["dtype"] in _ST_DTYPE_BYTES and e - b != nbytes):
+            raise ConfigError(f"{name}: corrupt safetensors header (tensor {tname!r} spans {b}..{e})")
+        end = max(end, e)
+    if end > data_len:
+        raise ConfigError(f"{name}: truncated: its tensors need {end} bytes of data, the file holds {data_len} "
+                          f"(re-copy the weights)")
+    if end < data_len:
+        raise ConfigError(f"{name}: corrupt: {data_len - end} bytes after the last tensor")
+    missing = [t for t in expect_tensors if t not in header]
+    if missing:
+        raise ConfigError(f"{name}: lacks {len(missing)} tensor(s) the index puts there, e.g. {missing[0]!r}")
+    return header
+
+
+def check_target_shards(model_dir: str | os.PathLike) -> None:
+    """Every weight file of the target (model.safetensors, or each shard the index lists) is present
+    and its header is whole. Raises ConfigError naming the file. The trainer calls it when loading
+    the target fails, so that failure names the shard too (exit 2: a restart will not fix it)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--target-model: {index} is unreadable ({e})") from None
+        by_shard: dict[str, list[str]] = {}
+        for tensor, shard in weight_map.items():
+            by_shard.setdefault(shard, []).append(tensor)
+        for shard in sorted(by_shard):
+            if not (d / shard).is_file():
+                raise ConfigError(f"--target-model: shard {d / shard} listed in {index.name} is missing")
+        for shard in sorted(by_shard):
+            check_safetensors_header(d / shard, by_shard[shard])
+    elif (d / "model.safetensors").is_file():
+        check_safetensors_header(d / "model.safetensors")
+    else:
+        raise ConfigError(f"--target-model: {d} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def check_model_dir(path: str) -> dict:
@@ -339,17 +522,7 @@ def check_model_dir(path: str) -> dict:
         raise ConfigError(f"--target-model: {cj} is not valid JSON ({e})")
     if not isinstance(config, dict):
         raise ConfigError(f"--target-model: {cj} is not a JSON object")
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"--target-model: {index} is unreadable ({e})")
-        for shard in sorted(set(weight_map.values())):
-            if not (d / shard).is_file():
-                raise ConfigError(f"--target-model: shard {d / shard} listed in {index.name} is missing")
-    elif not (d / "model.safetensors").is_file():
-        raise ConfigError(f"--target-model: {d} has neither model.safetensors nor model.safetensors.index.json")
+    check_target_shards(d)
     return config
 
 
@@ -361,6 +534,42 @@ def main_check(cfg: TrainConfig) -> int:
     return 0
 
 
-def fail(prog: str, message: str) -> "None":
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def ansible_spec_yaml(indent: int = 10) -> str:
+    """flag_spec() as the YAML block of argument_specs.yml (JSON strings are YAML strings)."""
+    pad, lines = " " * indent, []
+    for key, s in flag_spec().items():
+        lines.append(f"{pad}{key}:")
+        for k in ("type", "elements", "choices", "description"):
+            if k not in s:
+                continue
+            v = s[k]
+            if k == "description" and len(v) > 100:  # folded: the lines join with single spaces
+                lines.append(f"{pad}  {k}: >-")
+                lines += [f"{pad}    {part}" for part in textwrap.wrap(v, 100, break_long_words=False,
+                                                                    break_on_hyphens=False)]
+            else:
+                lines.append(f"{pad}  {k}: " + (json.dumps(v) if k in ("choices", "description") else v))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """`python -m trainer.config FLAGS`: check the flags alone (no file is read, no GPU counted),
+    with the trainer's own rules and messages. The Ansible role runs it on the controller before a
+    deploy touches anything. Exit 0, or 2 with one line naming the flag.
+    `python -m trainer.config --ansible-spec` prints the role's argument_specs block for the flags."""
+    prog = "dflash-train"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--ansible-spec"]:
+        sys.stdout.write(ansible_spec_yaml())
+        return 0
+    try:
+        validate_flags(parse_args(argv, prog=prog), gpu_count=-1)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print("flags ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,9 +23,11 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
+
+from .fsutil import atomic_write_text
 
 FORMAT = "dflash-shards-v1"
 INDEX_NAME = "index.json"
@@ -44,7 +46,6 @@ __all__ = [
     "Batch",
     "collate",
     "DataPosition",
-    "iterate",
 ]
 
 
@@ -76,15 +77,6 @@ def _overall_hash(shards: Sequence[dict]) -> str:
     ]
     blob = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _existing_data_files(out_dir: Path) -> list[Path]:
@@ -200,7 +192,7 @@ def write_shards(
         "tokenizer": tokenizer_name,
         "hash": _overall_hash(shards),
     }
-    _atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return index
 
 
@@ -531,10 +523,6 @@ class BatchPlanner:
         """All batches (lists of sample indices) of ``epoch``, in training order."""
         return [list(b) for b in self._plan(epoch)]
 
-    def batch(self, epoch: int, index: int) -> list[int]:
-        """Batch ``index`` of ``epoch`` (cheap: the epoch's plan is cached)."""
-        return list(self._plan(epoch)[index])
-
     def max_batch_shapes(self, pad_multiple: int = 1) -> int:
         """Upper bound on the distinct [B, S] batch shapes over any number of epochs, with each batch
         padded to its longest sequence rounded up to ``pad_multiple``. A bucket's batches all hold
@@ -561,12 +549,11 @@ class BatchPlanner:
 
 @dataclasses.dataclass
 class Batch:
-    """A right-padded batch. ``input_ids``/``loss_mask``/``attention_mask`` are [B, S] with
+    """A right-padded batch. ``input_ids``/``loss_mask`` are [B, S] with
     S = longest sequence in the batch; ``lengths`` is [B]; padding is token 0, mask False."""
 
     input_ids: "torch.Tensor"  # noqa: F821  LongTensor [B, S]
     loss_mask: "torch.Tensor"  # noqa: F821  BoolTensor [B, S]
-    attention_mask: "torch.Tensor"  # noqa: F821  LongTensor [B, S], 1 on real tokens
     lengths: "torch.Tensor"  # noqa: F821  LongTensor [B]
     sample_ids: list[int]
     num_tokens: int  # real (unpadded) tokens
@@ -579,24 +566,6 @@ class Batch:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
-
-    def to(self, device, non_blocking: bool = False) -> "Batch":
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
-            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
-            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
-            lengths=self.lengths.to(device, non_blocking=non_blocking),
-        )
-
-    def pin_memory(self) -> "Batch":
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids.pin_memory(),
-            loss_mask=self.loss_mask.pin_memory(),
-            attention_mask=self.attention_mask.pin_memory(),
-            lengths=self.lengths.pin_memory(),
-        )
 
 
 def collate(dataset: Dataset, indices: Sequence[int], max_seq_len: int, pad_multiple: int = 1) -> Batch:
@@ -619,11 +588,9 @@ def collate(dataset: Dataset, indices: Sequence[int], max_seq_len: int, pad_mult
         ids[r, :n] = dataset.tokens[a : a + n]
         mask[r, :n] = dataset.mask[a : a + n] != 0
     lengths = torch.from_numpy(lens.astype(np.int64))
-    attn = (torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1)).long()
     return Batch(
         input_ids=torch.from_numpy(ids),
         loss_mask=torch.from_numpy(mask),
-        attention_mask=attn,
         lengths=lengths,
         sample_ids=[int(i) for i in indices],
         num_tokens=int(lens.sum()),
@@ -634,45 +601,10 @@ def collate(dataset: Dataset, indices: Sequence[int], max_seq_len: int, pad_mult
 @dataclasses.dataclass(frozen=True, order=True)
 class DataPosition:
     """Where the data stream stands: batch ``batch_index`` of epoch ``epoch`` is the next one to
-    train on (when stored in a checkpoint) or the one just yielded (from :func:`iterate`)."""
+    train on (stored in a checkpoint)."""
 
     epoch: int = 0
     batch_index: int = 0
 
     def to_dict(self) -> dict:
         return {"epoch": int(self.epoch), "batch_index": int(self.batch_index)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DataPosition":
-        return cls(epoch=int(d["epoch"]), batch_index=int(d["batch_index"]))
-
-    def next(self, num_batches: int) -> "DataPosition":
-        """The position after this batch, rolling over into the next epoch."""
-        if self.batch_index + 1 >= num_batches:
-            return DataPosition(self.epoch + 1, 0)
-        return DataPosition(self.epoch, self.batch_index + 1)
-
-
-def iterate(
-    planner: BatchPlanner,
-    dataset: Dataset,
-    start: DataPosition | None = None,
-    epochs: int = 1,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Iterator[tuple[DataPosition, Batch]]:
-    """Yield ``(position_of_this_batch, batch)`` from ``start`` up to the end of epoch
-    ``epochs - 1``. To resume, pass ``start = yielded_position.next(len(planner))`` of the last
-    batch that was trained. With ``world_size > 1`` only batches with
-    ``batch_index % world_size == rank`` are yielded (positions stay global)."""
-    start = start or DataPosition()
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    for epoch in range(start.epoch, epochs):
-        first = start.batch_index if epoch == start.epoch else 0
-        for bi in range(first, len(planner)):
-            if bi % world_size != rank:
-                continue
-            yield DataPosition(epoch, bi), collate(
-                dataset, planner.batch(epoch, bi), planner.max_seq_len
-            )

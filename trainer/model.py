@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-FLEX_BLOCK = 128  # FlexAttention's tile; ctx is padded to a multiple of it
+from .plan import FLEX_BLOCK
 
 
 def tap_layers(num_target_layers: int, num_taps: int) -> list[int]:
@@ -255,14 +255,6 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """w_0 = 0, w_k = exp(-(k-1)/gamma): slot 0 is the given token and carries no loss."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
-
-
 def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight):
     """One chunk of rows: weighted CE of (hidden @ W^T) against hard labels (soft_rows None) or the
     softmax of (soft_rows @ W^T); returns (weighted loss sum, d loss / d hidden, correct as float).
@@ -334,34 +326,6 @@ def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None
     return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, chunk, fused)
 
 
-def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int):
-    """Host-side (numpy) kv_num_blocks / kv_indices for FlexAttention: per 128-row query tile, the context
-    tiles from its sequences' first row up to its largest anchor, plus the tiles holding its own blocks."""
-    import numpy as np
-    nqb = (num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
-    starts = np.arange(nqb) * FLEX_BLOCK
-    ends = np.minimum(starts + FLEX_BLOCK, num_q)
-    seq_start_q = ctx_seq_start[q_seq]  # first ctx row of each query's sequence
-    anchor_abs = seq_start_q + q_anchor  # ctx rows < anchor_abs are visible
-    lo = np.minimum.reduceat(seq_start_q, starts) // FLEX_BLOCK
-    hi = (np.maximum.reduceat(anchor_abs, starts) + FLEX_BLOCK - 1) // FLEX_BLOCK  # exclusive
-    hi = np.maximum(hi, lo)
-    blk_lo = (starts // block_size) * block_size
-    blk_hi = ((ends - 1) // block_size + 1) * block_size
-    qlo = (num_ctx + blk_lo) // FLEX_BLOCK
-    qhi = (num_ctx + blk_hi - 1) // FLEX_BLOCK + 1
-    n_ctx = hi - lo
-    counts = n_ctx + (qhi - qlo)
-    # FlexAttention expects the last dim to span every KV tile (unused entries are ignored)
-    width = (num_ctx + num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
-    idx = np.zeros((nqb, width), dtype=np.int32)
-    col = np.arange(width)[None, :]
-    ctx_part = lo[:, None] + col
-    blk_part = qlo[:, None] + (col - n_ctx[:, None])
-    idx[:] = np.where(col < n_ctx[:, None], ctx_part, np.where(col < counts[:, None], blk_part, 0))
-    return counts.astype(np.int32)[None, None], idx[None, None]
-
-
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:
     """Normal(0, std) matrices, unit norms; drawn on the parameters' own device (fast for 1B params)."""
     dev = next(model.parameters()).device
@@ -372,18 +336,3 @@ def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int = 0)
                 p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32) * std)
             elif "norm" in name:
                 p.fill_(1.0)
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def drafter_flops_per_row(cfg: DFlashConfig, avg_ctx_visible: float) -> float:
-    """Approximate forward FLOPs per block row (projections + MLP + attention + LM head)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    proj = 2 * h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    mlp = 2 * 3 * h * cfg.intermediate_size
-    attn = 4 * cfg.num_attention_heads * hd * (avg_ctx_visible + cfg.block_size)
-    return cfg.num_hidden_layers * (proj + mlp + attn) + 2 * h * cfg.vocab_size
-
-

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import FLEX_BLOCK, flex_block_sparsity
+FLEX_BLOCK = 128  # FlexAttention's tile; ctx is padded to a multiple of it
 
 
 @dataclass
@@ -50,10 +50,17 @@ class MicroPlan:
     num_anchors: int
 
 
-def sample_anchors(loss_mask: np.ndarray, max_anchors: int, rng: np.random.Generator) -> np.ndarray:
-    """Uniform without replacement among p with loss_mask[p] and loss_mask[p+1]; sorted."""
-    m = loss_mask.astype(bool)
+def anchor_candidates(loss_mask: np.ndarray, min_position: int = 0) -> np.ndarray:
+    """The anchor rule: positions p >= min_position with loss_mask[p] and loss_mask[p+1] (slot 0 is
+    the given token, so a block needs at least one supervised token after its anchor)."""
+    m = np.asarray(loss_mask).astype(bool)
     cand = np.nonzero(m[:-1] & m[1:])[0]
+    return cand[cand >= min_position] if min_position else cand
+
+
+def sample_anchors(loss_mask: np.ndarray, max_anchors: int, rng: np.random.Generator) -> np.ndarray:
+    """Uniform without replacement among :func:`anchor_candidates`; sorted."""
+    cand = anchor_candidates(loss_mask)
     if len(cand) > max_anchors:
         cand = np.sort(rng.choice(cand, size=max_anchors, replace=False))
     return cand.astype(np.int64)
@@ -163,3 +170,30 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
                      final_gather=final_gather,
                      chunks=chunks, weight_total=weight_total, pos_counts=pos_counts,
                      num_tokens=int(np.sum(lengths)), num_anchors=n_anchor)
+
+
+def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int):
+    """Host-side (numpy) kv_num_blocks / kv_indices for FlexAttention: per 128-row query tile, the context
+    tiles from its sequences' first row up to its largest anchor, plus the tiles holding its own blocks."""
+    nqb = (num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
+    starts = np.arange(nqb) * FLEX_BLOCK
+    ends = np.minimum(starts + FLEX_BLOCK, num_q)
+    seq_start_q = ctx_seq_start[q_seq]  # first ctx row of each query's sequence
+    anchor_abs = seq_start_q + q_anchor  # ctx rows < anchor_abs are visible
+    lo = np.minimum.reduceat(seq_start_q, starts) // FLEX_BLOCK
+    hi = (np.maximum.reduceat(anchor_abs, starts) + FLEX_BLOCK - 1) // FLEX_BLOCK  # exclusive
+    hi = np.maximum(hi, lo)
+    blk_lo = (starts // block_size) * block_size
+    blk_hi = ((ends - 1) // block_size + 1) * block_size
+    qlo = (num_ctx + blk_lo) // FLEX_BLOCK
+    qhi = (num_ctx + blk_hi - 1) // FLEX_BLOCK + 1
+    n_ctx = hi - lo
+    counts = n_ctx + (qhi - qlo)
+    # FlexAttention expects the last dim to span every KV tile (unused entries are ignored)
+    width = (num_ctx + num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
+    idx = np.zeros((nqb, width), dtype=np.int32)
+    col = np.arange(width)[None, :]
+    ctx_part = lo[:, None] + col
+    blk_part = qlo[:, None] + (col - n_ctx[:, None])
+    idx[:] = np.where(col < n_ctx[:, None], ctx_part, np.where(col < counts[:, None], blk_part, 0))
+    return counts.astype(np.int32)[None, None], idx[None, None]

@@ -1,8 +1,12 @@
 """Run logging: stdout + one log file per run, a progress display, fixed-width tables.
 
-* :func:`setup_logging` configures the root logger: a stdout stream handler (flushed per
-  record, so journald sees lines at once) and ``<log_dir>/train-<UTC time>-<run_id>.log``, with
-  ``<log_dir>/latest.log`` a relative symlink to it, replaced atomically.
+* :func:`setup_logging` configures the root logger: the console (records below ERROR on stdout,
+  errors on stderr, each one line: an exception shows as ``Type: message``, its traceback goes to
+  the file only) and ``<log_dir>/train-<UTC time>-<run_id>.log`` (everything, with tracebacks), with
+  ``<log_dir>/latest.log`` a relative symlink to it, replaced atomically. Each line is printed once:
+  console handlers installed before (``logging.basicConfig``, :func:`setup_console`) are replaced.
+  Off a terminal, Hugging Face progress bars ("Loading weights") are turned off.
+* :func:`setup_console`: the same console without a file (the benchmark, tools).
 * :class:`Progress`: an in-place bar on a TTY, a plain log line every ``interval`` seconds
   otherwise (systemd/journald, redirected output).
 * :func:`format_table`: fixed-width text tables (profiling, benchmark).
@@ -53,36 +57,127 @@ def _update_symlink(link: Path, target_name: str) -> None:
     os.replace(tmp, link)
 
 
-def setup_logging(log_dir: str | os.PathLike, run_id: str, level: int | str = logging.INFO,
-                  *, stream: TextIO | None = None, link_latest: bool = True) -> Path:
-    """Configure the root logger for a training run and return the run's log file path.
+class ConsoleFormatter(UTCFormatter):
+    """One line per record on the console. An exception becomes ``: Type: message`` (plus where the
+    traceback is); errors are folded onto one line. Multi-line info (the stage table) stays as is."""
 
-    Calling it again replaces the handlers it installed before (not others')."""
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if isinstance(level, str):
-        level = logging.getLevelName(level.upper())
-    path = log_dir / f"train-{utc_stamp()}-{_safe_name(run_id)}.log"
+    def __init__(self, fmt: str = LOG_FORMAT, log_file: str | os.PathLike | None = None):
+        super().__init__(fmt)
+        self.log_file = os.fspath(log_file) if log_file else None
 
+    def format(self, record: logging.LogRecord) -> str:
+        exc, exc_text, stack = record.exc_info, record.exc_text, record.stack_info
+        summary = ""
+        if exc and exc[1] is not None:
+            summary = f": {type(exc[1]).__name__}: {exc[1]}"
+            if self.log_file:
+                summary += f" (traceback in {self.log_file})"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            text = super().format(record) + summary
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = exc, exc_text, stack
+        if record.levelno >= logging.ERROR:
+            text = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+        return text
+
+
+class _Below:
+    """Handler filter: records below ``level`` only."""
+
+    def __init__(self, level: int):
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def _on_console(record: logging.LogRecord) -> bool:
+    """``log.error(..., extra={"console": False})``: the file only (the caller prints its own line,
+    e.g. ``dflash-train: error: ...``, so the console does not get the same error twice)."""
+    return getattr(record, "console", True)
+
+
+def _is_console(h: logging.Handler) -> bool:
+    """A plain StreamHandler (not a FileHandler) on stdout/stderr: what logging.basicConfig installs."""
+    return type(h) is logging.StreamHandler and getattr(h, "stream", None) in (
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+
+
+def _console_handlers(out: TextIO | None, err: TextIO | None, log_file=None) -> list[logging.Handler]:
+    fmt = ConsoleFormatter(LOG_FORMAT, log_file)
+    so = logging.StreamHandler(out if out is not None else sys.stdout)
+    so.addFilter(_Below(logging.ERROR))
+    se = logging.StreamHandler(err if err is not None else (out if out is not None else sys.stderr))
+    se.setLevel(logging.ERROR)
+    for h in (so, se):
+        h.addFilter(_on_console)
+        h.setFormatter(fmt)
+        setattr(h, _HANDLER_MARK, True)
+    return [so, se]
+
+
+def _install(handlers: list[logging.Handler], level: int | str) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
-        if getattr(h, _HANDLER_MARK, False):
+        if getattr(h, _HANDLER_MARK, False) or _is_console(h):
             root.removeHandler(h)
-            h.close()
-    fmt = UTCFormatter(LOG_FORMAT)
-
-    sh = logging.StreamHandler(stream if stream is not None else sys.stdout)
-    sh.setFormatter(fmt)
-    setattr(sh, _HANDLER_MARK, True)
-
-    fh = logging.FileHandler(path, mode="a", encoding="utf-8")
-    fh.setFormatter(fmt)
-    setattr(fh, _HANDLER_MARK, True)
-
-    root.addHandler(sh)
-    root.addHandler(fh)
+            h.close()  # a StreamHandler leaves its stream open
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+    for h in handlers:
+        root.addHandler(h)
     root.setLevel(level)
     logging.captureWarnings(True)
+
+
+def quiet_progress_bars(stream: TextIO | None = None) -> None:
+    """Off a terminal, Hugging Face's tqdm bars (transformers' "Loading weights", hub downloads) would
+    write hundreds of carriage-return updates into the journal and the log: turn them off."""
+    stream = stream if stream is not None else sys.stderr
+    try:
+        tty = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        tty = False
+    if tty:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # read when huggingface_hub is imported
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for name in ("transformers.utils.logging", "huggingface_hub.utils"):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "disable_progress_bar" if name.startswith("transformers") else "disable_progress_bars",
+                     None) if mod else None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def setup_console(level: int | str = logging.INFO, *, stream: TextIO | None = None,
+                  err_stream: TextIO | None = None) -> None:
+    """The console of :func:`setup_logging` without a log file (the benchmark and other tools).
+    Call instead of logging.basicConfig, so a later setup_logging does not print every line twice."""
+    _install(_console_handlers(stream, err_stream), level)
+    quiet_progress_bars(err_stream)
+
+
+def setup_logging(log_dir: str | os.PathLike, run_id: str, level: int | str = logging.INFO,
+                  *, stream: TextIO | None = None, err_stream: TextIO | None = None,
+                  link_latest: bool = True) -> Path:
+    """Configure the root logger for a training run and return the run's log file path.
+
+    ``stream``/``err_stream``: the console (default stdout / stderr; only ``stream`` given: both go
+    there). Calling it again replaces the handlers it installed before, and any plain console
+    handler (basicConfig's), but not others' (pytest's, a FileHandler)."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"train-{utc_stamp()}-{_safe_name(run_id)}.log"
+    fh = logging.FileHandler(path, mode="a", encoding="utf-8")
+    fh.setFormatter(UTCFormatter(LOG_FORMAT))
+    setattr(fh, _HANDLER_MARK, True)
+    _install(_console_handlers(stream, err_stream, path) + [fh], level)
+    quiet_progress_bars(err_stream if err_stream is not None else stream)
 
     try:
         if link_latest:   # rank 0's file; other ranks' files sit beside it

@@ -7,7 +7,8 @@ Standard library only (importable without torch), so `dflash-status` starts fast
   floats become JSON ``null``; the file is always valid JSON.
 * :func:`sd_notify` / :class:`Notifier` speak the systemd notify protocol over ``$NOTIFY_SOCKET``
   (AF_UNIX datagram; a leading ``@`` means the abstract namespace). They never raise.
-* :func:`main` is ``dflash-status``: exit 0 healthy, 1 failed or stale, 2 missing/unreadable.
+* :func:`verdict` is the one health verdict; :func:`main` is ``dflash-status``: exit 0 healthy,
+  1 failed, dead, stale (or a --unit/--training/--after-step condition unmet), 2 missing/unreadable.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from .fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -67,41 +69,10 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _fsync_dir(directory: str | os.PathLike) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def atomic_write_json(path: str | os.PathLike, data: Any, *, mode: int = 0o644) -> None:
     """Write ``data`` as JSON to ``path`` atomically (never a partial file at ``path``)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     text = json.dumps(to_jsonable(data), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
+    atomic_write_text(path, text, mode=mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +246,6 @@ class Notifier:
     def __init__(self, env: Mapping[str, str] | None = None):
         self._env = env
         self._ready_sent = False
-        self._last_status: str | None = None
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -300,7 +270,6 @@ class Notifier:
 
     def status(self, text: str) -> bool:
         text = _one_line(text)
-        self._last_status = text
         return self.notify("STATUS=" + text)
 
     def watchdog(self) -> bool:
@@ -354,9 +323,67 @@ def read_status(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def pid_alive(pid: Any, started_at: Any = None) -> bool | None:
+    """Whether ``pid`` (from status.json) is a live process *here*: None when status.json names no
+    usable pid. A zombie counts as dead, and so does a process that started after the trainer wrote
+    ``started_at`` (the pid was reused after the trainer died). Meaningful only in the trainer's own
+    pid namespace (the container)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    except OSError:
+        return None
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, start = stat
+    if state == "Z":
+        return False
+    if start is not None and isinstance(started_at, (int, float)) and start > float(started_at) + 5.0:
+        return False
+    return True
+
+
+def _proc_stat(pid: int) -> tuple[str, float | None] | None:
+    """(state letter, start time in unix seconds) from /proc, or None where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/stat", "r") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat", "r") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        start = btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return fields[0], start
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def unit_state(unit: str) -> dict[str, Any]:
+    """`systemctl show UNIT` (the properties the verdict needs); MainPID/NRestarts as ints."""
+    import subprocess
+    props = ("ActiveState", "SubState", "MainPID", "NRestarts", "Result", "ExecMainStatus")
+    try:
+        out = subprocess.run(["systemctl", "show", unit, *(f"--property={p}" for p in props)],
+                             capture_output=True, text=True, check=False, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"ActiveState": "unknown", "SubState": str(e)}
+    state: dict[str, Any] = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    for key in ("MainPID", "NRestarts"):
+        try:
+            state[key] = int(state.get(key, 0))
+        except ValueError:
+            state[key] = 0
+    return state
+
+
 def evaluate_health(st: Mapping[str, Any], max_age: float = DEFAULT_MAX_AGE,
-                    now: float | None = None) -> tuple[bool, float | None, str]:
-    """(healthy, heartbeat_age_s, reason)."""
+                    now: float | None = None, *, check_pid: bool = False) -> tuple[bool, float | None, str]:
+    """(healthy, heartbeat_age_s, reason). ``check_pid``: a job whose phase says it runs but whose
+    pid is not alive here is ``dead`` at once, not healthy until its heartbeat goes stale."""
     now = time.time() if now is None else now
     updated = st.get("updated_at")
     age: float | None = None
@@ -368,11 +395,59 @@ def evaluate_health(st: Mapping[str, Any], max_age: float = DEFAULT_MAX_AGE,
         return False, age, f"failed: {st.get('error') or 'no error recorded'}"
     if phase == "done":
         return True, age, "done"
+    if check_pid and pid_alive(st.get("pid"), st.get("started_at")) is False:
+        return False, age, (f"dead: pid {st.get('pid')} is not running (phase was {phase}"
+                            + (f", last heartbeat {age:.0f} s ago)" if age is not None else ")"))
     if age is None:
         return False, None, "stale: no valid updated_at"
     if age > max_age:
         return False, age, f"stale: no heartbeat for {age:.0f} s (max age {max_age:g} s)"
     return True, age, "ok"
+
+
+def verdict(st: Mapping[str, Any] | None, *, max_age: float = DEFAULT_MAX_AGE, check_pid: bool = True,
+            unit: Mapping[str, Any] | None = None, unit_name: str = "", training: bool = False,
+            after_step: int | None = None, read_error: str | None = None,
+            now: float | None = None) -> dict[str, Any]:
+    """The one health verdict (dflash-status and the Ansible health handler): healthy, every reason
+    it is not (problems), and final (waiting cannot help: systemd gave up on the unit).
+
+    ``unit`` (systemctl show of the training unit): it must be active and status.json written by
+    its main pid. ``training``: the phase must be training (done counts: the run finished) with a
+    finite loss. ``after_step``: the step must have advanced past it."""
+    problems: list[str] = []
+    final = False
+    age: float | None = None
+    reason = read_error or "no status"
+    if unit is not None:
+        active = unit.get("ActiveState")
+        final = active == "failed"
+        if active != "active":
+            problems.append(f"{unit_name or 'the unit'} is {active}/{unit.get('SubState')} "
+                            f"(result {unit.get('Result')}, restarts {unit.get('NRestarts')})"
+                            + ("; systemd gave up on it and will not restart it by itself" if final else ""))
+    if st is None:
+        problems.append(f"no readable status: {read_error}")
+    else:
+        ok, age, reason = evaluate_health(st, max_age, now, check_pid=check_pid)
+        phase = st.get("phase")
+        done = phase == "done"
+        if not ok:
+            problems.append(reason)
+        if unit is not None and not done and st.get("pid") != unit.get("MainPID"):
+            problems.append(f"status.json is from pid {st.get('pid')}, the unit's main pid is "
+                            f"{unit.get('MainPID')} (not yet written by this run)")
+        if training and not done:
+            if phase not in ("training", "failed"):
+                problems.append(f"phase is {phase}, not yet training")
+            loss = st.get("loss")
+            if not (isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)):
+                problems.append(f"loss is not finite ({loss})")
+        step = st.get("step")
+        if after_step is not None and not done and not (isinstance(step, int) and step > after_step):
+            problems.append(f"step {step} has not advanced past {after_step}")
+    return {"healthy": not problems, "final": final, "problems": problems,
+            "reason": problems[0] if problems else reason, "heartbeat_age_s": round(age, 3) if age is not None else None}
 
 
 def _human_summary(path: str, st: Mapping[str, Any], healthy: bool, age: float | None,
@@ -410,16 +485,28 @@ def _human_summary(path: str, st: Mapping[str, Any], healthy: bool, age: float |
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-status",
-        description="Summarise a DFlash training run's status.json. Exit 0 healthy, "
-                    "1 failed or stale, 2 missing or unreadable.")
+        description="Summarise a DFlash training run's status.json: one health verdict, for operators "
+                    "and for Ansible's health handler. Exit 0 healthy, 1 not healthy (failed, dead, stale, "
+                    "or a condition below unmet), 2 status.json missing or unreadable.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--status-file", metavar="F", help="path to status.json")
     src.add_argument("--output-dir", metavar="D",
                      help="the trainer's --output-dir (reads D/status.json)")
     p.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
                    help="heartbeat older than S seconds counts as stale (default %(default)g)")
+    p.add_argument("--no-pid-check", dest="check_pid", action="store_false",
+                   help="do not check that the pid in status.json is alive (use where that pid does not "
+                        "live, e.g. on the Proxmox node reading a container's file)")
+    p.add_argument("--unit", metavar="U",
+                   help="also judge the systemd unit: active, and status.json written by its main pid; "
+                        "`final` when systemd gave up on it")
+    p.add_argument("--training", action="store_true",
+                   help="healthy only once the phase is training (or done) with a finite loss")
+    p.add_argument("--after-step", type=int, metavar="N",
+                   help="healthy only once the step has advanced past N")
     p.add_argument("--json", action="store_true",
-                   help="print the status as JSON plus heartbeat_age_s and healthy")
+                   help="print the status as JSON plus heartbeat_age_s, pid_alive, healthy, problems, final "
+                        "(and unit with --unit); printed even when status.json is unreadable")
     return p
 
 
@@ -434,22 +521,28 @@ def resolve_status_path(args: argparse.Namespace) -> str:
 def main(argv: Iterable[str] | None = None) -> int:
     args = build_parser().parse_args(None if argv is None else list(argv))
     path = resolve_status_path(args)
+    unit = unit_state(args.unit) if args.unit else None
     try:
-        st = read_status(path)
+        st: dict[str, Any] | None = read_status(path)
+        error = None
     except StatusFileError as e:
-        print(f"dflash-status: error: {e}", file=sys.stderr)
-        return 2
-    healthy, age, reason = evaluate_health(st, args.max_age)
+        st, error = None, str(e)
+    v = verdict(st, max_age=args.max_age, check_pid=args.check_pid, unit=unit, unit_name=args.unit or "",
+                training=args.training, after_step=args.after_step, read_error=error)
     if args.json:
-        out = dict(st)
-        out["heartbeat_age_s"] = round(age, 3) if age is not None else None
-        out["healthy"] = healthy
-        out["status_file"] = path
+        out = dict(st or {})
+        out.update(v, status_file=path)
+        out["pid_alive"] = pid_alive(out.get("pid"), out.get("started_at")) if args.check_pid and st else None
+        if unit is not None:
+            out["unit"] = unit
         print(json.dumps(to_jsonable(out), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        print(_human_summary(path, st, healthy, age, reason))
+    if st is None:
+        print(f"dflash-status: error: {error}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(_human_summary(path, st, v["healthy"], v["heartbeat_age_s"], "; ".join(v["problems"]) or v["reason"]))
     sys.stdout.flush()
-    return 0 if healthy else 1
+    return 0 if v["healthy"] else 1
 
 
 if __name__ == "__main__":

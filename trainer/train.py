@@ -215,7 +215,15 @@ class Trainer:
             from transformers import AutoConfig
             tc = AutoConfig.from_pretrained(cfg.target_model, local_files_only=True)
             if topo.is_target:
-                model = load_target(cfg.target_model, dev, self.dtype)
+                try:
+                    model = load_target(cfg.target_model, dev, self.dtype)
+                except Exception as e:  # noqa: BLE001  a truncated or corrupt shard: name it, exit 2
+                    from .config import ConfigError, check_target_shards
+                    try:
+                        check_target_shards(cfg.target_model)
+                    except ConfigError as bad:
+                        raise BadInput(str(bad)) from None
+                    raise TrainingFailed(f"--target-model: {cfg.target_model} failed to load: {e}") from e
                 log.info("loaded the target on %s in %.1fs", dev, time.perf_counter() - t0)
         tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         self.mask_token = resolve_mask_token(cfg.target_model, tc.vocab_size, cfg.mask_token_id)
@@ -619,8 +627,7 @@ class Trainer:
                                         mask_token_id=self.mask_token, gamma=cfg.gamma,
                                         soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
                                         flex=self.flex)
-                batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.ones(1, n, dtype=torch.long),
-                              torch.tensor([n]), [0], n, n - 1)
+                batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.tensor([n]), [0], n, n - 1)
                 item = make_item(-1, 0, 0, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
                 gen = torch.Generator(device=self.device).manual_seed(n)
                 taps = torch.randn(plan.num_ctx_rows, k * hidden, generator=gen, device=self.device).to(self.dtype)

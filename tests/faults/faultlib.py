@@ -43,7 +43,6 @@ VENV = "/opt/dflash/venv"
 RUN_SH = "/opt/dflash/run.sh"
 ENV_FILE = "/etc/default/dflash"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
-HEALTH = "/opt/dflash/bin/dflash-health"
 STAGED = "/dev/shm/tiny-qwen3"
 WEIGHTS_SOURCE = "/workspace/models/tiny-qwen3"
 DATA = "/workspace/data/tiny"
@@ -221,14 +220,17 @@ class Standin:
             return r.returncode, {}
 
     def health(self) -> dict:
-        """The role's own verdict (dflash-health: unit active, status.json from the unit's main pid,
-        phase training, fresh heartbeat, finite loss)."""
-        r = self.sh(f"{HEALTH} --unit {UNIT} --dflash-status {VENV}/bin/dflash-status "
-                    f"--status-file {STATUS} --max-age 120", check=False)
+        """The role's own verdict, the one its health handler polls (dflash-status --unit --training:
+        unit active, status.json from the unit's main pid, alive, phase training, fresh heartbeat,
+        finite loss); `ok` is its `healthy`."""
+        r = self.sh(f"{VENV}/bin/dflash-status --unit {UNIT} --training --status-file {STATUS} "
+                    f"--max-age 120 --json", check=False)
         try:
-            return json.loads(r.stdout)
+            v = json.loads(r.stdout)
         except ValueError:
             return {"ok": False, "problems": [r.stderr.strip()]}
+        v["ok"] = bool(v.get("healthy"))
+        return v
 
     def metrics(self, out: str = OUT) -> list[dict]:
         text = self.out(f"cat {out}/metrics.jsonl", check=False)
@@ -348,7 +350,7 @@ class Standin:
 
     def wait_healthy(self, timeout: float = 300) -> dict:
         return wait(lambda: (lambda h: h if h.get("ok") else None)(self.health()), timeout,
-                    "dflash-health ok", interval=1.0)
+                    "dflash-status healthy", interval=1.0)
 
     def restore(self, timeout: float = 300) -> dict:
         """A healthy running job, as each case expects to find it: clear the faults, forget a

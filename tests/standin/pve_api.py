@@ -435,6 +435,23 @@ class FakeLxc(Lxc):
             return 0
         if argv[:2] == ["systemctl", "stop"]:
             return 0
+        if argv == ["cat", "/proc/self/mounts"]:
+            # what the generated LXC config would mount (records only: nothing is mounted)
+            try:
+                with open(os.path.join(self.dir(vmid), "config")) as f:
+                    entries = [line.split("=", 1)[1].split() for line in f if line.startswith("lxc.mount.entry")]
+            except OSError:
+                entries = []
+            print("/dev/fake / ext4 rw,relatime 0 0")
+            for src, dest, fstype, opts, *_ in entries:
+                flags = opts.split(",")
+                if fstype == "tmpfs":
+                    size = next((o[5:] for o in flags if o.startswith("size=")), "0M")
+                    kib = int(size[:-1]) * {"k": 1, "K": 1, "M": 1024, "G": 1048576}[size[-1]]
+                    print(f"tmpfs /{dest} tmpfs rw,nosuid,nodev,size={kib}k 0 0")
+                else:
+                    print(f"{src} /{dest} ext4 {'ro' if 'ro' in flags else 'rw'},relatime 0 0")
+            return 0
         if argv == ["cat", "/proc/1/limits"]:
             memlock = "65536"
             try:
@@ -1115,6 +1132,9 @@ def pct(a, argv: list) -> int:
         print("usage: pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID ...", file=sys.stderr)
         return 2
     cmd, vmid, rest = argv[0], int(argv[1]), argv[2:]
+    if os.environ.get("PVE_STANDIN_PCT_LOG"):       # for tests: what the node role ran, in order
+        with open(os.environ["PVE_STANDIN_PCT_LOG"], "a") as f:
+            f.write(json.dumps(argv) + "\n")
     try:
         if cmd == "config":
             keys, raw, _ = node.read(vmid)

@@ -402,3 +402,14 @@ def test_reboot_kills_after_60_s_unless_given_a_timeout(tmp_path):
     lxc.stops.clear()
     node.wait(node.shutdown(209, 60, False, "root@pam"))
     assert lxc.stops == [(60, False)]          # pct shutdown: 60 s, then fail (no kill without --forceStop)
+
+
+def test_the_readme_grants_what_the_role_checks_for_the_production_inventory():
+    import yaml
+    prod = yaml.safe_load((REPO / "inventory/production/group_vars/dflash_containers/provision.yml").read_text())
+    acl = prov_filters.dflash_token_acl(200, prod["dflash_provision_storage"], prod["dflash_provision_ostemplate"],
+                                        prod["dflash_provision_netif"])
+    want = [line.split("   #")[0] for line in prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")]
+    readme = [line.strip().split("     #")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+              if line.strip().startswith("pveum ")]
+    assert readme == want

@@ -33,6 +33,24 @@ def _load(name: str, path: Path):
 
 pve_api = _load("pve_api", PVE_API)
 node_filters = _load("dflash_node_filters", REPO / "roles" / "dflash_node" / "filter_plugins" / "dflash_node.py")
+prov_filters = _load("dflash_provision_filters",
+                     REPO / "roles" / "dflash_provision" / "filter_plugins" / "dflash_provision.py")
+
+# user.cfg of the stand-in: the fixture's token may do anything a token may (Administrator on /,
+# still privilege-separated); "noacl" has no ACL at all; "nosdn" has the role the README documents
+# for CT 3xx minus SDN.Use; "shared" is not privilege-separated (root@pam's privileges).
+USER_CFG = """user:root@pam:1:0:::root@pam::
+token:root@pam!ansible:0:1::
+token:root@pam!noacl:0:1::
+token:root@pam!nosdn:0:1::
+token:root@pam!shared:0:0::
+role:DFlashProvision:{privs}:
+acl:1:/:root@pam!ansible:Administrator:
+acl:1:/vms:root@pam!nosdn:DFlashProvision:
+acl:1:/storage:root@pam!nosdn:DFlashProvision:
+"""
+ROLE_PRIVS = prov_filters.dflash_token_role_privs(
+    prov_filters.dflash_token_acl(300, "local-lvm", TEMPLATE, {"net0": "name=eth0,bridge=vmbr0,ip=dhcp"}))
 
 
 def _free_port() -> int:
@@ -48,9 +66,12 @@ def api(tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "PVE_STANDIN_ETC": str(tmp / "etc"), "PVE_STANDIN_LXCPATH": str(tmp / "lxc"),
            "PVE_STANDIN_FAKE_LXC": "1"}
+    (tmp / "etc").mkdir()
+    (tmp / "etc" / "user.cfg").write_text(USER_CFG.format(privs=",".join(ROLE_PRIVS)))
     proc = subprocess.Popen(
         [sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(tmp / "state"),
-         "--token", "%s!%s=%s" % TOKEN],
+         "--token", "%s!%s=%s" % TOKEN, "--token", "root@pam!noacl=n", "--token", "root@pam!nosdn=n",
+         "--token", "root@pam!shared=n", "--token", "root@pam!unlisted=n"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"https://127.0.0.1:{port}/api2/json"
     cert = tmp / "state" / "pve-ssl.pem"
@@ -169,9 +190,11 @@ def test_config_put_updates_and_deletes_keys(api):
 
 
 @pytest.mark.parametrize("params, status, words", [
-    ({"mp0": "/srv/models,mp=/workspace/models,ro=1"}, 403, "non-volume mount points"),
-    ({"dev0": "/dev/nvidia0"}, 403, "only root can set 'dev0'"),
-    ({"features": "nesting=1,mount=nfs"}, 403, "except nesting"),
+    ({"mp0": "/srv/models,mp=/workspace/models,ro=1"}, 403,
+     "Permission check failed (mount point type bind is only allowed for root@pam)"),
+    ({"dev0": "/dev/nvidia0"}, 403, "Permission check failed (configuring device passthrough is only allowed for root@pam)"),
+    ({"features": "nesting=1,mount=nfs"}, 403,
+     "Permission check failed (changing feature flags (except nesting) is only allowed for root@pam)"),
     ({"lxc.mount.entry": "tmpfs dev/shm tmpfs size=1G 0 0"}, 400, "Parameter verification failed."),
 ])
 def test_tokens_may_not_set_what_pve_reserves_for_root(api, params, status, words):
@@ -280,3 +303,113 @@ def test_pct_config_parsing_and_option_comparison():
     assert node_filters.dflash_same_opts("/m,ro=1,mp=/w", "/m,mp=/w,ro=1")
     assert not node_filters.dflash_same_opts(None, "/m,mp=/w")
     assert not node_filters.dflash_same_opts("/m,mp=/w", "/m,mp=/w,ro=1")
+
+
+# ------------------------------------------------------------------ tokens, ACLs and privileges (issue 13, item 1)
+
+def _as(s, token):
+    t = requests.Session()
+    t.headers["Authorization"] = "PVEAPIToken=root@pam!%s=n" % token
+    t.verify, t.trust_env = s.verify, False
+    return t
+
+
+def test_a_privilege_separated_token_without_an_acl_may_do_nothing(api):
+    """Tokens are privilege-separated by default: root@pam's own rights do not pass to the token."""
+    s, base, _ = api
+    for name in ("noacl", "unlisted"):      # unlisted: given a secret, not in user.cfg = `token add` defaults
+        t = _as(s, name)
+        assert t.get(base + "/version").ok                     # authenticated ...
+        r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x"})
+        assert (r.status_code, r.reason) == (403, "Permission check failed")   # ... but no VM.Allocate
+        assert t.get(base + "/access/permissions").json()["data"] == {}
+    _create(s, base, 341)
+    assert all(c.get("vmid") != 341 for c in _as(s, "noacl").get(base + "/cluster/resources").json()["data"])
+    r = _as(s, "noacl").get(f"{base}/nodes/pve/lxc/341/config")
+    assert (r.status_code, r.reason) == (403, "Permission check failed (/vms/341, VM.Audit)")
+
+
+def test_a_token_sharing_its_users_privileges_may_create():
+    """privsep=0: the token has root@pam's privileges (still not root@pam for root-only keys)."""
+    acl = pve_api.AccessControl(None)
+    acl.parse("token:root@pam!shared:0:0::\n")
+    assert "VM.Allocate" in acl.permissions("root@pam!shared", "/vms/1")
+
+
+def test_a_net_on_a_bridge_needs_sdn_use_on_the_bridge(api):
+    s, base, _ = api
+    t = _as(s, "nosdn")
+    params = {"vmid": 342, "ostemplate": TEMPLATE, "hostname": "ct342", "cores": 2, "memory": 1024, "swap": 256,
+              "rootfs": "local-lvm:4", "net0": "name=eth0,bridge=vmbr0,ip=dhcp", "features": "nesting=1",
+              "onboot": 1, "unprivileged": 1}
+    r = t.post(f"{base}/nodes/pve/lxc", data=params)
+    assert (r.status_code, r.reason) == (403, "Permission check failed (/sdn/zones/localnetwork/vmbr0, SDN.Use)")
+    r = t.post(f"{base}/nodes/pve/lxc", data={**params, "net0": "name=eth0,bridge=vmbr0,tag=20,ip=dhcp"})
+    assert r.reason == "Permission check failed (/sdn/zones/localnetwork/vmbr0/20, SDN.Use)"
+    # without a netN the same token creates the container: the role covers everything else
+    r = t.post(f"{base}/nodes/pve/lxc", data={k: v for k, v in params.items() if k != "net0"})
+    assert r.status_code == 200, r.reason
+    perms = t.get(base + "/access/permissions", params={"path": "/vms/342"}).json()["data"]
+    assert sorted(perms["/vms/342"]) == sorted(p for p in ROLE_PRIVS if p.startswith(("VM.", "Datastore.", "SDN.")))
+    assert t.get(base + "/access/permissions", params={"path": "/sdn/zones/localnetwork/vmbr0"}).json()["data"] \
+        == {"/sdn/zones/localnetwork/vmbr0": {}}
+
+
+def test_privilege_names_are_pves_and_acls_propagate_only_when_asked():
+    with pytest.raises(SystemExit, match="invalid privilege 'VM.Config.\\*'"):
+        pve_api.AccessControl(None).parse("role:Bad:VM.Allocate,VM.Config.*:\n")
+    acl = pve_api.AccessControl(None)
+    acl.parse("token:u@pve!t:0:1::\nuser:u@pve:1:0::::::\nrole:R:VM.Audit:\n"
+              "acl:0:/vms:u@pve!t,u@pve:R:\nacl:1:/storage:u@pve!t:R:\nacl:1:/storage/x:u@pve!t:NoAccess:\n")
+    assert acl.permissions("u@pve!t", "/vms") == {"VM.Audit"}
+    assert acl.permissions("u@pve!t", "/vms/1") == set()                    # propagate 0
+    assert acl.permissions("u@pve!t", "/storage/y") == set()                # the user itself has nothing there
+    assert acl.permissions("u@pve!t", "/storage/x") == set()
+
+
+def test_the_documented_pveum_lines_grant_exactly_the_role():
+    acl = prov_filters.dflash_token_acl(200, "local-lvm", "local:vztmpl/d.tar.zst",
+                                        {"net0": "name=eth0,bridge=vmbr0,ip=dhcp", "net1": "bridge=vmbr1,tag=7"})
+    assert [e["path"] for e in acl] == ["/vms/200", "/storage/local-lvm", "/storage/local",
+                                        "/sdn/zones/localnetwork/vmbr0", "/sdn/zones/localnetwork/vmbr1/7"]
+    lines = prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")
+    assert lines[0].startswith('pveum role add DFlashProvision --privs "Datastore.AllocateSpace Datastore.Audit SDN.Use VM.Allocate')
+    assert not [p for p in prov_filters.dflash_token_role_privs(acl) if p not in pve_api.PRIVILEGES]
+    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!ansible' --roles DFlashProvision" in lines
+
+
+# ------------------------------------------------------------------ pct reboot/shutdown (issue 13, item 3)
+
+class _RecordingLxc(pve_api.FakeLxc):
+    stops: list = []
+
+    def stop(self, vmid, timeout, force, log):
+        self.stops.append((timeout, force))
+        super().stop(vmid, timeout, force, log)
+
+
+def test_reboot_kills_after_60_s_unless_given_a_timeout(tmp_path):
+    """PVE's vm_reboot: lxc-stop with its default 60 s, then kill; a longer TimeoutStopSec inside
+    the container does not count. `pct reboot --timeout N` waits N seconds."""
+    lxc = _RecordingLxc(str(tmp_path / "lxc"), None)
+    node = pve_api.Node("pve", str(tmp_path / "etc"), lxc, [TEMPLATE], ["local"], pve_api.AccessControl(None))
+    node.write(209, {"hostname": "ct"}, [])
+    for timeout, expect in ((None, (60, True)), (1200, (1200, True))):
+        lxc.stops.clear()
+        lxc.start(209, print)
+        assert node.wait(node.reboot(209, timeout, "root@pam"))["exitstatus"] == "OK"
+        assert lxc.stops == [expect] and lxc.state(209) == "running"
+    lxc.stops.clear()
+    node.wait(node.shutdown(209, 60, False, "root@pam"))
+    assert lxc.stops == [(60, False)]          # pct shutdown: 60 s, then fail (no kill without --forceStop)
+
+
+def test_the_readme_grants_what_the_role_checks_for_the_production_inventory():
+    import yaml
+    prod = yaml.safe_load((REPO / "inventory/production/group_vars/dflash_containers/provision.yml").read_text())
+    acl = prov_filters.dflash_token_acl(200, prod["dflash_provision_storage"], prod["dflash_provision_ostemplate"],
+                                        prod["dflash_provision_netif"])
+    want = [line.split("   #")[0] for line in prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")]
+    readme = [line.strip().split("     #")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+              if line.strip().startswith("pveum ")]
+    assert readme == want

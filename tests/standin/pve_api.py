@@ -103,6 +103,157 @@ class ApiError(Exception):
         self.status, self.reason, self.errors = status, reason, errors
 
 
+# --------------------------------------------------------------------------- access control
+# PVE 8's privilege names (pve-access-control, PVE/AccessControl.pm $privgroups). A name outside
+# this set is refused as PVE refuses it ("invalid privilege"): there is no VM.Config.* wildcard.
+PRIVILEGES = frozenset("""
+    VM.Allocate VM.Audit VM.Backup VM.Clone VM.Config.CDROM VM.Config.CPU VM.Config.Cloudinit
+    VM.Config.Disk VM.Config.HWType VM.Config.Memory VM.Config.Network VM.Config.Options VM.Console
+    VM.Migrate VM.Monitor VM.PowerMgmt VM.Snapshot VM.Snapshot.Rollback
+    Sys.Audit Sys.Console Sys.Incoming Sys.Modify Sys.PowerMgmt Sys.Syslog Sys.AccessNetwork
+    Datastore.Allocate Datastore.AllocateSpace Datastore.AllocateTemplate Datastore.Audit
+    SDN.Allocate SDN.Audit SDN.Use Pool.Allocate Pool.Audit Permissions.Modify
+    User.Modify Group.Allocate Realm.Allocate Realm.AllocateUser
+    Mapping.Audit Mapping.Modify Mapping.Use
+""".split())
+
+# The built-in roles the stand-in knows (a subset of PVE's; custom roles come from user.cfg).
+BUILTIN_ROLES = {
+    "Administrator": PRIVILEGES,
+    "NoAccess": frozenset(),
+    "PVEAuditor": frozenset({"VM.Audit", "Sys.Audit", "Datastore.Audit", "SDN.Audit", "Pool.Audit", "Mapping.Audit"}),
+    "PVEVMUser": frozenset({"VM.Audit", "VM.Console", "VM.PowerMgmt", "VM.Backup", "VM.Config.CDROM",
+                            "VM.Config.Cloudinit", "Pool.Audit"}),
+    "PVEVMAdmin": frozenset(p for p in PRIVILEGES if p.startswith("VM.")) | {"Datastore.AllocateSpace",
+                                                                             "Datastore.Audit", "Pool.Audit",
+                                                                             "Sys.Audit", "Sys.Console"},
+    "PVEDatastoreUser": frozenset({"Datastore.AllocateSpace", "Datastore.Audit"}),
+    "PVESDNUser": frozenset({"SDN.Use", "SDN.Audit"}),
+}
+
+
+def perm_error(what: str = "") -> ApiError:
+    """PVE's raise_perm_exc: HTTP 403 'Permission check failed (<what>)'."""
+    return ApiError(403, "Permission check failed" + (f" ({what})" if what else ""))
+
+
+class AccessControl:
+    """Users, API tokens, roles and ACLs, read from a PVE-format user.cfg, with PVE's rules:
+
+    - root@pam has every privilege; nobody else has any privilege without an ACL.
+    - An ACL on a path applies to that path, and to the paths below it when propagate is 1; the
+      most specific path with an entry for the principal wins (NoAccess there means nothing).
+    - An API token with privsep=1 (the default of `pveum user token add`) gets only what ACLs
+      grant to the token itself, intersected with its user's privileges (a root@pam token: only
+      the token's ACLs). privsep=0 tokens have their user's privileges.
+
+    user.cfg lines understood (the format pveum writes):
+        user:<userid>:<enable>:<expire>:...      token:<user@realm!name>:<expire>:<privsep>:<comment>:
+        role:<name>:<priv>,<priv>,...:           acl:<propagate>:<path>:<users,tokens,@groups>:<roles>:
+        group:<name>:<user>,<user>:<comment>:
+    """
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.users: set = {"root@pam"}
+        self.tokens: dict = {}        # tokenid -> privsep (bool)
+        self.roles: dict = dict(BUILTIN_ROLES)
+        self.groups: dict = {}        # name -> set of users
+        self.acl: list = []           # (path, propagate, principal, role)
+        if path and os.path.exists(path):
+            with open(path) as f:
+                self.parse(f.read())
+
+    def parse(self, text: str) -> None:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            kind, _, rest = line.partition(":")
+            f = rest.split(":")
+            if kind == "user":
+                self.users.add(f[0])
+            elif kind == "token":
+                self.tokens[f[0]] = (f[2] if len(f) > 2 and f[2] != "" else "1") != "0"
+            elif kind == "group":
+                self.groups[f[0]] = set(filter(None, (f[1] if len(f) > 1 else "").split(",")))
+            elif kind == "role":
+                privs = set(filter(None, (f[1] if len(f) > 1 else "").split(",")))
+                bad = sorted(privs - PRIVILEGES)
+                if bad:
+                    raise SystemExit(f"{self.path}:{lineno}: invalid privilege '{bad[0]}'")
+                self.roles[f[0]] = frozenset(privs)
+            elif kind == "acl":
+                propagate, acl_path, who, roles = f[0], f[1], f[2], f[3]
+                for principal in filter(None, who.split(",")):
+                    for role in filter(None, roles.split(",")):
+                        if role not in self.roles:
+                            raise SystemExit(f"{self.path}:{lineno}: role '{role}' does not exist")
+                        self.acl.append((acl_path.rstrip("/") or "/", propagate != "0", principal, role))
+
+    def add_token(self, tokenid: str, privsep: bool = True) -> None:
+        """A token the server was given a secret for but user.cfg does not list: `pveum user token
+        add` defaults, i.e. privilege separated and without any ACL."""
+        self.users.add(tokenid.split("!")[0])
+        self.tokens.setdefault(tokenid, privsep)
+
+    def _acl_privs(self, principal: str, path: str) -> set:
+        groups = {"@" + g for g, members in self.groups.items() if principal in members}
+        parts = [p for p in path.split("/") if p]
+        levels = ["/"] + ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        privs: set = set()
+        for level in levels:
+            exact = level == levels[-1]
+            mine = [(r, who) for (p, prop, who, r) in self.acl
+                    if p == level and (exact or prop) and (who == principal or who in groups)]
+            if mine:   # the most specific level wins; a user's own entry beats its groups'
+                own = [r for r, who in mine if who == principal]
+                roles = own or [r for r, _ in mine]
+                privs = set().union(*(self.roles[r] for r in roles))
+        return privs
+
+    def permissions(self, authid: str, path: str) -> set:
+        if authid == "root@pam":
+            return set(PRIVILEGES)
+        if "!" in authid:
+            user = authid.split("!")[0]
+            if authid not in self.tokens:
+                return set()
+            user_privs = self.permissions(user, path)
+            if not self.tokens[authid]:
+                return user_privs
+            token_privs = self._acl_privs(authid, path)
+            return token_privs if user == "root@pam" else token_privs & user_privs
+        return self._acl_privs(authid, path) if authid in self.users else set()
+
+    def check(self, authid: str | None, path: str, privs: list, any_of: bool = False) -> None:
+        """rpcenv->check / check_any: 403 'Permission check failed (<path>, <priv>)'."""
+        if authid is None:     # the node-side `pct` face: root on the node
+            return
+        have = self.permissions(authid, path)
+        if any_of:
+            if not have & set(privs):
+                raise perm_error(f"{path}, {'|'.join(privs)}")
+            return
+        for p in privs:
+            if p not in have:
+                raise perm_error(f"{path}, {p}")
+
+    def has(self, authid: str | None, path: str, privs: list) -> bool:
+        return authid is None or set(privs) <= self.permissions(authid, path)
+
+    def effective(self, authid: str) -> dict:
+        """GET /access/permissions without a path: the top-level paths and every ACL path."""
+        paths = {"/", "/access", "/access/groups", "/nodes", "/pool", "/sdn", "/storage", "/vms"}
+        paths |= {p for p, *_ in self.acl}
+        out = {}
+        for p in sorted(paths):
+            privs = self.permissions(authid, p)
+            if privs:
+                out[p] = {x: 1 for x in sorted(privs)}
+        return out
+
+
 # --------------------------------------------------------------------------- PVE config files
 
 def parse_conf(text: str) -> tuple[dict, list, str]:
@@ -235,7 +386,7 @@ class Lxc:
                 cmd.append("--nokill")
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 and self.state(vmid) != "stopped":
-            raise RuntimeError(f"stopping container '{vmid}' failed: {r.stderr.strip()}")
+            raise RuntimeError("container did not stop")
         log(f"lxc-stop {vmid}: stopped")
 
     def destroy(self, vmid: int) -> None:
@@ -243,33 +394,79 @@ class Lxc:
             subprocess.run(["rm", "-rf", "--one-file-system", self.dir(vmid)], check=True)
 
     def attach(self, vmid: int, argv: list) -> int:
-        return subprocess.call(["lxc-attach", "-n", str(vmid), "-P", self.lxcpath, "--clear-env",
-                                "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                                "--", *argv])
+        # PVE 8's `pct exec` keeps the caller's environment (--keep-env defaults to 1 until PVE 9),
+        # minus SSL_CERT_FILE/SSL_CERT_DIR; so does the stand-in.
+        env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+        return subprocess.call(["lxc-attach", "-n", str(vmid), "-P", self.lxcpath, "--keep-env",
+                                "--", *argv], env=env)
 
 
 class FakeLxc(Lxc):
-    """Containers as records only (nothing runs): for the fast unit tests."""
+    """Containers as records only (nothing runs): for the fast unit tests. The running state is a
+    marker file, so the `pct` face (a new process per call) and the server agree. `exec` answers
+    only what the node role asks a booted container (`systemctl is-active`, `systemctl stop`,
+    `cat /proc/1/limits` from the config's lxc.prlimit.memlock); anything else fails."""
 
-    def __init__(self, lxcpath: str, rootfs_src: str | None):
-        super().__init__(lxcpath, rootfs_src)
-        self.running: set = set()
+    def _marker(self, vmid):
+        return os.path.join(self.dir(vmid), "fake-running")
 
     def create(self, vmid, log):
         os.makedirs(self.dir(vmid), exist_ok=True)
         log("fake-lxc: no rootfs copied")
 
     def state(self, vmid):
-        return "running" if vmid in self.running else "stopped"
+        return "running" if os.path.exists(self._marker(vmid)) else "stopped"
 
     def pid(self, vmid):
         return None
 
     def start(self, vmid, log):
-        self.running.add(vmid)
+        os.makedirs(self.dir(vmid), exist_ok=True)
+        with open(self._marker(vmid), "w") as f:
+            f.write(f"{time.time()}\n")
 
     def stop(self, vmid, timeout, force, log):
-        self.running.discard(vmid)
+        if os.path.exists(self._marker(vmid)):
+            os.unlink(self._marker(vmid))
+
+    def attach(self, vmid, argv):
+        if argv[:2] == ["systemctl", "is-active"]:
+            print("active")
+            return 0
+        if argv[:2] == ["systemctl", "stop"]:
+            return 0
+        if argv == ["cat", "/proc/self/mounts"]:
+            # what the generated LXC config would mount (records only: nothing is mounted)
+            try:
+                with open(os.path.join(self.dir(vmid), "config")) as f:
+                    entries = [line.split("=", 1)[1].split() for line in f if line.startswith("lxc.mount.entry")]
+            except OSError:
+                entries = []
+            print("/dev/fake / ext4 rw,relatime 0 0")
+            for src, dest, fstype, opts, *_ in entries:
+                flags = opts.split(",")
+                if fstype == "tmpfs":
+                    size = next((o[5:] for o in flags if o.startswith("size=")), "0M")
+                    kib = int(size[:-1]) * {"k": 1, "K": 1, "M": 1024, "G": 1048576}[size[-1]]
+                    print(f"tmpfs /{dest} tmpfs rw,nosuid,nodev,size={kib}k 0 0")
+                else:
+                    print(f"{src} /{dest} ext4 {'ro' if 'ro' in flags else 'rw'},relatime 0 0")
+            return 0
+        if argv == ["cat", "/proc/1/limits"]:
+            memlock = "65536"
+            try:
+                with open(os.path.join(self.dir(vmid), "config")) as f:
+                    for line in f:
+                        if line.startswith("lxc.prlimit.memlock"):
+                            memlock = line.split("=", 1)[1].strip().split(":")[0]
+            except OSError:
+                pass
+            memlock = "unlimited" if memlock in ("unlimited", "-1") else memlock
+            print("Limit                     Soft Limit           Hard Limit           Units")
+            print(f"Max locked memory         {memlock:<20} {memlock:<20} bytes")
+            return 0
+        print(f"fake-lxc: cannot run {argv!r} (nothing runs here)", file=sys.stderr)
+        return 127
 
 
 # --------------------------------------------------------------------------- the node's state
@@ -277,8 +474,10 @@ class FakeLxc(Lxc):
 class Node:
     """One stand-in node: PVE configs, tasks, and the LXC backend."""
 
-    def __init__(self, name: str, pve_etc: str, lxc: Lxc, templates: list, storages: list):
+    def __init__(self, name: str, pve_etc: str, lxc: Lxc, templates: list, storages: list,
+                 acl: AccessControl | None = None):
         self.name, self.pve_etc, self.lxc = name, pve_etc, lxc
+        self.acl = acl or AccessControl(os.path.join(pve_etc, "user.cfg"))
         self.templates, self.storages = templates, storages
         self.tasks: dict = {}
         self.lock = threading.RLock()
@@ -456,7 +655,7 @@ class Node:
                         "maxcpu": s["cpus"], "maxdisk": s["maxdisk"], "template": s["template"]})
         return out
 
-    def check_params(self, params: dict, extra: set, token_user: str | None) -> None:
+    def check_params(self, params: dict, extra: set) -> None:
         errors = {}
         for k in params:
             if k in CONFIG_KEYS or k in extra or INDEXED_KEYS.match(k):
@@ -464,18 +663,74 @@ class Node:
             errors[k] = "property is not defined in schema and the schema does not allow additional properties"
         if errors:
             raise ApiError(400, "Parameter verification failed.", errors)
-        if token_user is None:
+
+    def check_modify_perm(self, authid: str | None, vmid: int, old: dict, new: dict, delete: list,
+                          unprivileged: bool) -> None:
+        """pve-container's check_ct_modify_config_perm: the privilege each key needs, and the keys
+        only root@pam may set (an API token never is root@pam, whatever user owns it)."""
+        if authid is None or authid == "root@pam":
             return
-        # Privilege rules PVE applies to anyone but root@pam (so to every API token).
-        for k, v in params.items():
-            if re.fullmatch(r"mp\d+", k) and is_host_path(split_opts(v)[0]):
-                raise ApiError(403, f"Permission check failed (only root can set '{k}' config for non-volume mount points)")
-            if re.fullmatch(r"dev\d+", k):
-                raise ApiError(403, f"Permission check failed (only root can set '{k}' config)")
-            if k == "features":
-                flags = {f.partition("=")[0] for f in str(v).split(",") if f}
-                if flags - {"nesting"}:
-                    raise ApiError(403, "Permission check failed (changing feature flags (except nesting) is only allowed for root@pam)")
+        acl, vm = self.acl, f"/vms/{vmid}"
+
+        def bridge(raw):
+            _, opts = split_opts(raw)
+            if not opts.get("bridge"):
+                return
+            base = f"/sdn/zones/localnetwork/{opts['bridge']}"
+            if opts.get("tag"):
+                acl.check(authid, f"{base}/{opts['tag']}", ["SDN.Use"])
+            for tag in filter(None, opts.get("trunks", "").split(";")):
+                acl.check(authid, f"{base}/{tag}", ["SDN.Use"])
+            if not (opts.get("tag") or opts.get("trunks")):
+                acl.check(authid, base, ["SDN.Use"])
+
+        def features(value):
+            return {f.partition("=")[0]: f.partition("=")[2] for f in str(value or "").split(",") if f}
+
+        def one(opt, deleting):
+            if opt in ("cores", "cpuunits", "cpulimit"):
+                acl.check(authid, vm, ["VM.Config.CPU"])
+            elif opt == "rootfs" or re.fullmatch(r"mp\d+", opt):
+                acl.check(authid, vm, ["VM.Config.Disk"])
+                if deleting:
+                    return
+                vol, _ = split_opts(new[opt])
+                if is_host_path(vol):
+                    kind = "device" if vol.startswith("/dev/") else "bind"
+                    raise perm_error(f"mount point type {kind} is only allowed for root@pam")
+                m = re.fullmatch(r"([^:\s]+):(\d+(\.\d+)?)", vol or "")
+                if m:
+                    acl.check(authid, f"/storage/{m.group(1)}", ["Datastore.AllocateSpace"])
+            elif opt in ("memory", "swap"):
+                acl.check(authid, vm, ["VM.Config.Memory"])
+            elif re.fullmatch(r"net\d+", opt):
+                acl.check(authid, vm, ["VM.Config.Network"])
+                if old.get(opt):
+                    bridge(old[opt])
+                if not deleting and new.get(opt):
+                    bridge(new[opt])
+            elif re.fullmatch(r"dev\d+", opt):
+                raise perm_error("configuring device passthrough is only allowed for root@pam")
+            elif opt in ("nameserver", "searchdomain", "hostname"):
+                acl.check(authid, vm, ["VM.Config.Network"])
+            elif opt == "features":
+                if not unprivileged:
+                    raise perm_error("changing feature flags for privileged container is only allowed for root@pam")
+                before, after = features(old.get(opt)), ({} if deleting else features(new.get(opt)))
+                changed = {k for k in set(before) | set(after) if before.get(k, "") != after.get(k, "")}
+                if changed - {"nesting"}:
+                    raise perm_error("changing feature flags (except nesting) is only allowed for root@pam")
+                if changed:
+                    acl.check(authid, vm, ["VM.Allocate"])
+            elif opt == "hookscript":
+                raise perm_error("changing the hookscript is only allowed for root@pam")
+            else:
+                acl.check(authid, vm, ["VM.Config.Options"])
+
+        for opt in sorted(new):
+            one(opt, False)
+        for opt in delete:
+            one(opt, True)
 
     def normalise(self, vmid: int, params: dict, storage: str) -> dict:
         """Request values -> what PVE stores: allocated volumes, a MAC address, detected ostype."""
@@ -508,11 +763,24 @@ class Node:
                 raise ApiError(500, f"CT {vmid} already exists on node '{self.name}'")
             if self.lxc.exists(vmid):
                 raise ApiError(500, f"CT {vmid}: an LXC container '{vmid}' exists outside the stand-in's records")
-            self.check_params(params, CREATE_ONLY, user)
+            self.check_params(params, CREATE_ONLY)
+            # The order of pve-container's create_vm: privileged needs Sys.Modify on /,
+            # VM.Allocate on the vmid, each key's privilege, the template, the storage.
+            unprivileged = str(params.get("unprivileged", "1")) != "0"
+            if not unprivileged:
+                self.acl.check(user, "/", ["Sys.Modify"])
+            if not self.acl.has(user, f"/vms/{vmid}", ["VM.Allocate"]):
+                raise perm_error()
+            self.check_modify_perm(user, vmid, {}, {k: v for k, v in params.items()
+                                                    if k not in CREATE_ONLY and k != "unprivileged"},
+                                   [], unprivileged)
             tpl = params.get("ostemplate", "")
+            self.acl.check(user, f"/storage/{tpl.split(':')[0]}", ["Datastore.AllocateSpace", "Datastore.Audit"],
+                           any_of=True)
             if tpl not in self.templates:
                 raise ApiError(500, f"volume '{tpl}' does not exist")
             storage = params.get("storage", "local")
+            self.acl.check(user, f"/storage/{storage}", ["Datastore.AllocateSpace"])
             p = dict(params)
             p.setdefault("rootfs", f"{storage}:4")
             keys = {"arch": "amd64", "ostype": "debian", "memory": 512, "swap": 512, "cores": 1,
@@ -535,7 +803,12 @@ class Node:
     def update(self, vmid: int, params: dict, user: str | None) -> None:
         with self.lock:
             keys, raw, rest = self.read(vmid)
-            self.check_params(params, UPDATE_ONLY, user)
+            self.check_params(params, UPDATE_ONLY)
+            self.acl.check(user, f"/vms/{vmid}", ["VM.Config.Disk", "VM.Config.CPU", "VM.Config.Memory",
+                                                  "VM.Config.Network", "VM.Config.Options"], any_of=True)
+            self.check_modify_perm(user, vmid, keys, {k: v for k, v in params.items() if k not in UPDATE_ONLY},
+                                   [k.strip() for k in str(params.get("delete", "")).split(",") if k.strip()],
+                                   str(keys.get("unprivileged", "0")) != "0")
             if params.get("digest") and params["digest"] != self.digest(vmid):
                 raise ApiError(500, "detected modified configuration - file changed by other user? Try again.")
             if keys.get("lock"):
@@ -577,6 +850,22 @@ class Node:
     def stop(self, vmid: int, user: str) -> str:
         self.read(vmid)
         return self.task("vzstop", vmid, user, lambda log: self.lxc.stop(vmid, None, True, log))
+
+    def reboot(self, vmid: int, timeout: int | None, user: str) -> str:
+        """vm_reboot: a clean shutdown that KILLS after the timeout (lxc-stop's default, 60 s,
+        when none is given), then a start. A unit inside with a longer TimeoutStopSec is cut short."""
+        keys, _, _ = self.read(vmid)
+        if keys.get("lock"):
+            raise ApiError(500, f"CT is locked ({keys['lock']})")
+
+        def work(log):
+            if self.lxc.state(vmid) != "running":
+                return
+            log(f"shutting down CT {vmid} (killed after {60 if timeout is None else timeout} s)")
+            self.lxc.stop(vmid, 60 if timeout is None else timeout, True, log)
+            self.lxc.write_config(vmid, self.lxc_config(vmid))
+            self.lxc.start(vmid, log)
+        return self.task("vzreboot", vmid, user, work)
 
     def wait(self, upid: str, timeout: float = 600) -> dict:
         end = time.time() + timeout
@@ -649,13 +938,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _route(self, method, path, p, user):
         node = self.node
         r = method + " " + path
+        acl = node.acl
         if r == "GET /version":
             return PVE_VERSION
+        if r == "GET /access/permissions":
+            # Each user/token may dump its own permissions (or those of its tokens); others
+            # need Sys.Audit on /access.
+            who = p.get("userid") or user
+            if who != user and who.split("!")[0] != user:
+                acl.check(user, "/access", ["Sys.Audit"])
+            if p.get("path"):
+                privs = acl.permissions(who, p["path"])
+                return {p["path"]: {x: 1 for x in sorted(privs)}}
+            return acl.effective(who)
         if r == "GET /nodes":
             return [{"node": node.name, "status": "online", "type": "node", "id": f"node/{node.name}",
                      "maxcpu": os.cpu_count(), "level": ""}]
         if r == "GET /cluster/resources":
-            res = node.resources()
+            res = [x for x in node.resources() if acl.has(user, f"/vms/{x['vmid']}", ["VM.Audit"])]
             if p.get("type") in (None, "", "node"):
                 res.append({"id": f"node/{node.name}", "type": "node", "node": node.name, "status": "online"})
             return [x for x in res if p.get("type") in (None, "") or
@@ -672,17 +972,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         r = method + " " + sub
         t = re.fullmatch(r"GET /tasks/([^/]+)/(status|log)", r)
         if t:
+            owner = node.tasks.get(t.group(1), {}).get("user")
+            if owner not in (user, user.split("!")[0]):
+                acl.check(user, f"/nodes/{node.name}", ["Sys.Audit"])
             return node.task_status(t.group(1)) if t.group(2) == "status" else node.task_log(t.group(1))
         if re.fullmatch(r"GET /storage/[^/]+/content", r):
             storage = sub.split("/")[2]
             if storage not in node.storages:
                 raise ApiError(500, f"storage '{storage}' does not exist")
+            acl.check(user, f"/storage/{storage}", ["Datastore.Audit", "Datastore.AllocateSpace"], any_of=True)
             return [{"volid": t, "content": "vztmpl", "format": "tzst", "size": 123456789}
                     for t in node.templates if t.split(":")[0] == storage]
         if r == "GET /lxc":
             return [{k: s[k] for k in ("vmid", "name", "status", "maxmem", "maxswap", "cpus",
                                         "maxdisk", "uptime", "template") if k in s} | {"type": "lxc"}
-                    for s in (node.status(v) for v in node.vmids())]
+                    for s in (node.status(v) for v in node.vmids() if acl.has(user, f"/vms/{v}", ["VM.Audit"]))]
         if r == "POST /lxc":
             vmid = int(p.get("vmid") or 0)
             if vmid < 100:
@@ -693,6 +997,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise ApiError(501, f"Method '{method} /nodes/{node.name}{sub}' not implemented (stand-in)")
         vmid, rest = int(m.group(2)), (m.group(3) or "")
         op = method + " " + rest
+        vm = f"/vms/{vmid}"
+        need = {"DELETE ": "VM.Allocate", "GET /config": "VM.Audit", "GET /status/current": "VM.Audit",
+                "POST /status/start": "VM.PowerMgmt", "POST /status/shutdown": "VM.PowerMgmt",
+                "POST /status/stop": "VM.PowerMgmt", "POST /status/reboot": "VM.PowerMgmt"}.get(op)
+        if need:
+            acl.check(user, vm, [need])
         if op == "DELETE ":
             return node.destroy(vmid, p.get("force") == "1", user)
         if op == "GET /config":
@@ -713,6 +1023,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return node.shutdown(vmid, int(p.get("timeout") or 60), p.get("forceStop") == "1", user)
         if op == "POST /status/stop":
             return node.stop(vmid, user)
+        if op == "POST /status/reboot":
+            return node.reboot(vmid, int(p["timeout"]) if p.get("timeout") else None, user)
         raise ApiError(501, f"Method '{method} /nodes/{node.name}{sub}' not implemented (stand-in)")
 
     def do_GET(self):
@@ -775,7 +1087,8 @@ def make_cert(cert: str, key: str) -> None:
 
 def build_node(a) -> Node:
     backend = (FakeLxc if a.fake_lxc else Lxc)(a.lxcpath, a.rootfs)
-    return Node(a.node, a.pve_etc, backend, a.template, a.storage)
+    acl = AccessControl(a.user_cfg or os.path.join(a.pve_etc, "user.cfg"))
+    return Node(a.node, a.pve_etc, backend, a.template, a.storage, acl)
 
 
 def serve(a) -> None:
@@ -791,6 +1104,8 @@ def serve(a) -> None:
     cert, key = os.path.join(a.state_dir, "pve-ssl.pem"), os.path.join(a.state_dir, "pve-ssl.key")
     make_cert(cert, key)
     node = build_node(a)
+    for ident in tokens:
+        node.acl.add_token(ident)
     Handler.node, Handler.tokens = node, tokens
     httpd = http.server.ThreadingHTTPServer((a.listen, a.port), Handler)
     httpd.daemon_threads = True
@@ -817,6 +1132,9 @@ def pct(a, argv: list) -> int:
         print("usage: pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID ...", file=sys.stderr)
         return 2
     cmd, vmid, rest = argv[0], int(argv[1]), argv[2:]
+    if os.environ.get("PVE_STANDIN_PCT_LOG"):       # for tests: what the node role ran, in order
+        with open(os.environ["PVE_STANDIN_PCT_LOG"], "a") as f:
+            f.write(json.dumps(argv) + "\n")
     try:
         if cmd == "config":
             keys, raw, _ = node.read(vmid)
@@ -835,20 +1153,29 @@ def pct(a, argv: list) -> int:
             print(f"status: {node.lxc.state(vmid)}")
         elif cmd in ("start", "stop", "shutdown", "reboot"):
             node.read(vmid)
-            if cmd == "reboot" and node.lxc.state(vmid) != "running":
-                raise ApiError(500, f"CT {vmid} not running")
-            steps = {"start": [lambda: node.start(vmid, "root@pam")],
-                     "stop": [lambda: node.stop(vmid, "root@pam")],
-                     "shutdown": [lambda: node.shutdown(vmid, 60, False, "root@pam")],
-                     "reboot": [lambda: node.shutdown(vmid, 60, True, "root@pam"),
-                                lambda: node.start(vmid, "root@pam")]}[cmd]
-            for step in steps:
-                t = node.wait(step())
-                if t["exitstatus"] != "OK":
-                    raise ApiError(500, t["exitstatus"])
+            # pct shutdown: --timeout (default 60) then fail, or kill with --forceStop 1;
+            # pct reboot: --timeout (default: lxc-stop's 60 s), then always kill.
+            opts = dict(zip(rest[::2], rest[1::2]))
+            unknown = set(opts) - ({"--timeout", "--forceStop"} if cmd == "shutdown" else
+                                   {"--timeout"} if cmd == "reboot" else set())
+            if unknown or len(rest) % 2:
+                raise ApiError(400, f"400 unable to parse option: {' '.join(rest)}")
+            timeout = int(opts["--timeout"]) if "--timeout" in opts else None
+            upid = {"start": lambda: node.start(vmid, "root@pam"),
+                    "stop": lambda: node.stop(vmid, "root@pam"),
+                    "shutdown": lambda: node.shutdown(vmid, 60 if timeout is None else timeout,
+                                                      opts.get("--forceStop") == "1", "root@pam"),
+                    "reboot": lambda: node.reboot(vmid, timeout, "root@pam")}[cmd]()
+            t = node.wait(upid, timeout=3600)
+            if t["exitstatus"] != "OK":
+                raise ApiError(500, t["exitstatus"])
         elif cmd == "exec":
             if rest and rest[0] == "--":
                 rest = rest[1:]
+            if not rest:
+                raise ApiError(400, "missing command")
+            if node.lxc.state(vmid) != "running":
+                raise ApiError(500, f"container '{vmid}' not running!")
             return node.lxc.attach(vmid, rest)
         else:
             print(f"pct (stand-in): unknown command '{cmd}'", file=sys.stderr)
@@ -875,6 +1202,8 @@ def main(argv=None) -> int:
     p.add_argument("--template", action="append", default=None,
                    help="template volids the stand-in 'has' (default local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst)")
     p.add_argument("--storage", action="append", default=None, help="storage ids (default local, local-lvm)")
+    p.add_argument("--user-cfg", default=os.environ.get("PVE_STANDIN_USER_CFG"),
+                   help="PVE-format user.cfg with users, tokens, roles and ACLs (default <pve-etc>/user.cfg)")
     p.add_argument("--pidfile")
     p.add_argument("--fake-lxc", action="store_true", default=os.environ.get("PVE_STANDIN_FAKE_LXC") == "1",
                    help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")

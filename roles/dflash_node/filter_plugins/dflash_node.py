@@ -62,7 +62,8 @@ def dflash_nvidia_dev_entries(gpus, start: int = 0) -> dict:
 def dflash_stale_lines(current_raw, desired, majors=None) -> list:
     """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
     majors) that are in the config but no longer wanted."""
-    patterns = [r"lxc\.mount\.entry:\s*/dev/nvidia", r"lxc\.mount\.entry:\s*\S+\s+dev/shm\s"]
+    patterns = [r"lxc\.mount\.entry:\s*/dev/nvidia", r"lxc\.mount\.entry:\s*\S+\s+dev/shm\s",
+                r"lxc\.prlimit\.memlock:"]
     for major in (majors or {}).values():
         patterns.append(r"lxc\.cgroup2?\.devices\.allow:\s*c\s+%d:" % int(major))
     return [line for line in current_raw
@@ -86,6 +87,37 @@ def dflash_pct_config(text: str) -> dict:
     return {"keys": keys, "raw": raw}
 
 
+def dflash_conf_edit(text: str, add, remove) -> str:
+    """A PVE container config with raw lines added to / removed from its MAIN section only.
+
+    /etc/pve/lxc/<vmid>.conf holds the current config first, then one `[name]` section per
+    snapshot (and `[pending]`); those describe other states of the container and are never
+    touched. Lines to add that the main section has are left where they are; new ones go at
+    the end of the main section.
+    """
+    lines = text.splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.strip().startswith("[")), len(lines))
+    main, rest = lines[:cut], lines[cut:]
+    while main and not main[-1].strip():
+        main.pop()
+    drop = {line.strip() for line in (remove or [])}
+    main = [line for line in main if line.strip() not in drop]
+    have = {line.strip() for line in main}
+    main += [line for line in (add or []) if line.strip() not in have]
+    out = "\n".join(main) + "\n"
+    if rest:
+        out += "\n" + "\n".join(rest) + "\n"
+    return out
+
+
+def dflash_proc_limit(limits_text: str, name: str = "Max locked memory") -> list:
+    """/proc/<pid>/limits -> [soft, hard] of one limit (e.g. ['unlimited', 'unlimited'])."""
+    for line in limits_text.splitlines():
+        if line.startswith(name):
+            return line[len(name):].split()[:2]
+    return []
+
+
 def dflash_same_opts(current, desired) -> bool:
     """Two PVE property strings are equal as sets of comma-separated parts (PVE reorders them)."""
     if current is None:
@@ -104,4 +136,6 @@ class FilterModule:
             "dflash_pct_config": dflash_pct_config,
             "dflash_stale_lines": dflash_stale_lines,
             "dflash_same_opts": dflash_same_opts,
+            "dflash_conf_edit": dflash_conf_edit,
+            "dflash_proc_limit": dflash_proc_limit,
         }

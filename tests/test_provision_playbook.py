@@ -1,0 +1,204 @@
+"""playbooks/provision.yml end to end against the PVE API stand-in with --fake-lxc (containers
+are records, nothing boots; tens of seconds per run): the rules of a real PVE 8 node that the
+roles must follow (issue 13). The same server and roles run with real LXC containers in
+molecule/provision.
+
+- the token: privilege-separated, ACLs on the paths the preflight checks, SDN.Use on the bridge
+- a shape change keeps the MAC; check mode shows the shape drift
+- the container's `startup: down=` covers the trainer's stop timeout
+- the raw lxc.* lines go into the config's main section only, never while it is locked
+- applying a config change: the trainer is stopped first, `pct reboot` gets a timeout, and the
+  wait is for basic.target, not for the end of boot
+- lxc.prlimit.memlock is set and read back from /proc/1/limits
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+requests = pytest.importorskip("requests")
+from test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters  # noqa: E402
+
+pytestmark = [pytest.mark.provision, pytest.mark.slow]
+
+VMID = 250
+PLAYBOOK = REPO / "playbooks" / "provision.yml"
+NETIF = {"net0": "name=eth0,bridge=vmbr0,ip=dhcp"}
+
+
+def _why_not():
+    if shutil.which("ansible-playbook") is None and not (Path(sys.executable).parent / "ansible-playbook").exists():
+        return "ansible-playbook not installed"
+    return None
+
+
+if _why_not():
+    pytestmark.append(pytest.mark.skip(reason=_why_not()))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """The stand-in (fake LXC) with user.cfg granting the documented role to root@pam!ansible and
+    the same role without SDN.Use to root@pam!nosdn; an inventory for CT 250."""
+    tmp = tmp_path_factory.mktemp("realnode")
+    etc, lxc, state = tmp / "etc", tmp / "lxc", tmp / "state"
+    etc.mkdir()
+    acl = prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, NETIF)
+    privs = prov_filters.dflash_token_role_privs(acl)
+    cfg = ["user:root@pam:1:0:::root@pam::", "token:root@pam!ansible:0:1::", "token:root@pam!nosdn:0:1::",
+           "role:DFlashProvision:%s:" % ",".join(privs),
+           "role:NoSDN:%s:" % ",".join(p for p in privs if p != "SDN.Use")]
+    # exactly the documented `pveum acl modify` lines, one ACL per path
+    cfg += ["acl:1:%s:root@pam!ansible:DFlashProvision:" % e["path"] for e in acl]
+    cfg += ["acl:1:%s:root@pam!nosdn:NoSDN:" % e["path"] for e in acl]
+    (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
+    port = _free_port()
+    env = {**os.environ, "PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(lxc), "PVE_STANDIN_FAKE_LXC": "1",
+           "PVE_STANDIN_PCT_LOG": str(tmp / "pct.log"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
+           "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen([sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(state),
+                             "--token", "root@pam!ansible=s3cret", "--token", "root@pam!nosdn=s3cret"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(100):
+        if (state / "pve-ssl.pem").exists():
+            try:
+                if requests.get(f"https://127.0.0.1:{port}/api2/json/version", verify=str(state / "pve-ssl.pem"),
+                                headers={"Authorization": "PVEAPIToken=root@pam!ansible=s3cret"}, timeout=1).ok:
+                    break
+            except requests.exceptions.ConnectionError:
+                pass
+        time.sleep(0.05)
+    (tmp / "models").mkdir()
+    py = sys.executable
+    inventory = {"all": {"children": {
+        "proxmox_nodes": {"hosts": {"pve-fake": {"ansible_connection": "local", "ansible_python_interpreter": py}}},
+        "dflash_containers": {"hosts": {"ct250": {"ansible_connection": "local", "ansible_python_interpreter": py,
+                                                  "proxmox_vmid": VMID}},
+                              "vars": {
+            "dflash_provision_api_host": "127.0.0.1", "dflash_provision_api_port": port,
+            "dflash_provision_api_user": "root@pam", "dflash_provision_api_token_id": "ansible",
+            "dflash_provision_api_token_secret": "s3cret", "dflash_provision_ca_bundle": str(state / "pve-ssl.pem"),
+            "dflash_provision_api_timeout": 30, "dflash_provision_hostname": "ct250",
+            "dflash_provision_storage": "local-lvm", "dflash_provision_rootfs_gib": 4, "dflash_provision_cores": 2,
+            "dflash_provision_memory_mib": 1024, "dflash_provision_swap_mib": 256,
+            "dflash_provision_shm_size_mib": 256, "dflash_provision_trainer_host_memory_mib": 512,
+            "dflash_provision_netif": NETIF, "dflash_service_timeout_stop_s": 120,
+            "dflash_node_pct_command": [py, str(PVE_API), "pct"], "dflash_node_pve_conf_dir": str(etc / "lxc"),
+            "dflash_node_models_host_path": str(tmp / "models"),
+            "dflash_node_workspace_host_path": str(tmp / "workspace"), "dflash_node_shm_size_mib": 256,
+            "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10}}}}}
+    (tmp / "hosts.yml").write_text(json.dumps(inventory))
+    yield {"tmp": tmp, "env": env, "conf": etc / "lxc" / f"{VMID}.conf", "pct_log": tmp / "pct.log",
+           "api": f"https://127.0.0.1:{port}/api2/json", "ca": str(state / "pve-ssl.pem")}
+    proc.terminate()
+    proc.wait(5)
+
+
+def play(node, *args, **extra):
+    cmd = ["ansible-playbook", "-i", str(node["tmp"] / "hosts.yml"), str(PLAYBOOK), *args]
+    if extra:
+        cmd.append("--extra-vars=" + json.dumps(extra))
+    r = subprocess.run(cmd, env=node["env"], capture_output=True, text=True, cwd=REPO)
+    r.text = re.sub(r"\s+", " ", r.stdout + " " + r.stderr)
+    return r
+
+
+def recap(r) -> dict:
+    m = re.search(r"ct250\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", r.stdout)
+    return {"ok": int(m[1]), "changed": int(m[2]), "failed": int(m[4])} if m else {}
+
+
+def api_config(node) -> dict:
+    r = requests.get(f"{node['api']}/nodes/pve/lxc/{VMID}/config", verify=node["ca"],
+                     headers={"Authorization": "PVEAPIToken=root@pam!ansible=s3cret"})
+    return r.json()["data"]
+
+
+def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_nothing(node):
+    r = play(node, dflash_provision_api_token_id="nosdn")
+    assert r.returncode != 0
+    assert "Token root@pam!nosdn lacks SDN.Use on /sdn/zones/localnetwork/vmbr0" in r.text, r.text[-3000:]
+    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!nosdn' --roles DFlashProvision" in r.text
+    assert not node["conf"].exists()
+
+
+def test_2_the_documented_role_provisions_the_container(node):
+    r = play(node)
+    assert r.returncode == 0, r.text[-4000:]
+    cfg = api_config(node)
+    assert (cfg["memory"], cfg["cores"], cfg["onboot"]) == (1024, 2, 1)
+    assert cfg["startup"] == "down=240"          # the unit's TimeoutStopSec (120) + 120, not PVE's 180
+    raw = [": ".join(kv) for kv in cfg.get("lxc", [])]
+    assert "lxc.prlimit.memlock: unlimited" in raw
+    assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=256M,create=dir 0 0" in raw
+    assert "memlock unlimited / unlimited" in r.text       # read back from /proc/1/limits
+
+
+def test_3_a_second_run_changes_nothing_and_check_mode_agrees(node):
+    r = play(node)
+    assert r.returncode == 0 and recap(r)["changed"] == 0, r.text[-3000:]
+    r = play(node, "--check", "--diff")
+    assert r.returncode == 0 and recap(r)["changed"] == 0, r.text[-3000:]
+    assert "shape as wanted" in r.text
+
+
+def test_4_check_mode_shows_the_shape_drift_and_changes_nothing(node):
+    before = node["conf"].read_text()
+    r = play(node, "--check", "--diff", dflash_provision_memory_mib=1536, dflash_provision_cores=3)
+    assert r.returncode == 0, r.text[-3000:]
+    assert "would set cores: 2 -> 3; would set memory: 1024 -> 1536;" in r.text
+    assert recap(r)["changed"] >= 1
+    assert node["conf"].read_text() == before
+
+
+def test_5_a_shape_update_keeps_the_mac(node):
+    mac = dict(p.split("=") for p in api_config(node)["net0"].split(","))["hwaddr"]
+    r = play(node, dflash_provision_memory_mib=1536)
+    assert r.returncode == 0, r.text[-3000:]
+    cfg = api_config(node)
+    assert cfg["memory"] == 1536
+    assert dict(p.split("=") for p in cfg["net0"].split(","))["hwaddr"] == mac
+
+
+def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
+    node["pct_log"].write_text("")
+    r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)
+    assert r.returncode == 0, r.text[-3000:]
+    calls = [json.loads(line) for line in node["pct_log"].read_text().splitlines()]
+    sid = str(VMID)
+    acts = [c for c in calls if c[0] in ("reboot", "start", "shutdown", "stop")
+            or c[2:5] in (["--", "systemctl", "stop"], ["--", "systemctl", "is-active"])]
+    assert acts[0] == ["exec", sid, "--", "systemctl", "stop", "dflash.service"]
+    assert acts[1] == ["reboot", sid, "--timeout", "240"]
+    assert acts[2] == ["exec", sid, "--", "systemctl", "is-active", "basic.target"]
+    assert not [c for c in calls if "is-system-running" in c]
+
+
+def test_7_raw_lines_go_into_the_main_section_only_and_never_while_locked(node):
+    text = node["conf"].read_text()
+    snap = ("[before-upgrade]\narch: amd64\nmemory: 1024\n"
+            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=64M,create=dir 0 0\n"
+            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=512M,create=dir 0 0\n")
+    node["conf"].write_text(text.rstrip("\n") + "\n\n" + snap)
+    r = play(node, dflash_node_shm_size_mib=512, dflash_provision_shm_size_mib=512)
+    assert r.returncode == 0, r.text[-3000:]
+    main, _, rest = node["conf"].read_text().partition("\n[before-upgrade]")
+    assert "size=512M" in main and "size=128M" not in main
+    assert "[before-upgrade]" + rest == "\n" + snap or rest.lstrip("\n") == snap.partition("\n")[2] or snap.endswith(rest.split("\n", 1)[1]), rest
+    assert rest.count("size=64M") == 1 and rest.count("size=512M") == 1
+    locked = node["conf"].read_text().replace("arch: amd64\n", "arch: amd64\nlock: backup\n", 1)
+    node["conf"].write_text(locked)
+    r = play(node, dflash_node_shm_size_mib=256, dflash_provision_shm_size_mib=256)
+    assert r.returncode != 0 and "CT 250 is locked (backup)" in r.text, r.text[-3000:]
+    assert node["conf"].read_text() == locked
+    node["conf"].write_text(locked.replace("lock: backup\n", ""))

@@ -303,7 +303,10 @@ def launch(argv: list[str], cfg) -> int:
     run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
                       rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
-                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout)} if multi else {},
+                      # node rank 0 hosts the rendezvous store: torch's guess (the endpoint is one of this
+                      # machine's addresses) fails in a container whose hostname resolves to loopback
+                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout),
+                                    "is_host": cfg.node_rank == 0} if multi else {},
                       start_method="spawn", shutdown_timeout=int(cfg.stop_timeout),
                       log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None)
     relay = _NotifyRelay(cfg.status_file, notifier)

@@ -16,7 +16,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.data import load_dataset
 from trainer.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
                               main as eval_main)
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights, position_weights
+from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from trainer.modeling_dflash import dflash_generate, verify_block
 
 BLOCK = 4
@@ -128,7 +128,8 @@ def train_drafter(target, data_dir, epochs=10, lr=5e-3, seed=0, max_anchors=32):
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     ds = load_dataset(data_dir)
-    w_slot = position_weights(BLOCK, gamma=4.0)
+    w_slot = torch.exp(-(torch.arange(BLOCK, dtype=torch.float32) - 1) / 4.0)   # the recipe's decay, slot 0 off
+    w_slot[0] = 0.0
     rng = np.random.default_rng(seed)
     cache = []
     with torch.no_grad():

@@ -274,7 +274,7 @@ def test_bad_files_exit_2_naming_the_file(tiny_small_dir, tmp_path, capsys):
     assert "--data-dir" in capsys.readouterr().err
 
 
-def test_malformed_shard_exits_2_naming_the_shard(tiny_small_dir, tmp_path, capsys):
+def test_malformed_shard_exits_2_naming_the_shard(tiny_small_dir, tmp_path, capfd):
     """A shard that passes the cheap checks (present, non-empty) but is corrupt when read is bad
     input too: exit 2 (dflash.service does not restart it) and the error names the shard."""
     import shutil
@@ -286,7 +286,7 @@ def test_malformed_shard_exits_2_naming_the_shard(tiny_small_dir, tmp_path, caps
     shard.write_bytes(bytes(raw))
     out = tmp_path / "o"
     assert train_main(_bad(tiny_small_dir, tmp_path, **{"--data-dir": str(data)})) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err     # the rank is a process of its own; the supervisor prints its line
     assert f"dflash-train: error: --data-dir: {shard}: sha256 mismatch" in err
     st = _status(out)
     assert st["phase"] == "failed" and str(shard) in st["error"]

@@ -300,6 +300,7 @@ def launch(argv: list[str], cfg) -> int:
     multi = cfg.nnodes > 1
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
+    os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
     run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
                       rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
@@ -325,8 +326,10 @@ def launch(argv: list[str], cfg) -> int:
         if isinstance(why, dict):
             why = why.get("message", why)
         why = str(why)
-        if failure.exitcode == 2:
+        if failure.exitcode == 2:   # bad input found by a rank: its one line, once, from here
             rc = 2
+            msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
+            print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
         else:
             rc = 1
             sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"

@@ -854,7 +854,9 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None) -> int:
     try:
         topo, groups = init_rank(cfg)
     except ValueError as e:
-        print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
+        _record(e)
+        if not os.environ.get("DFLASH_SUPERVISED"):
+            print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
         return 2
     trainer = Trainer(cfg, topo, groups, target_factory, dataset)
     install_signal_handlers(trainer)
@@ -870,7 +872,8 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None) -> int:
         _record(e)
         log.error("bad input: %s", e)
         trainer.status.update(phase="failed", error=str(e), step=trainer.step, force=True)
-        print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
+        if not os.environ.get("DFLASH_SUPERVISED"):
+            print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
         rc = 2
         return rc
     except (TrainingFailed, CheckpointError) as e:

@@ -374,7 +374,90 @@ def bench_drafter(ctx: Ctx, t) -> dict:
             "compiles_in_timed_window": _compiles(c0)}
 
 
+def _shared_gpu(ctx: Ctx) -> bool:
+    """One rank holds both roles (one GPU, or the CPU with one worker and one replica): in-process."""
+    from .dist import local_roles
+    return len(local_roles(make_cfg(ctx))) == 1
+
+
+def _rank_entry(spec_path: str) -> None:
+    """One rank of a multi-rank benchmark run (spawned by elastic_launch): the trainer itself, with the
+    benchmark's random-init target and synthetic data; each rank writes its figures next to the spec."""
+    from .train import train_rank
+    spec = torch.load(spec_path, weights_only=False)
+    cfg = TrainConfig(**spec["cfg"])
+    factory = make_target_factory(spec["shape"], getattr(torch, spec["dtype"]))
+
+    def on_done(t):
+        out = {"rank": t.topo.rank, "role": t.topo.role.device + (" target" if t.topo.is_target else "")
+               + (" drafter" if t.topo.is_drafter else ""), "memory": mem_snapshot([t.device])}
+        if t.topo.leader:
+            out["pipeline"] = _pipeline_figures(t)
+            out["split"] = t.split_table(1.0)
+        Path(spec_path).with_name(f"rank-{t.topo.rank}.json").write_text(json.dumps(out, default=str))
+    rc = train_rank(cfg, factory, spec["dataset"], on_done=on_done)
+    if rc:
+        raise SystemExit(rc)
+
+
+def _pipeline_figures(t) -> dict:
+    logs = t.step_log.entries()
+    first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
+    (ta, sa, ka), (tb, sb, kb) = logs[first], logs[-1]
+    wall = tb - ta
+    evs = dict(t.step_events.entries())
+    timed = "host clock"
+    if t.device.type == "cuda" and sa in evs and sb in evs:
+        # both ends timed on the GPU (CUDA events at the end of each optimizer step): the host loop
+        # runs ahead of the GPU, so host timestamps would flatter the rate
+        wall, timed = evs[sa].elapsed_time(evs[sb]) / 1000.0, "cuda events"
+    prof = t.profiler.snapshot()
+    return {"tok_s": (kb - ka) / wall, "steps_timed": sb - sa, "wall_s": wall, "timed_with": timed,
+            "stage_busy_fraction": {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items()},
+            "ranks": t.rank_rates(wall), "world_size": t.topo.world}
+
+
+def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
+    """The pipeline as the trainer runs it on several GPUs: one process per GPU through elastic_launch,
+    target ranks sending to drafter ranks over NCCL."""
+    import shutil
+    import tempfile
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .dist import local_roles
+    work = Path(ctx.args.work)
+    shutil.rmtree(work / "run", ignore_errors=True)
+    cfg = make_cfg(ctx, async_pipeline=async_, max_steps=ctx.args.steps)
+    work.mkdir(parents=True, exist_ok=True)
+    spec_dir = Path(tempfile.mkdtemp(prefix="ranks-", dir=work))
+    spec = spec_dir / "spec.pt"
+    torch.save({"cfg": cfg.to_dict(), "shape": ctx.shape, "dtype": str(ctx.dtype).split(".")[-1],
+                "dataset": ctx.dataset}, spec)
+    n = len(local_roles(cfg))
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=spec_dir.name, rdzv_backend="c10d",
+                      rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.5,
+                      start_method="spawn", log_line_prefix_template="[rank${rank}]:")
+    elastic_launch(lc, _rank_entry)(str(spec))
+    ranks = [json.loads((spec_dir / f"rank-{r}.json").read_text()) for r in range(n)]
+    res = dict(ranks[0]["pipeline"])
+    res["memory"] = {k: v for r in ranks for k, v in r["memory"].items() if k != "host_rss_bytes"}
+    res["rank_roles"] = [r["role"] for r in ranks]
+    res["split_table"] = ranks[0].get("split")
+    log.info("ranks:\n%s", ranks[0].get("split"))
+    return res
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
+    if not _shared_gpu(ctx):
+        return bench_pipeline_ranks(ctx, async_)
     steps = ctx.args.steps
     t = _new_trainer(ctx, async_pipeline=async_, max_steps=steps)
     devices = [t.device]
@@ -611,19 +694,21 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     res = {"setting": setting, "variant": variant, "options": over, **base, "dataset_tokens": ds.num_tokens,
            "dataset_sequences": len(ds)}
     parts = args.parts.split(",")
-    if "target" in parts or "drafter" in parts:
-        t = _new_trainer(ctx, max_steps=args.steps)
+    for p, fn, gpus in (("target", bench_target, args.target_gpus), ("drafter", bench_drafter, args.drafter_gpus)):
+        if p not in parts:
+            continue
+        # each stage alone on its own GPU: a world-size-1 trainer there (both roles, one of them timed)
+        t = _new_trainer(ctx, max_steps=args.steps, target_gpus=gpus[:1], drafter_gpus=gpus[:1],
+                         cpu_target_workers=1, cpu_drafter_replicas=1)
         try:
             t.warmup()
-            for p, fn in (("target", bench_target), ("drafter", bench_drafter)):
-                if p in parts:
-                    log.info("bench %s/%s: %s stage alone", shape, setting, p)
-                    try:
-                        res[p] = fn(ctx, t)
-                        save(res)
-                    except Exception as e:  # keep the other parts
-                        log.exception("%s stage failed", p)
-                        res[p] = {"error": repr(e)}
+            log.info("bench %s/%s: %s stage alone", shape, setting, p)
+            try:
+                res[p] = fn(ctx, t)
+                save(res)
+            except Exception as e:  # keep the other parts
+                log.exception("%s stage failed", p)
+                res[p] = {"error": repr(e)}
         finally:
             _dispose(t)
     for p, flag in (("sync", False), ("async", True)):

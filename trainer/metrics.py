@@ -58,11 +58,13 @@ class Profiler:
         self.counts: dict[str, int] = {}
         self.pending: deque = deque()
         self.t0 = time.perf_counter()
+        self.lifetime: dict[str, float] = {}   # totals since start (reset() leaves them)
 
     def add(self, stage: str, seconds: float):
         with self.lock:
             self.totals[stage] = self.totals.get(stage, 0.0) + seconds
             self.counts[stage] = self.counts.get(stage, 0) + 1
+            self.lifetime[stage] = self.lifetime.get(stage, 0.0) + seconds
 
     def add_events(self, stage: str, start, end):
         with self.lock:
@@ -96,6 +98,12 @@ class Profiler:
         self.resolve()
         with self.lock:
             return {k: {"total_s": v, "count": self.counts[k]} for k, v in self.totals.items()}
+
+    def busy(self, stages: tuple[str, ...]) -> float:
+        """Seconds spent in `stages` since the start (GPU time where events were recorded)."""
+        self.resolve()
+        with self.lock:
+            return sum(self.lifetime.get(k, 0.0) for k in stages)
 
     def reset(self):
         with self.lock:

@@ -152,7 +152,7 @@ class Trainer:
         self.last_loss: float | None = None
         self.last_acc: list | None = None
         self.wait_s = 0.0
-        self.busy_s = 0.0
+        self.items_done = 0    # micro-batches this rank worked on (as target, drafter or both)
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self) -> dict:
@@ -502,7 +502,6 @@ class Trainer:
         if topo.is_drafter:
             self.drafter.begin_step()
         for a in work:
-            t0 = time.perf_counter()
             if a.drafter == di and a.target != ti:
                 self._post_receives(until=a.seq)
             item = self._next(a.seq)
@@ -534,7 +533,7 @@ class Trainer:
                 else:
                     self.receiver.release(buf)
                     self._post_receives()
-            self.busy_s += time.perf_counter() - t0
+            self.items_done += 1
         if topo.is_drafter:
             self.optimizer_step()
 
@@ -670,9 +669,9 @@ class Trainer:
                 self.train_step()
                 self.tokens_seen += sum(a.real_tokens for a in self.dispatch.step(self.step))  # known on every rank
                 self.step += 1
-                counters = {"items": (self.target.items if self.target else 0) + (self.drafter.items if self.drafter
-                                                                                   else 0),
-                            "busy_s": self.busy_s, "wait_s": self.wait_s}
+                counters = {"items": self.items_done,
+                            "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
+                            "wait_s": self.wait_s}
                 self.vote.post(self.step, self.stop_requested.is_set(), counters)
                 stop = self.vote.verdict(self.step)
                 if topo.is_drafter:
@@ -736,11 +735,10 @@ class Trainer:
         per_item_rows = np.mean([a.rows for a in self.dispatch.step(max(0, self.step - 1))]) or 1.0
         per_item_tok = np.mean([a.tokens for a in self.dispatch.step(max(0, self.step - 1))]) or 1.0
         for x in rates:
-            busy = max(x["busy_s"] - x["wait_s"], 1e-9)
-            rate = x["items"] / busy
-            rows.append([x["rank"], x["role"], x["items"], f"{rate:.2f}", f"{x['wait_s']:.1f}"])
+            rate = x["items"] / max(x["busy_s"], 1e-9)     # per second of its own stage's (GPU) time
+            rows.append([x["rank"], x["role"], x["items"], f"{x['busy_s']:.1f}", f"{rate:.2f}", f"{x['wait_s']:.1f}"])
             (t_rate if x["role"] == "target" else d_rate).append(rate)
-        table = format_table(["rank", "role", "micro-batches", "per busy s", "waiting s"], rows)
+        table = format_table(["rank", "role", "micro-batches", "stage s", "per stage s", "waiting s"], rows)
         rec = recommend_split(t_rate, d_rate)
         table += (f"\nblock rows per token: {per_item_rows / per_item_tok:.2f}" +
                   (f"\n{rec}" if rec else ""))
@@ -806,7 +804,8 @@ def recommend_split(target_rates: list[float], drafter_rates: list[float]) -> st
     gain = min(best[0] * rt, best[1] * rd) / max(now, 1e-12)
     bound = "drafter" if D * rd < T * rt else "target"
     if best == (T, D):
-        return f"split: {T} target + {D} drafter GPUs is the best for this data ({bound}-bound by {max(T*rt, D*rd)/max(now,1e-12):.2f}x)"
+        return (f"split: {T} target + {D} drafter GPUs is the best for this data "
+                f"({bound}-bound; the other side has {max(T * rt, D * rd) / max(now, 1e-12):.2f}x the capacity)")
     return (f"split: {T} target + {D} drafter GPUs is {bound}-bound; {best[0]} target + {best[1]} drafter "
             f"would run {gain:.2f}x faster on this data")
 
@@ -848,8 +847,9 @@ def install_signal_handlers(trainer: Trainer):
     signal.signal(signal.SIGINT, handler)
 
 
-def train_rank(cfg: TrainConfig, target_factory=None, dataset=None) -> int:
-    """Entry point of one rank (started by the launcher, or in-process at world size 1)."""
+def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None) -> int:
+    """Entry point of one rank (started by the launcher, or in-process at world size 1). on_done(trainer)
+    runs on every rank after a successful run, before shutdown (the benchmark reads its figures there)."""
     import torch.distributed as dist
     try:
         topo, groups = init_rank(cfg)
@@ -864,6 +864,8 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None) -> int:
     try:
         trainer.setup()
         rc = trainer.run()
+        if on_done is not None and rc == 0:
+            on_done(trainer)
         if cfg.eval_data_dir and rc == 0 and not trainer.stop_requested.is_set() and topo.leader:
             from .evaluate import evaluate_checkpoint
             evaluate_checkpoint(trainer.last_ckpt, cfg.target_model, cfg.eval_data_dir, out_dir=cfg.output_dir)

@@ -357,3 +357,22 @@ def test_flex_block_sparse_path_matches_the_dense_mask():
     ref = model(taps, emb, meta, backend="sdpa")
     out = model(taps, emb, meta, backend="flex")
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_extending_a_run_follows_the_new_length_without_repeating_the_warmup(tiny_small_dir, tmp_path):
+    """Resume with a larger --max-steps: the warmup length of the first run is kept (stored in the
+    checkpoint), the cosine follows the new total from the resumed step, so the first step after the
+    resume is neither lr 0 nor a step back into warmup (it was lr 0.0, then 9.6e-4, before)."""
+    from trainer.optim import lr_at
+    out = tmp_path / "ext"
+    base = ["--warmup-ratio", "0.25", "--save-interval", "4"]
+    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "8", *base)) == 0
+    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "16", *base)) == 0
+    recs = {json.loads(x)["step"]: json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()}
+    assert sorted(recs) == list(range(1, 17))
+    warm = 2                                   # 0.25 x 8 steps, kept when the run grows to 16
+    for step in range(9, 17):                  # 1-based steps of the extension
+        assert recs[step]["lr"] == pytest.approx(lr_at(step - 1, 3e-3, warm, 16))
+    assert recs[9]["lr"] > recs[8]["lr"] > 0   # the new, longer cosine sits higher at step 9: by definition
+    lrs = [recs[s]["lr"] for s in range(9, 17)]
+    assert lrs == sorted(lrs, reverse=True)

@@ -301,6 +301,7 @@ def launch(argv: list[str], cfg) -> int:
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
     os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
+    os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
     run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
                       rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,

@@ -89,15 +89,17 @@ class StatusWriter:
     """
 
     def __init__(self, path: str | os.PathLike, run_id: str, *, min_interval: float = 0.0,
-                 notifier: "Notifier | None" = None, started_at: float | None = None):
+                 notifier: "Notifier | None" = None, started_at: float | None = None,
+                 pid: int | None = None):
         self.path = Path(path)
         self.run_id = str(run_id)
+        self.pid = int(pid) if pid is not None else os.getpid()   # the job's process (the unit's MainPID)
         self.min_interval = float(min_interval)
         self.notifier = notifier
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {k: None for k in STATUS_FIELDS}
         self._state.update(
-            run_id=self.run_id, pid=os.getpid(),
+            run_id=self.run_id, pid=self.pid,
             started_at=float(started_at) if started_at is not None else time.time(),
             phase="starting", step=0, nan_skips=0, nan_streak=0,
         )
@@ -126,7 +128,7 @@ class StatusWriter:
                     and phase == self._last_written_phase):
                 return False
             self._state["updated_at"] = now
-            self._state["pid"] = os.getpid()
+            self._state["pid"] = self.pid
             self._state["run_id"] = self.run_id
             data = dict(self._state)
             try:

@@ -125,8 +125,10 @@ class Trainer:
         self.step_events = HeadTailLog(keep=20)   # (step, timing event at the end of its optimizer step)
         self.batch_shapes: set[tuple[int, int]] = set()
         self.notifier = Notifier() if topo.leader else None
-        self.status = (StatusWriter(cfg.status_file, self.run_id, min_interval=1.0, notifier=self.notifier)
-                       if topo.leader else _NoStatus())
+        # pid: the supervisor's (what systemd watches and dflash-status checks), this rank's when it runs alone
+        job_pid = int(os.environ.get("DFLASH_SUPERVISOR_PID") or os.getpid())
+        self.status = (StatusWriter(cfg.status_file, self.run_id, min_interval=1.0, notifier=self.notifier,
+                                    pid=job_pid) if topo.leader else _NoStatus())
         self.faults = read_faults()
         self.prefetch_thread: threading.Thread | None = None
         self.prefetch_q: queue.Queue = queue.Queue(maxsize=8)
@@ -141,6 +143,8 @@ class Trainer:
         self.opt = None
         self.metrics_file: MetricsFile | None = None
         self.wandb = None
+        self.tensorboard = None
+        self.rate = 0.0
         self.pending: deque[StepMetrics] = deque()
         self.step = 0
         self.tokens_seen = 0
@@ -183,6 +187,8 @@ class Trainer:
         if topo.leader:
             self.metrics_file = MetricsFile(self.out / "metrics.jsonl", self.step if self.resumed_from else None)
             self.wandb = self._wandb()
+            from .metrics_sinks import open_tensorboard
+            self.tensorboard = open_tensorboard(cfg.tensorboard_dir, self.run_id)
         return facts
 
     def _build_data(self):
@@ -584,6 +590,9 @@ class Trainer:
                 self.wandb.log({"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": m.lr,
                                 **{f"acc/pos{k + 1}": a for k, a in enumerate(rec["acc"]) if a is not None}},
                                step=m.step)
+            if self.tensorboard is not None:
+                self.tensorboard.write(m.step, {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": m.lr,
+                                                "tokens_per_s": self.rate, "acc": rec["acc"]})
             if self.nan_streak >= self.cfg.max_nan_skips:
                 if self.metrics_file is not None:
                     self.metrics_file.write(lines)
@@ -683,6 +692,7 @@ class Trainer:
                     self.mem_log.append(self._memory())
                     rate = ((tok_window[-1][1] - tok_window[0][1]) / (tok_window[-1][0] - tok_window[0][0])
                             if len(tok_window) > 1 else 0.0)
+                    self.rate = rate
                     self.notifier.watchdog()
                     if not ready_sent:
                         self.notifier.ready(f"training: step {self.step}")
@@ -772,6 +782,8 @@ class Trainer:
 
     def _profile_report(self, wall: float, rate: float, since_start: float):
         extra = [["tok/s", "", "", "", f"{rate:,.0f}"]]
+        if self.tensorboard is not None:
+            self.tensorboard.write(self.step, {"stage_s": {k: v["total_s"] for k, v in self.profiler.snapshot().items()}})
         log.info("profile over %.0fs:\n%s\n%s", wall, self.profiler.table(wall, extra), self.split_table(since_start))
         self.profiler.reset()
 
@@ -789,6 +801,8 @@ class Trainer:
             self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def recommend_split(target_rates: list[float], drafter_rates: list[float]) -> str:
@@ -851,6 +865,7 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
     """Entry point of one rank (started by the launcher, or in-process at world size 1). on_done(trainer)
     runs on every rank after a successful run, before shutdown (the benchmark reads its figures there)."""
     import torch.distributed as dist
+    _die_with_supervisor()
     try:
         topo, groups = init_rank(cfg)
     except ValueError as e:
@@ -872,7 +887,7 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
         return rc
     except BadInput as e:
         _record(e)
-        log.error("bad input: %s", e)
+        log.error("bad input: %s", e, extra={"console": False})
         trainer.status.update(phase="failed", error=str(e), step=trainer.step, force=True)
         if not os.environ.get("DFLASH_SUPERVISED"):
             print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
@@ -898,6 +913,21 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
             except Exception:  # noqa: BLE001
                 pass
         dist.destroy_process_group()
+
+
+def _die_with_supervisor() -> None:
+    """A rank started by our supervisor goes when the supervisor goes, whatever killed it (kill -9
+    included): the kernel sends this rank SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    sup = os.environ.get("DFLASH_SUPERVISOR_PID")
+    if not sup:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(sup) and not os.path.exists(f"/proc/{sup}"):
+        os._exit(1)   # the supervisor died before prctl took effect
 
 
 def _record(e: BaseException) -> None:

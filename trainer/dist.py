@@ -298,6 +298,8 @@ def launch(argv: list[str], cfg) -> int:
     os.environ.pop("WATCHDOG_PID", None)
     nproc = len(local_roles(cfg))
     multi = cfg.nnodes > 1
+    if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
     os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process

@@ -25,7 +25,7 @@ from trainer.config import parse_args
 from trainer.data import BatchPlanner, load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import losses, tiny_args  # noqa: E402
+from test_trainer import _wait_for, losses, tiny_args  # noqa: E402
 
 THREE_RANKS = ("--cpu-target-workers", "1", "--cpu-drafter-replicas", "2")
 
@@ -35,15 +35,6 @@ def _status(out: Path) -> dict:
         return json.loads((out / "status.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _wait_for(pred, timeout, what):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _final_weights(out: Path) -> dict:

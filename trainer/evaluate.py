@@ -41,13 +41,7 @@ log = logging.getLogger("trainer.evaluate")
 # ------------------------------------------------------------------------------- loading
 
 
-def load_target(path: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa",
-        device_map={"": str(device)} if device.type == "cuda" else None)
-    model.eval().requires_grad_(False)
-    return model
+from .target import load_target  # noqa: E402  (the one loader; target.py imports no trainer loop)
 
 
 def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:

@@ -305,14 +305,26 @@ def launch(argv: list[str], cfg) -> int:
     os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
     os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
     run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
+    import dataclasses
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    extra = {}
+    # SIGTERM/SIGINT stay with this process (_Stopper below): the launcher's own handling SIGKILLs the
+    # ranks after a fixed 30 s on older torch, too short for a checkpoint of a 27B-width drafter
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    if "signals_to_handle" in known:
+        extra["signals_to_handle"] = "SIGHUP,SIGQUIT"
+    if "shutdown_timeout" in known:
+        extra["shutdown_timeout"] = int(cfg.stop_timeout)
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
                       rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
                       # node rank 0 hosts the rendezvous store: torch's guess (the endpoint is one of this
                       # machine's addresses) fails in a container whose hostname resolves to loopback
                       rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout),
                                     "is_host": cfg.node_rank == 0} if multi else {},
-                      start_method="spawn", shutdown_timeout=int(cfg.stop_timeout),
-                      log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None)
+                      start_method="spawn", log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None,
+                      **extra)
+    stopper = _Stopper(cfg.stop_timeout)
+    stopper.install()
     relay = _NotifyRelay(cfg.status_file, notifier)
     relay.start()
     log.info("launching %d rank(s) on this node (node %d of %d, rendezvous %s)", nproc, cfg.node_rank, cfg.nnodes,
@@ -340,7 +352,7 @@ def launch(argv: list[str], cfg) -> int:
             _mark_failed(cfg.status_file, err)
             print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
     except SignalException as e:
-        # the launcher already stopped the ranks (SIGTERM, grace, SIGKILL); report how they ended
+        # (a signal the launcher handles itself: it stopped the ranks); report how they ended
         st = {}
         try:
             st = read_status(cfg.status_file)
@@ -377,6 +389,53 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Stopper:
+    """SIGTERM/SIGINT to the supervisor: pass SIGTERM on to this node's ranks (each finishes an agreed
+    step, the drafters checkpoint, all exit 0, and the launcher returns normally); SIGKILL the ranks
+    still running `timeout` seconds later."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.requested = threading.Event()
+
+    def install(self):
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    @staticmethod
+    def _children() -> list[int]:
+        me, out = os.getpid(), []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                            out.append(int(p))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return out
+
+    def _signal_children(self, sig) -> None:
+        for pid in self._children():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def _handle(self, signum, frame):
+        import signal
+        if self.requested.is_set():
+            return
+        self.requested.set()
+        log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
+                 signal.Signals(signum).name, self.timeout)
+        self._signal_children(signal.SIGTERM)
+        t = threading.Timer(self.timeout, self._signal_children, args=(signal.SIGKILL,))
+        t.daemon = True
+        t.start()
 
 
 class _NotifyRelay(threading.Thread):

@@ -320,9 +320,11 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     model, dcfg = load_drafter(str(sorted(out.glob("step-*"))[-1]), "cpu")
     init_drafter_weights(model)
     untrained = evaluate(target, model, dcfg, load_dataset(tiny_small_dir / "heldout"), torch.device("cpu"))
-    assert untrained["tau"] < 1.2
-    assert trained["tau"] > untrained["tau"] + 0.5, (trained, untrained)
-    assert trained["per_position_acceptance"][0] > 0.2
+    # tau is now measured by real speculative generation (tokens per verify step), not teacher-forced
+    # blocks: on the tiny random target a trained drafter reaches about 1.2-1.4, an untrained one 1.0
+    assert untrained["tau"] < 1.1
+    assert trained["tau"] > untrained["tau"] + 0.12, (trained, untrained)
+    assert trained["per_position_acceptance"][0] > 0.1
 
 
 def test_flex_block_sparse_path_matches_the_dense_mask():

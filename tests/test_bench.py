@@ -93,3 +93,55 @@ def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     flat = res["memory_flatness"]
     assert flat["steps"] == 200 and flat["window"] == 100  # logs keep the first and last 100 steps
     assert abs(flat["py_heap"]["growth_bytes"]) < 256 * 1024, flat["py_heap"]
+
+
+def _old_drafter_count(plan, dcfg, soft):
+    """The formula before issue 15, verbatim: 3x everything trainable (fc included), the head on every row."""
+    h, nh, nkv, hd, inter, vocab = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+                                    dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
+    k = len(dcfg.target_layer_ids)
+    rows = sum(len(c.q_seq) for c in plan.chunks)
+    ctx = sum(c.c1 - c.c0 for c in plan.chunks)
+    visible = sum(float(c.q_anchor.sum()) + len(c.q_seq) * dcfg.block_size for c in plan.chunks)
+    layer = (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter) + (rows + ctx) * 2 * h * nkv * hd * 2
+             + 4 * nh * hd * visible)
+    fwd = dcfg.num_hidden_layers * layer + ctx * 2 * k * h * h
+    head = 2 * h * vocab * rows
+    return 3 * fwd + 2 * head + (head if soft else 0)
+
+
+@pytest.mark.parametrize("flex", [False, True])
+def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
+    import numpy as np
+    from trainer.model import DFlashConfig
+    from trainer.plan import plan_micro_batch
+    dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=500, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=4096, block_size=16, target_layer_ids=[0, 1, 2],
+                        mask_token_id=499, target_num_hidden_layers=6)
+    rng = np.random.default_rng(0)
+    lens = np.array([900, 400])
+    ids = rng.integers(0, 498, size=(2, 900))
+    mask = np.zeros(ids.shape, bool)
+    mask[0, 100:900] = True
+    mask[1, 50:400] = True
+    kw = dict(seed=0, block_size=16, max_anchors=200, mask_token_id=499, gamma=7.0, soft_labels=True,
+              chunk_rows=10**6, flex=flex)
+    new = plan_micro_batch(ids, mask, lens, [0, 1], 0, **kw)
+    old = plan_micro_batch(ids, mask, lens, [0, 1], 0, dedup=False, **kw)
+    h, vocab = 64, 500
+    rows = sum(len(c.q_seq) for c in new.chunks)
+    ctx = sum(c.c1 - c.c0 for c in new.chunks)
+    valid = sum(int((c.row_weight > 0).sum()) for c in new.chunks)
+    uniq = len(new.final_gather)
+    assert valid < rows and uniq < valid / 3  # blocks overlap: many rows per position
+    before = _old_drafter_count(new, dcfg, True)
+    assert bench.model_flops_drafter_before(new, dcfg, True) == pytest.approx(before, rel=1e-12)
+    useful = bench.model_flops_drafter(new, dcfg, True)
+    # useful = before - fc once - the head on zero-weight rows (2x) - the soft logits per row + per position
+    want = (before - ctx * 2 * 3 * h * h - 2 * 2 * h * vocab * (rows - valid) - 2 * h * vocab * (rows - uniq))
+    assert useful == pytest.approx(want, rel=1e-12)
+    assert bench.model_flops_drafter(old, dcfg, True) == pytest.approx(useful, rel=1e-12)  # same useful work
+    ex_new = bench.model_flops_drafter(new, dcfg, True, executed=True)
+    ex_old = bench.model_flops_drafter(old, dcfg, True, executed=True)
+    assert useful <= ex_new < ex_old

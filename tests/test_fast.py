@@ -47,6 +47,33 @@ def test_compiled_lm_head_loss_matches_eager(soft):
     assert torch.allclose(out[False][0], total, rtol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile on the CPU
+def test_compiled_loss_covers_every_chunk_shape_with_one_graph():
+    """Loss chunks and their unique soft rows vary in size (balanced chunks, tails): the compiled chunk
+    function is dynamic in its row counts from the first call, so one graph covers them all and the
+    warmup does not need to hit each tail size (frozen, an uncovered shape would run eagerly)."""
+    from trainer import model as M
+    M._compiled_chunk = None
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab = 16, 101
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    before, first = _graphs(), None
+    for rows, positions in ((40, 9), (23, 7), (61, 20), (9, 3)):
+        h = torch.randn(rows, hidden, generator=g, requires_grad=True)
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        row_w = torch.rand(rows, generator=g)
+        base = torch.randn(positions, hidden, generator=g)
+        soft_rows = base[torch.randint(0, positions, (rows,), generator=g)]
+        loss, _ = dflash_loss(h, w, labels, row_w, 2.0, soft_rows=soft_rows, chunk=32, fused=True)
+        loss.backward()
+        total, grad, _ = lm_head_chunk(h.detach(), w, labels, soft_rows, row_w / 2.0)
+        assert torch.allclose(loss.detach(), total, rtol=1e-5)
+        assert torch.allclose(h.grad, grad, rtol=1e-4, atol=1e-6)
+        first = _graphs() if first is None else first
+    # the first call compiles (unless an earlier test's graph already covers it), later shapes reuse it
+    assert first - before <= 1 and _graphs() == first
+
+
 class _Layer(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -62,6 +62,11 @@ VARIANTS = {
     "flash": {"sdpa_backend": "flash"},
     "pinned": {"transport": "pinned"},
     "pad1": {"pad_multiple": 1},   # each batch padded to its exact longest length (the old behaviour)
+    # issue 15: each drafter change off alone, and all of them ("old": the drafter work as before)
+    "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row
+    "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
+    "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
+    "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False},
 }
 
 
@@ -148,20 +153,56 @@ def model_flops_target(lengths, shape: str, layers_run: int) -> float:
     return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
 
 
-def model_flops_drafter(plan, dcfg, soft: bool) -> float:
-    """Training FLOPs of one micro-batch: 3x forward for trainable layers, 2x for the frozen LM head
-    (forward + grad w.r.t. its input), 1x for the soft-label target logits."""
+def model_flops_drafter_before(plan, dcfg, soft: bool) -> float:
+    """The count the results before issue 15 used (for comparison only): fc 3x, the LM head on every
+    block row 2x, the soft-label logits once per block row."""
+    h, vocab, k = dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids)
+    rows = sum(len(c.q_seq) for c in plan.chunks)
+    ctx = sum(c.c1 - c.c0 for c in plan.chunks)
+    soft_useful = (2 * h * vocab * len(plan.final_gather)) if soft and plan.final_gather is not None else 0
+    useful = model_flops_drafter(plan, dcfg, soft)
+    head_useful = 2 * 2 * h * vocab * sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
+    return (useful - soft_useful - head_useful + ctx * 2 * k * h * h     # fc 3x
+            + 2 * 2 * h * vocab * rows + (2 * h * vocab * rows if soft else 0))
+
+
+def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float:
+    """Training FLOPs of one micro-batch.
+
+    Useful work (executed=False, what MFU counts): 3x forward for the trainable layers; 2x for fc (its
+    input, the tapped hidden states, needs no gradient: forward + weight gradient); 2x for the frozen LM
+    head on the rows that carry a loss (forward + grad w.r.t. its input); 1x for the soft-label target
+    logits once per unique position of the micro-batch (len(plan.final_gather)); attention over the
+    visible (query, key) pairs only.
+    executed=True: what the code runs. The LM head on plan.loss_rows (all block rows with --no-loss-dedup),
+    the soft-label logits on each loss chunk's soft rows (plan.soft_unique: unique per loss chunk, or one
+    per row with --no-loss-dedup), attention over the listed FlexAttention tiles (or every pair, SDPA's
+    dense mask)."""
     h, nh, nkv, hd, inter, vocab = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
                                     dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
     k = len(dcfg.target_layer_ids)
     rows = sum(len(c.q_seq) for c in plan.chunks)
     ctx = sum(c.c1 - c.c0 for c in plan.chunks)
-    visible = sum(float(c.q_anchor.sum()) + len(c.q_seq) * dcfg.block_size for c in plan.chunks)
+    if executed:
+        pairs = 0.0
+        for c in plan.chunks:
+            if c.kv_num_blocks is not None:
+                tiles = int(c.kv_num_blocks.sum()) + (int(c.full_kv_num_blocks.sum())
+                                                      if c.full_kv_num_blocks is not None else 0)
+                pairs += tiles * 128.0 * 128.0
+            else:
+                pairs += float(len(c.q_seq)) * (c.c1 - c.c0 + len(c.q_seq))
+        head_rows = sum(len(c.loss_rows) if c.loss_rows is not None else len(c.q_seq) for c in plan.chunks)
+        soft_rows = sum(len(c.soft_unique) if c.soft_unique is not None else len(c.q_seq) for c in plan.chunks)
+    else:
+        pairs = sum(float(c.q_anchor.sum()) + len(c.q_seq) * dcfg.block_size for c in plan.chunks)
+        head_rows = sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
+        soft_rows = len(plan.final_gather) if plan.final_gather is not None else 0
     layer = (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter) + (rows + ctx) * 2 * h * nkv * hd * 2
-             + 4 * nh * hd * visible)
-    fwd = dcfg.num_hidden_layers * layer + ctx * 2 * k * h * h
-    head = 2 * h * vocab * rows
-    return 3 * fwd + 2 * head + (head if soft else 0)
+             + 4 * nh * hd * pairs)
+    fc = ctx * 2 * k * h * h
+    head = 2 * h * vocab
+    return 3 * dcfg.num_hidden_layers * layer + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0)
 
 
 def gpu_name() -> str:
@@ -367,10 +408,17 @@ def bench_drafter(ctx: Ctx, t) -> dict:
     tokens = sum(b[0].plan.num_tokens for b in bufs[1:])
     rows = sum(sum(len(c.q_seq) for c in b[0].plan.chunks) for b in bufs[1:])
     flops = sum(model_flops_drafter(b[0].plan, t.dcfg, t.cfg.use_soft_labels) for b in bufs[1:])
+    executed = sum(model_flops_drafter(b[0].plan, t.dcfg, t.cfg.use_soft_labels, executed=True) for b in bufs[1:])
     peak = peak_flops(1)
+    # MFU counts useful work only (model_flops_drafter); executed work is reported beside it
     return {"tok_s": tokens / wall, "block_rows_per_s": rows / wall, "block_rows_per_token": rows / tokens,
             "batches": n, "wall_s": wall, "tflops": flops / wall / 1e12,
-            "mfu": flops / wall / peak if peak else None, "memory": mem_snapshot(devices), "kernels": prof,
+            "mfu": flops / wall / peak if peak else None,
+            "executed_tflops": executed / wall / 1e12, "executed_over_useful": executed / flops,
+            "mfu_executed": executed / wall / peak if peak else None,
+            "mfu_as_counted_before": (sum(model_flops_drafter_before(b[0].plan, t.dcfg, t.cfg.use_soft_labels)
+                                          for b in bufs[1:]) / wall / peak) if peak else None,
+            "memory": mem_snapshot(devices), "kernels": prof,
             "compiles_in_timed_window": _compiles(c0)}
 
 
@@ -649,7 +697,8 @@ def check_flex_on_gpu(device) -> dict:
                 compile_layers(m.layers, dynamic=True)
             t = lambda a: torch.from_numpy(a).to(dev)
             meta = M.PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
-                                t(c.kv_num_blocks), t(c.kv_indices))
+                                t(c.kv_num_blocks), t(c.kv_indices), t(c.full_kv_num_blocks),
+                                t(c.full_kv_indices))
             saved = M._compiled_flex
             if not compiled:
                 from torch.nn.attention.flex_attention import flex_attention

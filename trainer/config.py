@@ -111,6 +111,12 @@ class TrainConfig:
     mask_token_id: int | None = opt(None, "default: the tokenizer's <|mask|>, else 151669")
     eval_data_dir: str = opt("", "held-out shards for the acceptance evaluation at the end")
     drafter_chunk_rows: int = opt(32768, "block rows per drafter forward", ge=1)
+    loss_dedup: bool = opt(True, "LM head only on rows with a loss, soft-label targets once per position of a "
+                                 "loss chunk (--no-loss-dedup: every block row, per row; the same loss)")
+    flex_full_blocks: bool = opt(True, "pass FlexAttention the fully visible tiles (they skip mask_mod; the "
+                                       "same attention)")
+    fp32_logits: bool = opt(True, "LM-head GEMM writes fp32 logits on GPUs (--no-fp32-logits: bf16 output "
+                                  "rounded before the softmax, the old behaviour)")
     slots_per_worker: int = opt(3, "copies in flight per target worker", ge=1)
     queue_depth: int = opt(2, "delivered batches waiting per drafter replica", ge=1)
     attention: str = opt("auto", "drafter attention kernel", choices=ATTENTION_CHOICES)

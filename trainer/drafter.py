@@ -55,6 +55,7 @@ class DrafterStage:
         self.cfg, self.dcfg, self.attention = cfg, dcfg, attention
         self.stream = new_stream(device)
         self.fused_loss = wants(cfg.compile, "drafter")
+        self.fp32_logits = getattr(cfg, "fp32_logits", True)
         self.gen = torch.Generator(device=device)
         bs = dcfg.block_size
         self.metric = torch.zeros(1 + bs, device=device, dtype=torch.float32)  # loss, correct per slot
@@ -97,7 +98,8 @@ class DrafterStage:
             for i, (c, h) in enumerate(chunks):
                 dev = {k: v.to(self.device, non_blocking=True) for k, v in h.items()}
                 meta = PackedMeta(dev["ctx_seq"], dev["ctx_pos"], dev["q_seq"], dev["q_anchor"], dev["q_pos"],
-                                  bs, dev.get("kv_num_blocks"), dev.get("kv_indices"))
+                                  bs, dev.get("kv_num_blocks"), dev.get("kv_indices"),
+                                  dev.get("full_kv_num_blocks"), dev.get("full_kv_indices"))
                 x = taps[c.c0:c.c1]
                 if noise_amp > 0 and cfg.noise_type != "none":
                     if cfg.noise_type == "uniform":
@@ -109,9 +111,12 @@ class DrafterStage:
                     x = x + noise.to(x.dtype)
                 emb = self.embed[dev["block_tokens"]]
                 hidden = self.model(x, emb, meta, backend=self.attention)
-                soft = final[dev["soft_index"]] if final is not None and "soft_index" in dev else None
+                # soft labels: the final-hidden rows of each loss chunk's unique positions (plan.loss_layout)
+                soft = final[dev["soft_unique"]] if final is not None and "soft_unique" in dev else None
+                layout = (dev["loss_rows"], c.loss_bounds, dev.get("soft_local"))
                 loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
-                                            soft_rows=soft, fused=self.fused_loss)
+                                            soft_rows=soft, fused=self.fused_loss, layout=layout,
+                                            fp32_logits=self.fp32_logits)
                 if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
                     loss = loss * float("nan")
                 self._final_backward(last and i == len(chunks) - 1)

@@ -37,11 +37,17 @@ def to_host_tensors(plan: MicroPlan, pin: bool) -> list[dict]:
             "q_pos": torch.from_numpy(c.q_pos), "block_tokens": torch.from_numpy(c.block_tokens),
             "labels": torch.from_numpy(c.labels), "row_weight": torch.from_numpy(c.row_weight),
         }
-        if c.soft_index is not None:
-            d["soft_index"] = torch.from_numpy(c.soft_index)
+        if c.loss_rows is not None:
+            d["loss_rows"] = torch.from_numpy(c.loss_rows)
+        if c.soft_unique is not None:
+            d["soft_unique"] = torch.from_numpy(c.soft_unique)
+            d["soft_local"] = torch.from_numpy(c.soft_local)
         if c.kv_num_blocks is not None:
             d["kv_num_blocks"] = torch.from_numpy(c.kv_num_blocks)
             d["kv_indices"] = torch.from_numpy(c.kv_indices)
+        if c.full_kv_num_blocks is not None:
+            d["full_kv_num_blocks"] = torch.from_numpy(c.full_kv_num_blocks)
+            d["full_kv_indices"] = torch.from_numpy(c.full_kv_indices)
         if pin:
             d = {k: v.pin_memory() for k, v in d.items()}
         out.append(d)

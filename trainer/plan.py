@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FLEX_BLOCK = 128  # FlexAttention's tile; ctx is padded to a multiple of it
+LOSS_CHUNK_ROWS = 4096  # LM-head rows per loss chunk (bounds the fp32 [rows, vocab] logits)
 
 
 @dataclass
@@ -30,6 +31,14 @@ class ChunkPlan:
     soft_index: np.ndarray | None  # [Tq] row of the final-hidden buffer (anchor+slot-1), 0 where unused
     kv_num_blocks: np.ndarray | None
     kv_indices: np.ndarray | None
+    full_kv_num_blocks: np.ndarray | None = None  # fully visible tiles (FlexAttention skips mask_mod)
+    full_kv_indices: np.ndarray | None = None
+    # LM-head layout (see loss_layout): the rows that go through the head, the loss chunks over them,
+    # and the soft-label target rows once per unique position of each loss chunk
+    loss_rows: np.ndarray | None = None    # [N] int64 rows of this chunk with a loss (all rows if dedup off)
+    loss_bounds: tuple = ()                # per loss chunk (s, e, u0, u1): loss_rows[s:e], soft_unique[u0:u1]
+    soft_unique: np.ndarray | None = None  # [U] int64 rows of the final-hidden buffer, per loss chunk unique
+    soft_local: np.ndarray | None = None   # [N] int64 index into its loss chunk's soft_unique slice
 
     @property
     def num_blocks(self) -> int:
@@ -72,8 +81,12 @@ def anchor_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
 
 def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, sample_ids,
                      epoch: int, *, seed: int, block_size: int, max_anchors: int, mask_token_id: int,
-                     gamma: float, soft_labels: bool, chunk_rows: int, flex: bool) -> MicroPlan:
-    """input_ids/loss_mask [B, S] (right padded), lengths [B]. chunk_rows bounds block rows per drafter chunk."""
+                     gamma: float, soft_labels: bool, chunk_rows: int, flex: bool, dedup: bool = True,
+                     full_blocks: bool = True, loss_chunk_rows: int = LOSS_CHUNK_ROWS) -> MicroPlan:
+    """input_ids/loss_mask [B, S] (right padded), lengths [B]. chunk_rows bounds block rows per drafter chunk.
+    dedup: only rows with a loss go through the LM head, and the soft-label target distribution is computed
+    once per unique position of a loss chunk (off: every row, per row; the same loss). full_blocks: list the
+    fully visible FlexAttention tiles separately (they skip mask_mod)."""
     bsz, seqlen = input_ids.shape
     slot = np.arange(block_size)
     w_slot = np.exp(-(slot - 1) / gamma).astype(np.float32)
@@ -149,8 +162,11 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
         if len(q_seq) == 0:
             continue  # context only, nothing to train on
         if flex:
-            ch.kv_num_blocks, ch.kv_indices = flex_block_sparsity(
-                np.asarray(starts, np.int64), q_seq, q_anchor, row - c0, len(q_seq), block_size)
+            sp = flex_block_sparsity(np.asarray(starts, np.int64), q_seq, q_anchor, row - c0, len(q_seq),
+                                     block_size, full=full_blocks)
+            ch.kv_num_blocks, ch.kv_indices = sp[0], sp[1]
+            if full_blocks:
+                ch.full_kv_num_blocks, ch.full_kv_indices = sp[2], sp[3]
         chunks.append(ch)
 
     final_gather = None
@@ -165,6 +181,9 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
             n = len(c.soft_index)
             c.soft_index = inverse[off:off + n].astype(np.int64)
             off += n
+    for c in chunks:
+        c.loss_rows, c.loss_bounds, c.soft_unique, c.soft_local = loss_layout(
+            c.row_weight, c.soft_index, loss_chunk_rows, dedup)
     gather = np.concatenate(ctx_gather).astype(np.int64) if ctx_gather else np.zeros(0, np.int64)
     return MicroPlan(num_ctx_rows=row, ctx_gather=gather,
                      final_gather=final_gather,
@@ -172,9 +191,55 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
                      num_tokens=int(np.sum(lengths)), num_anchors=n_anchor)
 
 
-def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int):
+def loss_layout(row_weight: np.ndarray, soft_index: np.ndarray | None, chunk: int, dedup: bool = True):
+    """Which rows of a drafter chunk go through the LM head, in loss chunks of at most `chunk` rows.
+
+    dedup: only rows with weight > 0 (slot 0 and rows past a sequence's end need no logits), the chunks
+    balanced (ceil(N/chunk) chunks of nearly equal size: no 1-row tail), and per chunk the sorted unique
+    final-hidden rows of its soft labels with each row's index into them (blocks overlap, so a position's
+    target distribution is computed once per chunk, not once per block row). dedup off: every row in
+    chunks of `chunk`, one soft row per block row (the old per-row work; the same loss).
+    Returns (loss_rows [N], bounds ((s, e, u0, u1), ...), soft_unique [U] or None, soft_local [N] or None)."""
+    n_all = len(row_weight)
+    rows = np.nonzero(row_weight > 0)[0].astype(np.int64) if dedup else np.arange(n_all, dtype=np.int64)
+    n = len(rows)
+    if n == 0:
+        cuts = [0]
+    elif dedup:
+        k = -(-n // chunk)
+        cuts = [int(round(i * n / k)) for i in range(k + 1)]
+    else:
+        cuts = list(range(0, n, chunk)) + [n]
+    uniq, local, bounds, u = [], [], [], 0
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        if soft_index is None:
+            bounds.append((s, e, 0, 0))
+            continue
+        keys = soft_index[rows[s:e]]
+        if dedup:
+            un, inv = np.unique(keys, return_inverse=True)
+        else:
+            un, inv = keys, np.arange(e - s)
+        uniq.append(un)
+        local.append(inv.reshape(-1))
+        bounds.append((s, e, u, u + len(un)))
+        u += len(un)
+    if soft_index is None:
+        return rows, tuple(bounds), None, None
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
+    return rows, tuple(bounds), cat(uniq), cat(local)
+
+
+def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int, block_size: int,
+                        full: bool = False):
     """Host-side (numpy) kv_num_blocks / kv_indices for FlexAttention: per 128-row query tile, the context
-    tiles from its sequences' first row up to its largest anchor, plus the tiles holding its own blocks."""
+    tiles from its sequences' first row up to its largest anchor, plus the tiles holding its own blocks.
+
+    full=True also returns full_kv_num_blocks / full_kv_indices: the tiles every (query, key) pair of
+    which is visible, left out of the first list (FlexAttention skips mask_mod on them). Only complete
+    query tiles (128 rows inside num_q) get full tiles. A context tile is full when it lies inside every
+    query's visible range [first row of its sequence, anchor); a tile of the block part only when the
+    query tile and the key tile lie inside one block (block_size >= 128)."""
     nqb = (num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
     starts = np.arange(nqb) * FLEX_BLOCK
     ends = np.minimum(starts + FLEX_BLOCK, num_q)
@@ -196,4 +261,48 @@ def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int
     ctx_part = lo[:, None] + col
     blk_part = qlo[:, None] + (col - n_ctx[:, None])
     idx[:] = np.where(col < n_ctx[:, None], ctx_part, np.where(col < counts[:, None], blk_part, 0))
-    return counts.astype(np.int32)[None, None], idx[None, None]
+    if not full:
+        return counts.astype(np.int32)[None, None], idx[None, None]
+    complete = (ends - starts) == FLEX_BLOCK
+    f_lo = -(-np.maximum.reduceat(seq_start_q, starts) // FLEX_BLOCK)  # first tile starting at/after every start
+    f_hi = np.minimum.reduceat(anchor_abs, starts) // FLEX_BLOCK        # tiles ending at/before every anchor
+    f_hi = np.where(complete & (f_hi > f_lo), f_hi, f_lo)
+    n_full = f_hi - f_lo
+    # partial context tiles: [lo, f_lo) then [f_hi, hi) (all of [lo, hi) when there is no full tile)
+    a_len = f_lo - lo
+    b_len = hi - f_hi
+    n_part_ctx = np.where(n_full > 0, a_len + b_len, n_ctx)
+    blk_full = np.zeros((nqb, width), bool)
+    if block_size >= FLEX_BLOCK:
+        for i in np.nonzero(complete)[0]:
+            qb = starts[i] // block_size
+            if (ends[i] - 1) // block_size != qb:
+                continue
+            for u in range(qlo[i], qhi[i]):
+                r0 = u * FLEX_BLOCK - num_ctx
+                r1 = r0 + FLEX_BLOCK
+                if r0 >= 0 and r1 <= num_q and r0 // block_size == qb and (r1 - 1) // block_size == qb:
+                    blk_full[i, u] = True
+    nb_full = blk_full.sum(1)
+    # block-part tiles that are not full, in order
+    blk_tiles = qlo[:, None] + col
+    in_blk = col < (qhi - qlo)[:, None]
+    blk_is_full = np.take_along_axis(blk_full, np.minimum(blk_tiles, width - 1), 1) & in_blk
+    part_idx = np.zeros((nqb, width), np.int32)
+    full_idx = np.zeros((nqb, width), np.int32)
+    p_counts = np.zeros(nqb, np.int64)
+    f_counts = np.zeros(nqb, np.int64)
+    for i in range(nqb):
+        if n_full[i] > 0:
+            ctx_p = np.concatenate([np.arange(lo[i], f_lo[i]), np.arange(f_hi[i], hi[i])])
+        else:
+            ctx_p = np.arange(lo[i], hi[i])
+        blk_p = blk_tiles[i][in_blk[i] & ~blk_is_full[i]]
+        p = np.concatenate([ctx_p, blk_p])
+        f = np.concatenate([np.arange(f_lo[i], f_hi[i]), blk_tiles[i][blk_is_full[i]]])
+        part_idx[i, :len(p)] = p
+        full_idx[i, :len(f)] = f
+        p_counts[i], f_counts[i] = len(p), len(f)
+    assert (p_counts == n_part_ctx + (qhi - qlo) - nb_full).all()
+    return (p_counts.astype(np.int32)[None, None], part_idx[None, None],
+            f_counts.astype(np.int32)[None, None], full_idx[None, None])

@@ -421,7 +421,8 @@ class Trainer:
         plan = plan_micro_batch(batch.input_ids.numpy(), batch.loss_mask.numpy(), batch.lengths.numpy(),
                                 batch.sample_ids, ep, seed=cfg.seed, block_size=cfg.block_size,
                                 max_anchors=cfg.max_anchors, mask_token_id=self.mask_token, gamma=cfg.gamma,
-                                soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows, flex=self.flex)
+                                soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows, flex=self.flex,
+                                dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks)
         self.batch_shapes.add(tuple(batch.input_ids.shape))
         item = make_item(seq, ep, bi, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
         item.data_s = time.perf_counter() - t0
@@ -634,7 +635,7 @@ class Trainer:
                                         max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
                                         mask_token_id=self.mask_token, gamma=cfg.gamma,
                                         soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
-                                        flex=self.flex)
+                                        flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks)
                 batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.tensor([n]), [0], n, n - 1)
                 item = make_item(-1, 0, 0, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
                 gen = torch.Generator(device=self.device).manual_seed(n)

@@ -292,7 +292,7 @@ def launch(argv: list[str], cfg) -> int:
 
     from .status import Notifier, StatusWriter, read_status
 
-    notifier = Notifier()
+    notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
     os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
     os.environ.pop("WATCHDOG_USEC", None)
     os.environ.pop("WATCHDOG_PID", None)

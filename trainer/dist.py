@@ -321,6 +321,9 @@ def launch(argv: list[str], cfg) -> int:
                       # machine's addresses) fails in a container whose hostname resolves to loopback
                       rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout),
                                     "is_host": cfg.node_rank == 0} if multi else {},
+                      # the workers' store is node 0's too: at the endpoint's address, not at whatever
+                      # this host's name resolves to (a container's name may be loopback on every node)
+                      local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,
                       start_method="spawn", log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None,
                       **extra)
     stopper = _Stopper(cfg.stop_timeout)

@@ -1,0 +1,141 @@
+"""Two nodes for real (issue 11): the molecule `multinode` scenario.
+
+Two systemd LXC containers on the stand-in node, networked on 10.77.0.0/24 through a host bridge and
+sharing the output directory: deploy.yml renders the multi-node run.sh on both, both units start, the
+tiny target trains with gloo across the containers (6 ranks: a drafter and two targets per node);
+restart.yml stops both, starts both, and the health check reports both. Several minutes; run it
+under the stand-in lock: `flock /tmp/dflash-standin.lock pytest -m standin tests/test_multinode.py`.
+"""
+import pytest
+
+from conftest import run_molecule
+
+
+@pytest.mark.slow
+@pytest.mark.standin
+def test_molecule_multinode_scenario():
+    run_molecule("multinode")
+
+
+# ---------------------------------------------------------------------------- rendering (fast)
+import os  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RENDER = """
+- name: Render run.sh and the node drop-in for every host of the job
+  hosts: dflash_containers
+  gather_facts: false
+  tasks:
+    - name: Load the service role (its flag check runs the trainer's own rules)
+      ansible.builtin.include_role:
+        name: dflash_service
+        tasks_from: validate
+        public: true
+    - name: Render run.sh
+      ansible.builtin.template:
+        src: "{{ repo }}/roles/dflash_service/templates/run.sh.j2"
+        dest: "{{ out }}/{{ inventory_hostname }}.run.sh"
+        mode: "0644"
+    - name: Render the drop-in
+      ansible.builtin.template:
+        src: "{{ repo }}/roles/dflash_service/templates/dflash-multinode.conf.j2"
+        dest: "{{ out }}/{{ inventory_hostname }}.multinode.conf"
+        mode: "0644"
+      when: dflash_service_node_rank | int > 0
+"""
+
+
+def _render(tmp_path, inventory):
+    ansible_runner = pytest.importorskip("ansible_runner")
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "render.yml").write_text(RENDER)
+    r = ansible_runner.run(
+        private_data_dir=str(tmp_path), playbook="render.yml", inventory=str(REPO / "inventory" / inventory),
+        extravars={"repo": str(REPO), "out": str(out), "ansible_connection": "local",
+                   "ansible_python_interpreter": sys.executable},
+        envvars={"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"},
+        quiet=True)
+    assert r.rc == 0, r.stdout.read()[-4000:]
+    return out
+
+
+def _exec_args(text: str) -> list[str]:
+    joined = text.replace("\\\n", " ")
+    return shlex.split(next(ln for ln in joined.splitlines() if ln.lstrip().startswith("exec ")))
+
+
+def test_multinode_run_sh_node_rank_from_inventory_order_rendezvous_on_the_first(tmp_path):
+    out = _render(tmp_path, "multinode")
+    for host, rank in (("mn-ct1", "0"), ("mn-ct2", "1")):
+        text = (out / f"{host}.run.sh").read_text()
+        args = _exec_args(text)
+        flags = dict(zip(args, args[1:]))
+        assert flags["--nnodes"] == "2" and flags["--node-rank"] == rank
+        assert flags["--rdzv-endpoint"] == "10.77.0.11:29511"
+        assert args[-1] == "$@"                           # the caller's arguments last
+        assert flags["--cpu-target-workers"] == "2" and flags["--cpu-drafter-replicas"] == "1"
+        assert "export GLOO_SOCKET_IFNAME=mn0\n" in text and "export NCCL_SOCKET_IFNAME=mn0\n" in text
+    assert not (out / "mn-ct1.multinode.conf").exists()
+    conf = (out / "mn-ct2.multinode.conf").read_text()
+    assert "Type=exec\n" in conf and "WatchdogSec=0\n" in conf
+
+
+def test_single_node_run_sh_has_no_multinode_flags(tmp_path):
+    out = _render(tmp_path, "local")
+    text = (out / "ct200.run.sh").read_text()
+    assert "--nnodes" not in text and "--node-rank" not in text and "--rdzv-endpoint" not in text
+    assert "SOCKET_IFNAME" not in text
+    assert _exec_args(text)[-1] == "$@"
+
+
+# ------------------------------------------------------------------- two supervisors, one host
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_train_one_job_with_a_shared_output_dir(tiny_small_dir, tmp_path):
+    """What run.sh does on two nodes, on loopback: two `python -m trainer --nnodes 2` supervisors
+    (node 1 started first: it waits in the rendezvous node 0 hosts), 3 CPU ranks each (a drafter and
+    two targets); both exit 0, rank 0 (node 0) writes status.json and the checkpoint, which holds the
+    DCP shards of both nodes' drafter ranks."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    args = ["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(tiny_small_dir / "data"),
+            "--output-dir", str(out), "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--token-budget", "1024",
+            "--max-seq-len", "256", "--block-size", "8", "--max-anchors", "8", "--num-draft-layers", "2",
+            "--gamma", "4", "--grad-accum", "2", "--lr", "3e-3", "--epochs", "1", "--max-steps", "3",
+            "--save-interval", "1000", "--profile-interval", "600", "--seed", "0",
+            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
+                              "--status-file", str(tmp_path / "node1" / "status.json"),
+                              "--log-dir", str(tmp_path / "node1")],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out0, _ = node0.communicate(timeout=300)
+        out1, _ = node1.communicate(timeout=60)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert node0.returncode == 0, out0[-3000:]
+    assert node1.returncode == 0, out1[-3000:]
+    st = json.loads((out / "status.json").read_text())
+    assert st["phase"] == "done" and st["step"] >= 1
+    ckpt = out / f"step-{st['step']:08d}"      # the final checkpoint (one epoch of the small data)
+    assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (ckpt / "model.safetensors").is_file()
+    assert "ranks: rank 0 drafter" in out0

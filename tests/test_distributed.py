@@ -58,6 +58,7 @@ def _procs_with(needle: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ same results
 
+@pytest.mark.slow
 def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(tiny_small_dir, tmp_path):
     """1 target + 2 drafter ranks (grad accum 2) and world size 1 (grad accum 4) see the same 4
     micro-batches per step. Per-step losses and final weights agree to float rounding: not 0, because

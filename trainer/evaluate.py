@@ -41,6 +41,7 @@ log = logging.getLogger("trainer.evaluate")
 # ------------------------------------------------------------------------------- loading
 
 
+from .plan import anchor_candidates  # noqa: E402
 from .target import load_target  # noqa: E402  (the one loader; target.py imports no trainer loop)
 
 
@@ -145,9 +146,7 @@ def block_accuracy(target, drafter: DFlashDrafter, cfg: DFlashConfig, dataset, d
     for i in range(min(len(dataset), max_seqs)):
         ids_np, mask_np = dataset[i]
         n = len(ids_np)
-        m = mask_np.astype(bool)
-        cand = np.nonzero(m[:-1] & m[1:])[0]
-        cand = cand[cand >= 1]
+        cand = anchor_candidates(mask_np, min_position=1)   # the training rule (plan.py)
         if len(cand) == 0:
             continue
         anchors = np.sort(rng.choice(cand, size=min(anchors_per_seq, len(cand)), replace=False))

@@ -243,7 +243,8 @@ class Standin:
         return recs
 
     def checkpoints(self, out: str = OUT) -> dict[str, dict[str, str]]:
-        """Complete checkpoints: {"step-XXXXXXXX": {file: "<sha256> <size> <mtime_ns>"}}."""
+        """Complete checkpoints: {"step-XXXXXXXX": {path below it: "<sha256> <size> <mtime_ns>"}} (the files of
+        dcp/, the drafter ranks' sharded state, included)."""
         code = (
             "import hashlib, json, os, sys\n"
             "out = sys.argv[1]; res = {}\n"
@@ -251,10 +252,11 @@ class Standin:
             "    p = os.path.join(out, d)\n"
             "    if not d.startswith('step-') or not os.path.isdir(p): continue\n"
             "    res[d] = {}\n"
-            "    for f in sorted(os.listdir(p)):\n"
-            "        st = os.stat(os.path.join(p, f))\n"
-            "        h = hashlib.sha256(open(os.path.join(p, f), 'rb').read()).hexdigest()\n"
-            "        res[d][f] = f'{h} {st.st_size} {st.st_mtime_ns}'\n"
+            "    for root, _, files in sorted(os.walk(p)):\n"
+            "        for f in sorted(files):\n"
+            "            q = os.path.join(root, f); st = os.stat(q)\n"
+            "            h = hashlib.sha256(open(q, 'rb').read()).hexdigest()\n"
+            "            res[d][os.path.relpath(q, p)] = f'{h} {st.st_size} {st.st_mtime_ns}'\n"
             "print(json.dumps(res))\n")
         return json.loads(self.out(f"python3 -c {shlex.quote(code)} {shlex.quote(out)}"))
 

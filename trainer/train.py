@@ -15,9 +15,11 @@ read when their event has fired.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import queue
 import signal
 import sys
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
+from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state, step_dir_name
 from .config import TrainConfig, validate
 from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
 from .dist import DispatchPlan, Groups, StopVote, Topology, init_rank
@@ -381,11 +383,16 @@ class Trainer:
         try:
             msd, osd = get_state_dict(self.drafter.model, self.opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"), process_group=g)
-        except Exception as e:  # noqa: BLE001  (DCP raises on every rank when one fails)
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP raises on every rank when one fails
             if topo.leader:
                 self.ckpt.abort(tmp)
-            raise CheckpointError(f"checkpoint step {self.step}: sharded state not written to {tmp}: {e} "
-                                  "(earlier checkpoints left intact)") from e
+            why = _root_cause(e)
+            free = shutil.disk_usage(self.out).free
+            if "Errno" not in why and free < 2 * sum(t.numel() * 4 for t in full.values()) + (1 << 20):
+                # torch.save's zip writer reports a full disk as "unexpected pos ...": say what it is
+                why = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({free} bytes free; {why})"
+            raise CheckpointError(f"checkpoint step {self.step} not saved to {self.out / step_dir_name(self.step)}: "
+                                  f"{why} (earlier checkpoints left intact)") from e
         box = [None]
         if topo.leader:
             ep, bi = self._position(self.step * self.batches_per_step)
@@ -896,11 +903,11 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
         return rc
     except (TrainingFailed, CheckpointError) as e:
         _record(e)
-        log.error("training failed on rank %d: %s", topo.rank, e)
+        log.error("training failed: rank %d: %s", topo.rank, e)
         trainer.status.update(phase="failed", error=f"rank {topo.rank}: {e}", step=trainer.step,
                               nan_skips=trainer.nan_skips, nan_streak=trainer.nan_streak, force=True)
         return 1
-    except Exception as e:
+    except (Exception, CheckpointErrorBase) as e:
         _record(e)
         log.exception("training failed on rank %d", topo.rank)
         trainer.status.update(phase="failed", error=f"rank {topo.rank}: {type(e).__name__}: {e}", force=True)
@@ -929,6 +936,29 @@ def _die_with_supervisor() -> None:
         return
     if os.getppid() != int(sup) and not os.path.exists(f"/proc/{sup}"):
         os._exit(1)   # the supervisor died before prctl took effect
+
+
+try:   # torch.distributed.checkpoint's exception derives from BaseException
+    from torch.distributed.checkpoint.api import CheckpointException as CheckpointErrorBase
+except ImportError:  # pragma: no cover
+    CheckpointErrorBase = Exception
+
+
+def _root_cause(e: BaseException) -> str:
+    """The OSError under a DCP failure (its CheckpointException wraps every rank's exception), else e."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return f"[Errno {x.errno}] {x.strerror}" + (f": {x.filename!r}" if x.filename else "")
+        todo += [x.__cause__, x.__context__]
+        for w in (getattr(x, "failures", None) or {}).values():
+            todo.append(w[0] if isinstance(w, tuple) else w)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"   # DCP's text ends with the cause
 
 
 def _record(e: BaseException) -> None:

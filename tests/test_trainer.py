@@ -324,7 +324,7 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     # blocks: on the tiny random target a trained drafter reaches about 1.2-1.4, an untrained one 1.0
     assert untrained["tau"] < 1.1
     assert trained["tau"] > untrained["tau"] + 0.12, (trained, untrained)
-    assert trained["per_position_acceptance"][0] > 0.05   # untrained: 0
+    assert trained["per_position_acceptance"][0] > 0.05
 
 
 def test_flex_block_sparse_path_matches_the_dense_mask():

@@ -145,7 +145,10 @@ def test_01_sigkill_mid_run_resumes_from_newest_checkpoint(job):
 
     # The resumed run starts at the step after the checkpoint and trains the same batches in the
     # same order as the killed run did past it: same tokens and (deterministic CPU run) same loss.
-    resumed = split_runs(ct.metrics())[-1]
+    # metrics.jsonl was cut back to the checkpoint on resume (issue 14): every step once
+    recs = ct.metrics()
+    assert len({r["step"] for r in recs}) == len(recs), "metrics.jsonl holds a step twice"
+    resumed = [r for r in recs if r["step"] > newest]
     assert resumed[0]["step"] == newest + 1, [r["step"] for r in resumed[:3]]
     steps = [r["step"] for r in resumed]
     assert steps == list(range(newest + 1, newest + 1 + len(steps))), "a step was skipped or repeated"
@@ -506,11 +509,12 @@ def test_09_nan_storm_fails_after_max_nan_skips_keeping_last_good_checkpoint(job
     st = wait(lambda: (lambda x: x if x.get("phase") == "failed" else None)(ct.status()), 180,
               "status failed", interval=0.3)
     pid = st["pid"]
+    # the failed run's records, read before the restart cuts metrics.jsonl back to its checkpoint
+    # (the trainer writes the last skipped step before it reports the failure)
+    failed_run = [run for run in split_runs(ct.metrics()) if any(r["skipped"] for r in run)][-1]
     ct.clear_dropin()     # systemd's restart (Restart=on-failure) then runs without the fault
     t_fail = time.time()
-    # metrics.jsonl gets the last skipped step when the failed trainer closes it on exit
     wait(lambda: ct.main_pid() != pid, 120, "the failed trainer to exit")
-    failed_run = [run for run in split_runs(ct.metrics()) if any(r["skipped"] for r in run)][-1]
     storm = [r for r in failed_run if r["step"] > s0]
     complete = ct.steps()
     good = max(s for s in complete if s < nan_from)

@@ -97,7 +97,8 @@ def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     res = json.loads(out.read_text())["results"][0]["async"]
     flat = res["memory_flatness"]
     assert flat["steps"] == 200 and flat["window"] == 100  # logs keep the first and last 100 steps
-    assert abs(flat["py_heap"]["growth_bytes"]) < 256 * 1024, flat["py_heap"]
+    # a leak grows the heap; a heap that shrinks between the windows (caches of earlier work let go) is not one
+    assert flat["py_heap"]["growth_bytes"] < 256 * 1024, flat["py_heap"]
 
 
 def _old_drafter_count(plan, dcfg, soft):

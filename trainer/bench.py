@@ -448,19 +448,26 @@ def _rank_entry(spec_path: str) -> None:
         raise SystemExit(rc)
 
 
-def _pipeline_figures(t) -> dict:
+def _timed_window(t) -> dict:
+    """The pipeline's timed window: every step but the first (it fills the pipeline); tokens from the
+    step log, time from CUDA events at both ends on GPUs (the host loop runs ahead of the GPU, so host
+    timestamps would flatter the rate), else the host clock."""
     logs = t.step_log.entries()
-    first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
+    first = 1 if len(logs) > 2 else 0
     (ta, sa, ka), (tb, sb, kb) = logs[first], logs[-1]
-    wall = tb - ta
+    wall, timed = tb - ta, "host clock"
     evs = dict(t.step_events.entries())
-    timed = "host clock"
     if t.device.type == "cuda" and sa in evs and sb in evs:
-        # both ends timed on the GPU (CUDA events at the end of each optimizer step): the host loop
-        # runs ahead of the GPU, so host timestamps would flatter the rate
         wall, timed = evs[sa].elapsed_time(evs[sb]) / 1000.0, "cuda events"
+    return {"t0": ta, "t1": tb, "tok_s": (kb - ka) / wall, "steps_timed": sb - sa, "wall_s": wall,
+            "timed_with": timed}
+
+
+def _pipeline_figures(t) -> dict:
+    w = _timed_window(t)
+    wall = w["wall_s"]
     prof = t.profiler.snapshot()
-    return {"tok_s": (kb - ka) / wall, "steps_timed": sb - sa, "wall_s": wall, "timed_with": timed,
+    return {"tok_s": w["tok_s"], "steps_timed": w["steps_timed"], "wall_s": wall, "timed_with": w["timed_with"],
             "stage_busy_fraction": {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items()},
             "ranks": t.rank_rates(wall), "world_size": t.topo.world}
 
@@ -473,7 +480,7 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .dist import local_roles
+    from .dist import free_port, local_roles
     work = Path(ctx.args.work)
     shutil.rmtree(work / "run", ignore_errors=True)
     cfg = make_cfg(ctx, async_pipeline=async_, max_steps=ctx.args.steps)
@@ -484,7 +491,7 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
                 "dataset": ctx.dataset}, spec)
     n = len(local_roles(cfg))
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=spec_dir.name, rdzv_backend="c10d",
-                      rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.5,
+                      rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.5,
                       start_method="spawn", log_line_prefix_template="[rank${rank}]:")
     elastic_launch(lc, _rank_entry)(str(spec))
     ranks = [json.loads((spec_dir / f"rank-{r}.json").read_text()) for r in range(n)]
@@ -494,13 +501,6 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
     res["split_table"] = ranks[0].get("split")
     log.info("ranks:\n%s", ranks[0].get("split"))
     return res
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
@@ -531,16 +531,8 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
             torch.cuda.set_sync_debug_mode(0)
         if rc != 0:
             raise RuntimeError(f"pipeline run exited {rc}")
-        logs = t.step_log.entries()
-        first = 1 if len(logs) > 2 else 0  # step 1 fills the pipeline
-        (ta, _, ka), (tb, _, kb) = logs[first], logs[-1]
-        wall = tb - ta
-        evs = dict(t.step_events.entries())
-        sa, sb = logs[first][1], logs[-1][1]
-        if t.device.type == "cuda" and sa in evs and sb in evs:
-            # both ends timed on the GPU (CUDA events at the end of each optimizer step): the host loop
-            # runs ahead of the GPU, so host timestamps would flatter the rate
-            wall = evs[sa].elapsed_time(evs[sb]) / 1000.0
+        w = _timed_window(t)
+        ta, tb, wall = w["t0"], w["t1"], w["wall_s"]
         in_window = [c for c in caught if ta <= c[0] <= tb]
         by_thread = {}
         for _, name, _ in in_window:
@@ -549,8 +541,7 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         prof = t.profiler.snapshot()
         waits = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" in k}
         busy = {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items() if "wait" not in k}
-        return {"tok_s": (kb - ka) / wall, "steps_timed": sb - sa, "wall_s": wall, "timed_with": (
-                    "cuda events" if t.device.type == "cuda" else "host clock"),
+        return {"tok_s": w["tok_s"], "steps_timed": w["steps_timed"], "wall_s": wall, "timed_with": w["timed_with"],
                 "wait_fraction": waits, "stage_busy_fraction": busy,
                 "transport": "same rank (world size 1)" if t.topo.world == 1 else "NCCL point-to-point",
                 "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,

@@ -290,7 +290,7 @@ def launch(argv: list[str], cfg) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .status import Notifier, StatusWriter, read_status
+    from .status import Notifier, read_status
 
     notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
     os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
@@ -300,7 +300,7 @@ def launch(argv: list[str], cfg) -> int:
     multi = cfg.nnodes > 1
     if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
     os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
     os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
@@ -366,7 +366,6 @@ def launch(argv: list[str], cfg) -> int:
     finally:
         relay.stop()
         notifier.stopping()
-    _ = StatusWriter  # (status.json itself is written by rank 0)
     return rc
 
 
@@ -388,7 +387,7 @@ def _mark_failed(path: str, error: str) -> None:
         log.warning("could not write %s: %s", path, e)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -482,7 +481,7 @@ def init_single(cfg) -> tuple[Topology, Groups]:
     """World size 1 inside this process (tests, the benchmark): the launcher's environment for one rank,
     then the same init_rank every launched rank runs."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for k, v in env.items():
         os.environ[k] = v
     if len(local_roles(cfg)) != 1:

@@ -61,7 +61,6 @@ class DrafterStage:
         self.metric = torch.zeros(1 + bs, device=device, dtype=torch.float32)  # loss, correct per slot
         self.poison = False
         self.tokens = 0
-        self.items = 0
         self.pos_counts = np.zeros(bs, np.int64)
 
     def begin_step(self):
@@ -84,7 +83,6 @@ class DrafterStage:
         cfg, bs = self.cfg, self.dcfg.block_size
         plan = item.plan
         self.tokens += plan.num_tokens
-        self.items += 1
         self.pos_counts += plan.pos_counts
         with device_ctx(self.device), stream_ctx(self.stream):
             e0, e1 = new_event(self.device, True), new_event(self.device, True)
@@ -143,5 +141,5 @@ class DrafterStage:
 
     def reset_counters(self):
         self.metric.zero_()
-        self.tokens, self.items = 0, 0
+        self.tokens = 0
         self.pos_counts = np.zeros_like(self.pos_counts)

@@ -48,7 +48,6 @@ class TargetStage:
         self.slots = [Slot(i, torch.empty(self.capacity, device=device, dtype=dtype)) for i in range(num_slots)]
         self._next = 0
         self._cur: dict | None = None
-        self.items = 0
         layers = dec.layers
         self._hooks = [layers[lid].register_forward_hook(self._tap_hook(col)) for col, lid in enumerate(self.tap_ids)]
         if soft_labels:
@@ -103,7 +102,6 @@ class TargetStage:
             slot.ready = new_event(dev)
             slot.ready.record()
         slot.rows, slot.final_rows = rows, nf
-        self.items += 1
         return ev
 
     def numel(self, slot: Slot) -> int:

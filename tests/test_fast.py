@@ -204,3 +204,33 @@ def test_metrics_file_drops_records_after_the_resumed_checkpoint(tmp_path):
     mf.write([json.dumps({"step": 4}) + "\n"])
     mf.close()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("budget,max_len,chunk", [(49152, 8192, 16384), (49152, 8192, 32768), (2048, 512, 1024)])
+def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chunk):
+    """After the warmup the graphs are frozen and an uncovered shape runs eagerly (eager FlexAttention
+    materializes the whole score matrix: the 27B-width OOM). Dynamo specializes sizes 0 and 1, so the
+    warmup must plan chunks with one sequence, full chunks with several, and a partial tail chunk."""
+    import numpy as np
+    from trainer.config import parse_args
+    from trainer.plan import plan_micro_batch
+    from trainer.train import warmup_batches
+    base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),
+            "--max-seq-len", str(max_len), "--block-size", "16", "--max-anchors", "512",
+            "--drafter-chunk-rows", str(chunk)]
+    assert warmup_batches(parse_args(base + ["--compile", "none"])) == [[max_len]]
+    seqs_per_chunk, full, partial = set(), False, False
+    for lens in warmup_batches(parse_args(base + ["--compile", "all"])):
+        assert sum(lens) <= budget and max(lens) <= max_len
+        n, s = len(lens), max(lens)
+        lengths = np.array(lens)
+        mask = np.arange(s)[None, :] < lengths[:, None]
+        mask[:, 0] = False
+        plan = plan_micro_batch(np.ones((n, s), np.int64), mask, lengths, list(range(n)), 0, seed=0, block_size=16,
+                                max_anchors=min(512, chunk // 16), mask_token_id=5, gamma=7.0, soft_labels=True,
+                                chunk_rows=chunk, flex=True)
+        for c in plan.chunks:
+            seqs_per_chunk.add(min(2, len(np.unique(c.q_seq))))
+            full |= len(c.q_seq) == chunk
+            partial |= len(c.q_seq) < chunk
+    assert seqs_per_chunk == {1, 2} and full and partial

@@ -629,21 +629,22 @@ class Trainer:
             self._extend(900)
         if self.drafter is not None:
             from .data import Batch
-            seq = min(cfg.max_seq_len, cfg.token_budget)
-            seqs = [seq] + ([max(cfg.block_size * 2, seq // 2 + 37)] if wants(cfg.compile, "drafter") else [])
             k, hidden = len(self.dcfg.target_layer_ids), self.dcfg.hidden_size
-            for n in seqs:
+            for lens in warmup_batches(cfg):
                 t1 = time.perf_counter()
-                rng = np.random.default_rng(n)
-                ids = rng.integers(0, vocab, size=(1, n))
-                mask = np.ones((1, n), dtype=bool)
-                mask[0, 0] = False
-                plan = plan_micro_batch(ids, mask, np.array([n]), [0], 0, seed=0, block_size=cfg.block_size,
+                rng = np.random.default_rng(sum(lens))
+                n, s = len(lens), max(lens)
+                ids = rng.integers(0, vocab, size=(n, s))
+                lengths = np.array(lens)
+                mask = np.arange(s)[None, :] < lengths[:, None]
+                mask[:, 0] = False
+                plan = plan_micro_batch(ids, mask, lengths, list(range(n)), 0, seed=0, block_size=cfg.block_size,
                                         max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
                                         mask_token_id=self.mask_token, gamma=cfg.gamma,
                                         soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
                                         flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks)
-                batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.tensor([n]), [0], n, n - 1)
+                batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lengths),
+                              list(range(n)), int(lengths.sum()), int(mask.sum()))
                 item = make_item(-1, 0, 0, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
                 gen = torch.Generator(device=self.device).manual_seed(n)
                 taps = torch.randn(plan.num_ctx_rows, k * hidden, generator=gen, device=self.device).to(self.dtype)
@@ -655,8 +656,8 @@ class Trainer:
                 self.drafter.reset_counters()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                log.info("warmup: drafter %s %d block rows in %.2fs", self.device,
-                         sum(len(c.q_seq) for c in plan.chunks), time.perf_counter() - t1)
+                log.info("warmup: drafter %s %d sequences, %d block rows in %d chunks in %.2fs", self.device, n,
+                         sum(len(c.q_seq) for c in plan.chunks), len(plan.chunks), time.perf_counter() - t1)
                 self._extend(900)
         self.profiler.reset()
         if compiled:
@@ -859,6 +860,29 @@ def read_faults() -> dict:
             out[key] = typ(os.environ[env])
             log.warning("fault injection active: %s=%s", env, os.environ[env])
     return out
+
+
+def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
+    """Sequence lengths of the drafter's warmup micro-batches. Uncompiled: one sequence (autotuning only).
+    Compiled (--compile all|drafter): the compiled layers must cover every shape a step can bring, because
+    after the warmup a shape they do not cover runs eagerly, and eager FlexAttention materializes the whole
+    [heads, rows, ctx] score matrix (tens of GiB at 27B width: the OOM in results/log-issue15-27b-b16-oom).
+    Dynamo specializes sizes 0 and 1 even when compiled dynamic, so the warmup brings a chunk holding one
+    sequence, full chunks holding several equal sequences, and mixed lengths with a partial tail chunk."""
+    seq = min(cfg.max_seq_len, cfg.token_budget)
+    shapes = [[seq]]
+    if not wants(cfg.compile, "drafter"):
+        return shapes
+    per = max(2, min(cfg.max_batch_size, cfg.token_budget // cfg.max_seq_len))
+    full = max(cfg.block_size * 2, min(cfg.max_seq_len, cfg.token_budget // per))
+    shapes.append([full] * per)
+    # mixed: two medium sequences (a partial chunk) and short ones that share a chunk
+    short = max(cfg.block_size * 2, cfg.drafter_chunk_rows // (4 * cfg.block_size))
+    mixed = [n for n in (seq // 2 + 37, seq // 3 + 74) if n > short] + [min(short, seq)] * 3
+    while sum(mixed) > cfg.token_budget and len(mixed) > 2:
+        mixed.pop(0)
+    shapes.append(mixed)
+    return shapes
 
 
 def install_signal_handlers(trainer: Trainer):

@@ -175,7 +175,11 @@ class Generator:
         """Batches of similar prompt length (fewer padded positions), results in input order."""
         import torch
 
-        torch.manual_seed(seed)
+        if self.device.type == "cuda":  # this device's generator only: other threads own the others
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
         out: list = [None] * len(prompts)
         for s in range(0, len(order), self.batch_size):

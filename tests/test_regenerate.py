@@ -24,7 +24,7 @@ import torch
 
 from trainer.data import load_dataset, write_shards
 from trainer.evaluate import heldout_prompts, load_target, stop_token_ids
-from trainer.regenerate import MANIFEST_NAME, main, regenerate
+from trainer.regenerate import MANIFEST_NAME, lock_output_dir, main, regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda msg: None)
@@ -137,10 +137,10 @@ def _no_prompt_data(d: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing data dir", "empty data dir", "no prompts", "not a model",
-                                  "foreign output", "missing jsonl"])
+                                  "foreign output", "busy output", "missing jsonl"])
 def test_bad_input_exits_2_with_one_line_naming_it(tiny_small_dir, tmp_path, capsys, case):
     model, data, out = tiny_small_dir / "target", tiny_small_dir / "data", tmp_path / "out"
-    src = ["--data-dir", str(data)]
+    src, held = ["--data-dir", str(data)], None
     if case == "missing data dir":
         src = ["--data-dir", str(tmp_path / "nope")]
         named = tmp_path / "nope"
@@ -155,6 +155,9 @@ def test_bad_input_exits_2_with_one_line_naming_it(tiny_small_dir, tmp_path, cap
     elif case == "foreign output":                  # a prepared data dir: never overwritten
         out = named = tmp_path / "prepared"
         write_shards([([1, 2, 3], [0, 1, 1])], out, tokenizer_name="x")
+    elif case == "busy output":                     # another run holds it
+        out.mkdir()
+        held, named = lock_output_dir(out), out
     else:
         src = ["--input", str(tmp_path / "missing.jsonl")]
         named = tmp_path / "missing.jsonl"
@@ -164,6 +167,8 @@ def test_bad_input_exits_2_with_one_line_naming_it(tiny_small_dir, tmp_path, cap
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dflash-regenerate: error: ") and str(named) in lines[0]
     assert (files(out) if out.is_dir() else None) == before
+    if held is not None:
+        os.close(held)
 
 
 # ------------------------------------------------------------------------------- the point of it

@@ -59,6 +59,7 @@ from .fsutil import atomic_write_text
 PROG = "dflash-regenerate"
 MANIFEST_NAME = "regenerate.json"
 MANIFEST_FORMAT = "dflash-regenerate-v1"
+LOCK_NAME = ".regenerate.lock"
 
 
 class RegenerateError(ValueError):
@@ -200,7 +201,7 @@ def _check_out_dir(out: Path, config: dict, src: str) -> dict:
     fresh = {"format": MANIFEST_FORMAT, "config": config, "done": {}, "complete": False}
     if out.exists() and not out.is_dir():
         raise RegenerateError(f"--output-dir {out}: exists and is not a directory")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):
         return fresh
     mpath = out / MANIFEST_NAME
     if not mpath.is_file():
@@ -219,6 +220,19 @@ def _check_out_dir(out: Path, config: dict, src: str) -> dict:
             f"--output-dir {out}: holds data regenerated with another configuration than this run "
             f"from {src} ({', '.join(keys)} differ); use a new output directory")
     return manifest
+
+
+def lock_output_dir(out: Path) -> int:
+    """An exclusive lock on ``out`` for this process (released by the kernel if it dies)."""
+    import fcntl
+
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RegenerateError(f"--output-dir {out}: another dflash-regenerate is writing it") from None
+    return fd
 
 
 def _finished(out: Path, manifest: dict, k: int) -> dict | None:
@@ -327,81 +341,91 @@ def regenerate(
         return _stats(out, index, prompts, num_shards, num_shards, 0, 0.0, 0.0, 0)
 
     out.mkdir(parents=True, exist_ok=True)
-    manifest["complete"] = False
-    for p in out.iterdir():  # temp files of a killed run
-        if p.name.startswith(".") and ".tmp" in p.name:
-            p.unlink()
-    atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+    lock_fd = lock_output_dir(out)
+    try:
+        manifest = _check_out_dir(out, config, src)  # again: no other run writes it now
+        manifest["complete"] = False
+        for p in out.iterdir():  # temp files of a killed run
+            if p.name.startswith(".") and ".tmp" in p.name:
+                p.unlink()
+        atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
-    todo = [k for k in range(num_shards) if _finished(out, manifest, k) is None]
-    skipped = num_shards - len(todo)
-    if skipped:
-        log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
-    progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
-                         progress_every)
-    t_load = time.monotonic()
-    gens = [Generator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
-    load_s = time.monotonic() - t_load
-    lock = threading.Lock()
-    eos_hits = [0]
+        todo = [k for k in range(num_shards) if _finished(out, manifest, k) is None]
+        skipped = num_shards - len(todo)
+        if skipped:
+            log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
+        progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
+                             progress_every)
+        t_load = time.monotonic()
+        gens = [Generator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
+        load_s = time.monotonic() - t_load
+        lock = threading.Lock()
+        eos_hits = [0]
 
-    def run_shard(gen: Generator, k: int) -> None:
-        chunk = prompts[k * shard_size:(k + 1) * shard_size]
-        comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=lambda n, t: progress.add(n, t))
-        ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
-        masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(len(c), np.int8)])
-                 for p, c in zip(chunk, comps)]
-        entry = write_shard(out / SHARD_PATTERN.format(k), ids, masks)
-        with lock:
-            eos_hits[0] += sum(1 for c in comps if len(c) and int(c[-1]) in gen.stop_ids)
-            manifest["done"][str(k)] = entry
-            atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
-        progress.add(0, 0, force=True, note=f" (shard {k + 1}/{num_shards} written)")
+        def run_shard(gen: Generator, k: int) -> None:
+            chunk = prompts[k * shard_size:(k + 1) * shard_size]
+            comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=lambda n, t: progress.add(n, t))
+            ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
+            masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(len(c), np.int8)])
+                     for p, c in zip(chunk, comps)]
+            entry = write_shard(out / SHARD_PATTERN.format(k), ids, masks)
+            with lock:
+                eos_hits[0] += sum(1 for c in comps if len(c) and int(c[-1]) in gen.stop_ids)
+                manifest["done"][str(k)] = entry
+                atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+            progress.add(0, 0, force=True, note=f" (shard {k + 1}/{num_shards} written)")
 
-    t0 = time.monotonic()
+        t0 = time.monotonic()
+        _run_on_devices(gens, todo, run_shard)
+        secs = time.monotonic() - t0
+
+        entries = [manifest["done"][str(k)] for k in range(num_shards)]
+        extra = {"regenerated": {k: v for k, v in config.items() if k != "num_records"}}
+        index = write_index(out, entries, tokenizer_name=str(target), extra=extra)
+        manifest["complete"] = True
+        atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+        stats = _stats(out, index, prompts, num_shards, skipped, progress.tokens, secs, load_s,
+                       eos_hits[0])
+        log(f"{PROG}: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens "
+            f"({index['num_supervised_tokens']} generated and supervised), {num_shards} shard(s), "
+            f"{skipped} kept from before; {stats['tokens_generated']} tokens in {secs:.1f}s "
+            f"({stats['tokens_per_s']:.0f} tok/s) on {', '.join(devs)}; hash {index['hash'][:16]}")
+        return stats
+    finally:
+        os.close(lock_fd)
+
+
+def _run_on_devices(gens: list[Generator], todo: list[int], run_shard) -> None:
+    """Shards in order on one device; with several, one thread per device (each owning its replica)
+    takes the next shard from a queue. The first error stops the others and is raised here."""
     if len(gens) == 1:
         for k in todo:
             run_shard(gens[0], k)
-    elif gens:
-        # one thread per device, each owning its replica; shards handed out from a queue
-        work: queue.Queue = queue.Queue()
-        for k in todo:
-            work.put(k)
-        errors: list[BaseException] = []
+        return
+    work: queue.Queue = queue.Queue()
+    for k in todo:
+        work.put(k)
+    errors: list[BaseException] = []
 
-        def worker(gen: Generator) -> None:
-            while not errors:
-                try:
-                    k = work.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    run_shard(gen, k)
-                except BaseException as e:  # noqa: BLE001  re-raised in the main thread
-                    errors.append(e)
-                    return
+    def worker(gen: Generator) -> None:
+        while not errors:
+            try:
+                k = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                run_shard(gen, k)
+            except BaseException as e:  # noqa: BLE001  re-raised in the main thread
+                errors.append(e)
+                return
 
-        threads = [threading.Thread(target=worker, args=(g,), name=f"regen-{g.device}") for g in gens]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-    secs = time.monotonic() - t0
-
-    entries = [manifest["done"][str(k)] for k in range(num_shards)]
-    extra = {"regenerated": {k: v for k, v in config.items() if k != "num_records"}}
-    index = write_index(out, entries, tokenizer_name=str(target), extra=extra)
-    manifest["complete"] = True
-    atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
-    stats = _stats(out, index, prompts, num_shards, skipped, progress.tokens, secs, load_s,
-                   eos_hits[0])
-    log(f"{PROG}: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens "
-        f"({index['num_supervised_tokens']} generated and supervised), {num_shards} shard(s), "
-        f"{skipped} kept from before; {stats['tokens_generated']} tokens in {secs:.1f}s "
-        f"({stats['tokens_per_s']:.0f} tok/s) on {', '.join(devs)}; hash {index['hash'][:16]}")
-    return stats
+    threads = [threading.Thread(target=worker, args=(g,), name=f"regen-{g.device}") for g in gens]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _check_device(name: str) -> None:

@@ -89,8 +89,9 @@ def prompts_from_records(dataset) -> list[np.ndarray]:
     return heldout_prompts(dataset, len(dataset))
 
 
-def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[list[np.ndarray], dict]:
-    """(prompts, source description for the configuration) from a shard dir or JSONL files."""
+def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[list[np.ndarray], dict, int]:
+    """(prompts, source description for the configuration, number of records) from a shard dir or
+    JSONL files."""
     if data_dir is not None:
         try:
             index = read_index(data_dir)
@@ -98,7 +99,7 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
         except DataError as e:
             raise RegenerateError(f"--data-dir {data_dir}: {e}") from None
         source = {"data_dir": str(Path(data_dir).absolute()), "hash": index["hash"]}
-        return prompts_from_records(ds), source
+        return prompts_from_records(ds), source, len(ds)
     # JSONL: dflash-prepare's parser and chat-template rendering, records kept in memory
     from transformers import AutoTokenizer
 
@@ -109,21 +110,21 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
             raise RegenerateError(f"--input {p}: no such file")
     try:
         tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-        enc = Encoder(tok)
-        ds = Dataset.from_records(iter_records(enc, list(inputs), 0, Stats(), log=log))
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a missing tokenizer
+        raise RegenerateError(f"--target-model {target}: cannot load tokenizer: {e}") from None
+    try:
+        ds = Dataset.from_records(iter_records(Encoder(tok), list(inputs), 0, Stats(), log=log))
     except PrepareError as e:
         raise RegenerateError(str(e)) from None
-    except OSError as e:
-        raise RegenerateError(f"--target-model {target}: cannot load tokenizer: {e}") from None
     source = {"inputs": [{"path": str(p.absolute()), "sha256": _sha256(p)} for p in inputs]}
-    return prompts_from_records(ds), source
+    return prompts_from_records(ds), source, len(ds)
 
 
 # --------------------------------------------------------------------------------------------
 # Generation (one device, one model replica)
 
 
-class Generator:
+class TargetGenerator:
     """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
@@ -317,11 +318,14 @@ def regenerate(
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
-    prompts, source = load_prompts(data_dir, inputs, target, log)
-    if max_records:
-        prompts = prompts[:max_records]
+    prompts, source, num_records = load_prompts(data_dir, inputs, target, log)
     if not prompts:
         raise RegenerateError(f"{src}: no record has a prompt (tokens before its first supervised one)")
+    if num_records > len(prompts):
+        log(f"{PROG}: {src}: {num_records - len(prompts)} of {num_records} records have no prompt "
+            "(supervised from their first token), skipped")
+    if max_records:
+        prompts = prompts[:max_records]
     config = {
         "target_model": str(target.absolute()),
         "source": source,
@@ -357,12 +361,12 @@ def regenerate(
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
         t_load = time.monotonic()
-        gens = [Generator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
+        gens = [TargetGenerator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
         load_s = time.monotonic() - t_load
         lock = threading.Lock()
         eos_hits = [0]
 
-        def run_shard(gen: Generator, k: int) -> None:
+        def run_shard(gen: TargetGenerator, k: int) -> None:
             chunk = prompts[k * shard_size:(k + 1) * shard_size]
             comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=lambda n, t: progress.add(n, t))
             ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
@@ -395,7 +399,7 @@ def regenerate(
         os.close(lock_fd)
 
 
-def _run_on_devices(gens: list[Generator], todo: list[int], run_shard) -> None:
+def _run_on_devices(gens: list[TargetGenerator], todo: list[int], run_shard) -> None:
     """Shards in order on one device; with several, one thread per device (each owning its replica)
     takes the next shard from a queue. The first error stops the others and is raised here."""
     if len(gens) == 1:
@@ -407,7 +411,7 @@ def _run_on_devices(gens: list[Generator], todo: list[int], run_shard) -> None:
         work.put(k)
     errors: list[BaseException] = []
 
-    def worker(gen: Generator) -> None:
+    def worker(gen: TargetGenerator) -> None:
         while not errors:
             try:
                 k = work.get_nowait()

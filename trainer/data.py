@@ -38,6 +38,9 @@ DEFAULT_SHARD_SIZE = 10000  # sequences per shard
 __all__ = [
     "DataError",
     "write_shards",
+    "write_shard",
+    "write_index",
+    "check_record",
     "load_dataset",
     "check_data_dir",
     "read_index",
@@ -87,6 +90,87 @@ def _existing_data_files(out_dir: Path) -> list[Path]:
     )
 
 
+def write_shard(path: str | os.PathLike, ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> dict:
+    """Write one parquet shard atomically (temp file, fsync, rename) and return its index entry
+    ``{"file", "num_sequences", "num_tokens", "sha256"}`` plus ``num_supervised_tokens``. ``ids`` and
+    ``masks`` are already checked, equally long, non-empty 1-D arrays."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    schema = pa.schema(
+        [("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))]
+    )
+    lengths = np.array([len(a) for a in ids], dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    ids_flat = np.concatenate(ids).astype(np.int32, copy=False)
+    mask_flat = (np.concatenate(masks) != 0).astype(np.int8, copy=False)
+    table = pa.Table.from_arrays(
+        [
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids_flat)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask_flat)),
+        ],
+        schema=schema,
+    )
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {
+        "file": path.name,
+        "num_sequences": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+        "sha256": _sha256_file(path),
+        "num_supervised_tokens": int(np.count_nonzero(mask_flat)),
+    }
+
+
+def write_index(
+    out_dir: str | os.PathLike,
+    shards: Sequence[dict],
+    tokenizer_name: str | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Write ``out_dir/index.json`` (atomically) for shard entries as :func:`write_shard` returns
+    them; ``extra`` keys (e.g. what generated the data) are added to the index. Returns the index."""
+    if not shards:
+        raise DataError(f"{out_dir}: no records to write")
+    entries = [{k: s[k] for k in ("file", "num_sequences", "num_tokens", "sha256")} for s in shards]
+    index = {
+        "format": FORMAT,
+        "num_sequences": sum(s["num_sequences"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_supervised_tokens": sum(s["num_supervised_tokens"] for s in shards),
+        "shards": entries,
+        "tokenizer": tokenizer_name,
+        "hash": _overall_hash(entries),
+        **(extra or {}),
+    }
+    atomic_write_text(Path(out_dir) / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def check_record(n: int, rec, where) -> tuple[np.ndarray, np.ndarray]:
+    """Record ``n`` as (int32 ids, int8 mask); raises :class:`DataError` naming ``where``."""
+    try:
+        ids, mask = rec
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: record {n} is not an (input_ids, loss_mask) pair") from None
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    mask = np.asarray(mask).reshape(-1)
+    if len(ids) == 0:
+        raise DataError(f"{where}: record {n} has no tokens")
+    if len(ids) != len(mask):
+        raise DataError(
+            f"{where}: record {n}: input_ids has {len(ids)} tokens but loss_mask {len(mask)}"
+        )
+    if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+        raise DataError(f"{where}: record {n}: token id out of int32 range")
+    return ids.astype(np.int32), (mask != 0).astype(np.int8)
+
+
 def write_shards(
     records: Iterable[tuple[Sequence[int], Sequence[int]]],
     out_dir: str | os.PathLike,
@@ -101,9 +185,6 @@ def write_shards(
     already holds shards or an index (unless ``overwrite``, which removes them first), when a record
     is empty or its two lists differ in length, or when there are no records at all.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     out = Path(out_dir)
@@ -118,82 +199,24 @@ def write_shards(
         for p in existing:
             p.unlink()
 
-    schema = pa.schema(
-        [("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))]
-    )
     shards: list[dict] = []
-    totals = {"num_sequences": 0, "num_tokens": 0, "num_supervised_tokens": 0}
     buf_ids: list[np.ndarray] = []
     buf_mask: list[np.ndarray] = []
 
     def flush() -> None:
-        if not buf_ids:
-            return
-        name = SHARD_PATTERN.format(len(shards))
-        path = out / name
-        lengths = np.array([len(a) for a in buf_ids], dtype=np.int64)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        ids_flat = np.concatenate(buf_ids).astype(np.int32, copy=False)
-        mask_flat = np.concatenate(buf_mask).astype(np.int8, copy=False)
-        table = pa.Table.from_arrays(
-            [
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids_flat)),
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask_flat)),
-            ],
-            schema=schema,
-        )
-        tmp = out / f".{name}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        shards.append(
-            {
-                "file": name,
-                "num_sequences": int(len(lengths)),
-                "num_tokens": int(lengths.sum()),
-                "sha256": _sha256_file(path),
-            }
-        )
-        totals["num_sequences"] += int(len(lengths))
-        totals["num_tokens"] += int(lengths.sum())
-        totals["num_supervised_tokens"] += int(np.count_nonzero(mask_flat))
-        buf_ids.clear()
-        buf_mask.clear()
+        if buf_ids:
+            shards.append(write_shard(out / SHARD_PATTERN.format(len(shards)), buf_ids, buf_mask))
+            buf_ids.clear()
+            buf_mask.clear()
 
     for n, rec in enumerate(records):
-        try:
-            ids, mask = rec
-        except (TypeError, ValueError):
-            raise DataError(f"{out}: record {n} is not an (input_ids, loss_mask) pair") from None
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        mask = np.asarray(mask).reshape(-1)
-        if len(ids) == 0:
-            raise DataError(f"{out}: record {n} has no tokens")
-        if len(ids) != len(mask):
-            raise DataError(
-                f"{out}: record {n}: input_ids has {len(ids)} tokens but loss_mask {len(mask)}"
-            )
-        if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
-            raise DataError(f"{out}: record {n}: token id out of int32 range")
-        buf_ids.append(ids.astype(np.int32))
-        buf_mask.append((mask != 0).astype(np.int8))
+        ids, mask = check_record(n, rec, out)
+        buf_ids.append(ids)
+        buf_mask.append(mask)
         if len(buf_ids) >= shard_size:
             flush()
     flush()
-    if not shards:
-        raise DataError(f"{out}: no records to write")
-
-    index = {
-        "format": FORMAT,
-        **totals,
-        "shards": shards,
-        "tokenizer": tokenizer_name,
-        "hash": _overall_hash(shards),
-    }
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    return index
+    return write_index(out, shards, tokenizer_name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""dflash-regenerate: the target writes the completions (issue 12, "data the target would write").
+
+Specifications: the output is dflash-prepare's shard format with the loss mask on exactly the generated
+tokens, which are the target's own greedy continuation of each record's prompt; a run killed with
+SIGKILL resumes without redoing finished shards and ends byte-identical to an uninterrupted run; bad
+input exits 2 with one line naming it; and a drafter trained on regenerated data reaches a higher tau
+(real speculative generation) than one trained on the same prompts with answers the target would not
+write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data import load_dataset, write_shards
+from trainer.evaluate import heldout_prompts, load_target, stop_token_ids
+from trainer.regenerate import MANIFEST_NAME, lock_output_dir, main, regenerate
+
+REPO = Path(__file__).resolve().parents[1]
+QUIET = dict(log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_small_dir):
+    torch.set_num_threads(1)
+    return load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if not p.name.startswith(".")}
+
+
+def test_output_is_prepare_shards_masked_on_the_targets_own_greedy_continuation(tiny_small_dir, target,
+                                                                                tmp_path):
+    src, out = tiny_small_dir / "data", tmp_path / "regen"
+    stats = regenerate(src, tiny_small_dir / "target", out, batch_size=8, max_new_tokens=24,
+                       shard_size=16, **QUIET)
+    ds, source = load_dataset(out), load_dataset(src)            # the trainer's reader, sha256 checked
+    prompts = heldout_prompts(source, len(source))
+    assert len(ds) == len(prompts) == stats["records"] and len(ds.index["shards"]) == 3
+    gen = ds.index["regenerated"]
+    assert gen["target_model"] == str((tiny_small_dir / "target").absolute())
+    assert (gen["max_new_tokens"], gen["temperature"]) == (24, 0.0)
+    assert gen["source"]["hash"] == source.index["hash"]
+    assert stats["tokens_generated"] == ds.num_supervised_tokens > 0 and stats["tokens_per_s"] > 0
+
+    stops = stop_token_ids(target)
+    for i, p in enumerate(prompts):
+        ids, mask = ds[i]
+        assert np.array_equal(ids[:len(p)], p)                        # the prompt, unchanged
+        assert not mask[:len(p)].any() and mask[len(p):].all()        # supervised = generated, exactly
+        comp = ids[len(p):].tolist()
+        assert 1 <= len(comp) <= 24
+        assert len(comp) == 24 or comp[-1] in stops                   # stopped at EOS (kept) or the limit
+        assert not set(comp[:-1]) & set(stops)
+    for i in (0, 5, len(prompts) - 1):                                # re-count: unbatched, unpadded
+        p = torch.as_tensor(prompts[i])[None]
+        ref = target.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=stops, pad_token_id=0)
+        assert ds[i][0][p.shape[1]:].tolist() == ref[0, p.shape[1]:].tolist()
+
+
+def test_jsonl_input_and_two_devices_give_the_same_shards(tiny_small_dir, tmp_path):
+    """--input goes through dflash-prepare's chat-template code: the same prompts as prepare + --data-dir;
+    --devices splits shards over replicas without changing a byte."""
+    from trainer.prepare import prepare
+
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"ab cd {w}", "completion": "human words"}) + "\n"
+                             for w in ("ef", "gh ij", "kl", "mn op qr", "st")))
+    target = tiny_small_dir / "target"
+    prepare(target, [jsonl], tmp_path / "prepared", log=lambda *a: None)
+    common = dict(batch_size=2, max_new_tokens=8, shard_size=2, **QUIET)
+    regenerate(None, target, tmp_path / "from-jsonl", inputs=[jsonl], **common)
+    regenerate(tmp_path / "prepared", target, tmp_path / "from-dir", **common)
+    regenerate(tmp_path / "prepared", target, tmp_path / "two", devices=["cpu", "cpu"], **common)
+    a, b, c = (files(tmp_path / d) for d in ("from-jsonl", "from-dir", "two"))
+    shards = [n for n in a if n.startswith("shard-")]
+    assert len(shards) == 3 and all(a[n] == b[n] == c[n] for n in shards)
+    assert b["index.json"] == c["index.json"]
+
+
+def test_resumes_after_kill_9_without_redoing_finished_shards(tiny_small_dir, tmp_path, capsys):
+    args = ["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(tiny_small_dir / "data"),
+            "--max-records", "24", "--shard-size", "3", "--batch-size", "2", "--max-new-tokens", "24"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert main(args + ["--output-dir", str(ref)]) == 0
+    total = len(json.loads((ref / MANIFEST_NAME).read_text())["done"])
+    assert total == 8
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.regenerate", *args, "--output-dir", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest, deadline = out / MANIFEST_NAME, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if manifest.is_file() and json.loads(manifest.read_text())["done"]:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        err = proc.communicate()[1].decode()
+    assert proc.returncode == -signal.SIGKILL, err
+    done = json.loads(manifest.read_text())["done"]
+    assert 1 <= len(done) < total, f"killed with {len(done)} of {total} shards done"
+    mtimes = {e["file"]: (out / e["file"]).stat().st_mtime_ns for e in done.values()}
+
+    capsys.readouterr()
+    assert main(args + ["--output-dir", str(out)]) == 0
+    assert f"{len(done)} of {total} shard(s) already finished, kept" in capsys.readouterr().err
+    assert {f: (out / f).stat().st_mtime_ns for f in mtimes} == mtimes    # not regenerated
+    assert files(out) == files(ref)                                        # shards, index, manifest
+    assert len(load_dataset(out)) == 24
+
+    # a finished output: a rerun does nothing; another configuration is refused, the output kept
+    assert main(args + ["--output-dir", str(out)]) == 0
+    assert "already complete" in capsys.readouterr().err
+    assert main(args[:-1] + ["12", "--output-dir", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(out) in lines[0] and "max_new_tokens" in lines[0]
+    assert files(out) == files(ref)
+
+
+def _no_prompt_data(d: Path) -> Path:
+    write_shards([([5, 6, 7], [1, 1, 1])], d, tokenizer_name="x")
+    return d
+
+
+@pytest.mark.parametrize("case", ["missing data dir", "empty data dir", "no prompts", "not a model",
+                                  "foreign output", "busy output", "missing jsonl"])
+def test_bad_input_exits_2_with_one_line_naming_it(tiny_small_dir, tmp_path, capsys, case):
+    model, data, out = tiny_small_dir / "target", tiny_small_dir / "data", tmp_path / "out"
+    src, held = ["--data-dir", str(data)], None
+    if case == "missing data dir":
+        src = ["--data-dir", str(tmp_path / "nope")]
+        named = tmp_path / "nope"
+    elif case == "empty data dir":
+        (tmp_path / "empty").mkdir()
+        src, named = ["--data-dir", str(tmp_path / "empty")], tmp_path / "empty"
+    elif case == "no prompts":
+        named = _no_prompt_data(tmp_path / "noprompt")
+        src = ["--data-dir", str(named)]
+    elif case == "not a model":
+        model = named = tmp_path
+    elif case == "foreign output":                  # a prepared data dir: never overwritten
+        out = named = tmp_path / "prepared"
+        write_shards([([1, 2, 3], [0, 1, 1])], out, tokenizer_name="x")
+    elif case == "busy output":                     # another run holds it
+        out.mkdir()
+        held, named = lock_output_dir(out), out
+    else:
+        src = ["--input", str(tmp_path / "missing.jsonl")]
+        named = tmp_path / "missing.jsonl"
+    before = files(out) if out.is_dir() else None
+    rc = main(["--target-model", str(model), *src, "--output-dir", str(out), "--max-new-tokens", "4"])
+    assert rc == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-regenerate: error: ") and str(named) in lines[0]
+    assert (files(out) if out.is_dir() else None) == before
+    if held is not None:
+        os.close(held)
+
+
+# ------------------------------------------------------------------------------- the point of it
+
+
+def human_answers(tiny: Path, dest: Path) -> Path:
+    """The tiny data with every answer replaced by text the target does not write (random words of the
+    tiny vocabulary, as a person would type them), each answer exactly as many tokens as before."""
+    from trainer.tiny import build_tokenizer
+
+    tok, words = build_tokenizer(0)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rng = np.random.default_rng(7)
+    ds, recs = load_dataset(tiny / "data"), []
+    for i in range(len(ds)):
+        ids, mask = ds[i]
+        p, n = int(np.argmax(mask)), int(mask.sum())
+        answer = tok(" ".join(rng.choice(words, size=n)), add_special_tokens=False)["input_ids"][:n - 1] + [end]
+        assert len(answer) == n
+        recs.append((list(ids[:p]) + answer, [0] * p + [1] * n))
+    write_shards(recs, dest, shard_size=64, tokenizer_name=str(tiny / "target"))
+    return dest
+
+
+@pytest.mark.slow
+def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_dir, target, tmp_path):
+    from test_eval_specgen import train_drafter
+
+    from trainer.checkpoint import CheckpointManager
+    from trainer.evaluate import evaluate_checkpoint
+
+    human = human_answers(tiny_small_dir, tmp_path / "human")
+    regen = tmp_path / "regen"
+    regenerate(human, tiny_small_dir / "target", regen, batch_size=16, max_new_tokens=56, **QUIET)
+    h, r = load_dataset(human), load_dataset(regen)
+    assert len(h) == len(r) and r.num_supervised_tokens <= h.num_supervised_tokens   # no more to learn from
+
+    tau = {}
+    for name, data in (("human", human), ("regenerated", regen)):
+        cfg, model = train_drafter(target, data, epochs=10)                 # identical settings and steps
+        CheckpointManager(tmp_path / name).save(10, model.state_dict(), cfg.to_dict(), {})
+        res = evaluate_checkpoint(str(tmp_path / name), str(tiny_small_dir / "target"),
+                                  str(tiny_small_dir / "heldout"), device="cpu", max_prompts=8,
+                                  max_new_tokens=64, target=target, with_block_accuracy=False)
+        tau[name] = res["tau"]
+    # measured: human 1.00 (it learnt words the target never says), regenerated 1.39
+    assert tau["regenerated"] > tau["human"] + 0.2, tau

@@ -1,0 +1,501 @@
+"""dflash-regenerate: the target writes the completions, so the drafter learns the text it will verify.
+
+    dflash-regenerate --target-model DIR (--data-dir DIR | --input FILE.jsonl ...) --output-dir DIR
+                      [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
+                      [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
+                      [--max-records N]
+
+Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
+supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
+dflash-prepare accepts, rendered by dflash-prepare's own code (chat template), the same prompt then.
+Records without a prompt (supervised from the first token) are skipped. Only the first assistant turn
+is regenerated: later turns answered a reply the target did not write.
+
+The target generates each prompt's completion with transformers' `generate` (left padding, attention
+mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or
+top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
+of dflash-prepare) or --max-new-tokens. Output: the shard format of dflash-prepare (trainer/data.py)
+with the loss mask on the generated tokens only, and index.json with a "regenerated" key recording
+what wrote it (target, source and its hash, max_new_tokens, temperature, seed, batch size).
+
+Resumable: output shard k holds the prompts k*S..(k+1)*S-1; each is written atomically and then
+recorded in OUTDIR/regenerate.json (the configuration and the finished shards). A rerun with the same
+configuration after a crash or kill -9 keeps the finished shards (their sha256 checked) and generates
+the rest; the result is the same bytes as an uninterrupted run (same devices). A different
+configuration in the same OUTDIR is refused, and so is an OUTDIR that holds anything else.
+
+Exit codes: 0 written (or already complete), 2 bad input (one line on stderr naming it).
+Python: `regenerate(data_dir, target_model, out_dir, *, device=..., batch_size=..., ...) -> dict`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .data import (
+    DEFAULT_SHARD_SIZE,
+    INDEX_NAME,
+    SHARD_PATTERN,
+    DataError,
+    Dataset,
+    load_dataset,
+    read_index,
+    write_index,
+    write_shard,
+)
+from .fsutil import atomic_write_text
+
+PROG = "dflash-regenerate"
+MANIFEST_NAME = "regenerate.json"
+MANIFEST_FORMAT = "dflash-regenerate-v1"
+LOCK_NAME = ".regenerate.lock"
+
+
+class RegenerateError(ValueError):
+    """Bad input or a conflicting output directory; the message names it."""
+
+
+def _log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+
+def prompts_from_records(dataset) -> list[np.ndarray]:
+    """Every record's prompt (tokens before its first supervised token), as dflash-eval takes them."""
+    from .evaluate import heldout_prompts
+
+    return heldout_prompts(dataset, len(dataset))
+
+
+def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[list[np.ndarray], dict, int]:
+    """(prompts, source description for the configuration, number of records) from a shard dir or
+    JSONL files."""
+    if data_dir is not None:
+        try:
+            index = read_index(data_dir)
+            ds = load_dataset(data_dir)
+        except DataError as e:
+            raise RegenerateError(f"--data-dir {data_dir}: {e}") from None
+        source = {"data_dir": str(Path(data_dir).absolute()), "hash": index["hash"]}
+        return prompts_from_records(ds), source, len(ds)
+    # JSONL: dflash-prepare's parser and chat-template rendering, records kept in memory
+    from transformers import AutoTokenizer
+
+    from .prepare import Encoder, PrepareError, Stats, iter_records
+
+    for p in inputs:
+        if not p.is_file():
+            raise RegenerateError(f"--input {p}: no such file")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a missing tokenizer
+        raise RegenerateError(f"--target-model {target}: cannot load tokenizer: {e}") from None
+    try:
+        ds = Dataset.from_records(iter_records(Encoder(tok), list(inputs), 0, Stats(), log=log))
+    except PrepareError as e:
+        raise RegenerateError(str(e)) from None
+    source = {"inputs": [{"path": str(p.absolute()), "sha256": _sha256(p)} for p in inputs]}
+    return prompts_from_records(ds), source, len(ds)
+
+
+# --------------------------------------------------------------------------------------------
+# Generation (one device, one model replica)
+
+
+class TargetGenerator:
+    """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
+
+    def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
+                 batch_size: int):
+        import torch
+
+        from .evaluate import stop_token_ids
+        from .target import load_target
+
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = load_target(target_model, self.device, dtype)
+        self.stop_ids = stop_token_ids(self.model)
+        gc, cfg = self.model.generation_config, self.model.config
+        pad = gc.pad_token_id if gc.pad_token_id is not None else cfg.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.stop_ids or [0])[0])
+        self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
+
+    def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
+            ids[r, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            attn[r, width - len(p):] = 1
+        # knobs set explicitly: a chat model's generation_config.json (sampling on, top-k, top-p,
+        # repetition penalty) fills whatever is left unset, and must not change what greedy decoding
+        # or plain sampling at --temperature produce (what dflash-eval and serving verify against)
+        if self.temperature > 0:
+            knobs = dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0, min_p=0.0)
+        else:
+            knobs = dict(do_sample=False)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                max_new_tokens=self.max_new_tokens, num_beams=1, repetition_penalty=1.0, **knobs,
+                eos_token_id=self.stop_ids or None, pad_token_id=self.pad_id)
+        new = out[:, width:].cpu().numpy()
+        stops = np.isin(new, self.stop_ids) if self.stop_ids else np.zeros(new.shape, bool)
+        result = []
+        for r in range(len(prompts)):
+            hit = np.nonzero(stops[r])[0]
+            n = int(hit[0]) + 1 if len(hit) else new.shape[1]  # the stop token is kept
+            result.append(new[r, :n].astype(np.int64))
+        return result
+
+    def complete(self, prompts: list[np.ndarray], seed: int, on_batch=None) -> list[np.ndarray]:
+        """Batches of similar prompt length (fewer padded positions), results in input order."""
+        import torch
+
+        if self.device.type == "cuda":  # this device's generator only: other threads own the others
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+        out: list = [None] * len(prompts)
+        for s in range(0, len(order), self.batch_size):
+            members = order[s:s + self.batch_size]
+            for i, comp in zip(members, self._batch([prompts[i] for i in members])):
+                out[i] = comp
+            if on_batch is not None:
+                on_batch(len(members), sum(len(out[i]) for i in members))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The output directory: manifest, finished shards, index
+
+
+def _check_out_dir(out: Path, config: dict, src: str) -> dict:
+    """The manifest to continue from (a fresh one for an empty or new directory)."""
+    fresh = {"format": MANIFEST_FORMAT, "config": config, "done": {}, "complete": False}
+    if out.exists() and not out.is_dir():
+        raise RegenerateError(f"--output-dir {out}: exists and is not a directory")
+    if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):
+        return fresh
+    mpath = out / MANIFEST_NAME
+    if not mpath.is_file():
+        raise RegenerateError(f"--output-dir {out}: not empty and holds no {MANIFEST_NAME} "
+                              "(not a dflash-regenerate output; refusing to overwrite)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        assert manifest.get("format") == MANIFEST_FORMAT and isinstance(manifest.get("done"), dict)
+    except (OSError, ValueError, AssertionError, AttributeError):
+        raise RegenerateError(f"--output-dir {out}: {mpath} is unreadable or not a "
+                              f"{MANIFEST_FORMAT} manifest") from None
+    old = manifest.get("config", {})
+    if old != config:
+        keys = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+        raise RegenerateError(
+            f"--output-dir {out}: holds data regenerated with another configuration than this run "
+            f"from {src} ({', '.join(keys)} differ); use a new output directory")
+    return manifest
+
+
+def lock_output_dir(out: Path) -> int:
+    """An exclusive lock on ``out`` for this process (released by the kernel if it dies)."""
+    import fcntl
+
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RegenerateError(f"--output-dir {out}: another dflash-regenerate is writing it") from None
+    return fd
+
+
+def _finished(out: Path, manifest: dict, k: int) -> dict | None:
+    """Shard k's entry when the manifest lists it and the file on disk has its sha256."""
+    entry = manifest["done"].get(str(k))
+    if entry is None:
+        return None
+    path = out / entry["file"]
+    if path.is_file() and _sha256(path) == entry["sha256"]:
+        return entry
+    return None
+
+
+class _Progress:
+    """One stderr line at most every `every` seconds: records done/total, generated tokens, tok/s."""
+
+    def __init__(self, total: int, log, every: float = 5.0):
+        self.total, self.log, self.every = total, log, every
+        self.records = self.tokens = 0
+        self.t0 = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def add(self, records: int, tokens: int, force: bool = False, note: str = "") -> None:
+        with self.lock:
+            self.records += records
+            self.tokens += tokens
+            now = time.monotonic()
+            if force or now - self.last >= self.every:
+                self.last = now
+                rate = self.tokens / max(now - self.t0, 1e-9)
+                self.log(f"{PROG}: {self.records}/{self.total} records, {self.tokens} tokens "
+                         f"generated, {rate:.0f} tok/s{note}")
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+
+
+def regenerate(
+    data_dir: str | os.PathLike | None,
+    target_model: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    inputs: Sequence[str | os.PathLike] = (),
+    device: str = "cpu",
+    devices: Sequence[str] | None = None,
+    batch_size: int = 32,
+    max_new_tokens: int = 1024,
+    temperature: float = 0.0,
+    seed: int = 0,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    max_records: int = 0,
+    log: Callable[[str], None] = _log_stderr,
+    progress_every: float = 5.0,
+) -> dict:
+    """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
+    ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
+    records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
+    (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
+    Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
+    from .config import ConfigError, check_model_dir
+
+    target = Path(target_model)
+    out = Path(out_dir)
+    inputs = [Path(p) for p in inputs]
+    if (data_dir is None) == (not inputs):
+        raise RegenerateError("give exactly one of --data-dir and --input")
+    src = str(data_dir) if data_dir is not None else ", ".join(map(str, inputs))
+    try:
+        check_model_dir(str(target))
+    except ConfigError as e:
+        raise RegenerateError(str(e)) from None
+    devs = list(devices or [device])
+    for d in devs:
+        _check_device(d)
+    for name, value, lo in (("--batch-size", batch_size, 1), ("--max-new-tokens", max_new_tokens, 1),
+                            ("--shard-size", shard_size, 1), ("--max-records", max_records, 0)):
+        if value < lo:
+            raise RegenerateError(f"{name}: must be >= {lo}, got {value}")
+    if not temperature >= 0:
+        raise RegenerateError(f"--temperature: must be >= 0, got {temperature}")
+    if data_dir is not None and out.absolute() == Path(data_dir).absolute():
+        raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
+
+    prompts, source, num_records = load_prompts(data_dir, inputs, target, log)
+    if not prompts:
+        raise RegenerateError(f"{src}: no record has a prompt (tokens before its first supervised one)")
+    if num_records > len(prompts):
+        log(f"{PROG}: {src}: {num_records - len(prompts)} of {num_records} records have no prompt "
+            "(supervised from their first token), skipped")
+    if max_records:
+        prompts = prompts[:max_records]
+    config = {
+        "target_model": str(target.absolute()),
+        "source": source,
+        "num_records": len(prompts),
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "seed": int(seed),
+        "batch_size": int(batch_size),
+        "shard_size": int(shard_size),
+    }
+    manifest = _check_out_dir(out, config, src)
+    num_shards = -(-len(prompts) // shard_size)
+    if manifest["complete"] and (out / INDEX_NAME).is_file() and all(
+            _finished(out, manifest, k) for k in range(num_shards)):
+        index = read_index(out)
+        log(f"{PROG}: {out} is already complete ({index['num_sequences']} sequences); nothing to do")
+        return _stats(out, index, prompts, num_shards, num_shards, 0, 0.0, 0.0, 0)
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock_fd = lock_output_dir(out)
+    try:
+        manifest = _check_out_dir(out, config, src)  # again: no other run writes it now
+        manifest["complete"] = False
+        for p in out.iterdir():  # temp files of a killed run
+            if p.name.startswith(".") and ".tmp" in p.name:
+                p.unlink()
+        atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+        todo = [k for k in range(num_shards) if _finished(out, manifest, k) is None]
+        skipped = num_shards - len(todo)
+        if skipped:
+            log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
+        progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
+                             progress_every)
+        t_load = time.monotonic()
+        gens = [TargetGenerator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
+        load_s = time.monotonic() - t_load
+        lock = threading.Lock()
+        eos_hits = [0]
+
+        def run_shard(gen: TargetGenerator, k: int) -> None:
+            chunk = prompts[k * shard_size:(k + 1) * shard_size]
+            comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=lambda n, t: progress.add(n, t))
+            ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
+            masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(len(c), np.int8)])
+                     for p, c in zip(chunk, comps)]
+            entry = write_shard(out / SHARD_PATTERN.format(k), ids, masks)
+            with lock:
+                eos_hits[0] += sum(1 for c in comps if len(c) and int(c[-1]) in gen.stop_ids)
+                manifest["done"][str(k)] = entry
+                atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+            progress.add(0, 0, force=True, note=f" (shard {k + 1}/{num_shards} written)")
+
+        t0 = time.monotonic()
+        _run_on_devices(gens, todo, run_shard)
+        secs = time.monotonic() - t0
+
+        entries = [manifest["done"][str(k)] for k in range(num_shards)]
+        extra = {"regenerated": {k: v for k, v in config.items() if k != "num_records"}}
+        index = write_index(out, entries, tokenizer_name=str(target), extra=extra)
+        manifest["complete"] = True
+        atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+        stats = _stats(out, index, prompts, num_shards, skipped, progress.tokens, secs, load_s,
+                       eos_hits[0])
+        log(f"{PROG}: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens "
+            f"({index['num_supervised_tokens']} generated and supervised), {num_shards} shard(s), "
+            f"{skipped} kept from before; {stats['tokens_generated']} tokens in {secs:.1f}s "
+            f"({stats['tokens_per_s']:.0f} tok/s) on {', '.join(devs)}; hash {index['hash'][:16]}")
+        return stats
+    finally:
+        os.close(lock_fd)
+
+
+def _run_on_devices(gens: list[TargetGenerator], todo: list[int], run_shard) -> None:
+    """Shards in order on one device; with several, one thread per device (each owning its replica)
+    takes the next shard from a queue. The first error stops the others and is raised here."""
+    if len(gens) == 1:
+        for k in todo:
+            run_shard(gens[0], k)
+        return
+    work: queue.Queue = queue.Queue()
+    for k in todo:
+        work.put(k)
+    errors: list[BaseException] = []
+
+    def worker(gen: TargetGenerator) -> None:
+        while not errors:
+            try:
+                k = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                run_shard(gen, k)
+            except BaseException as e:  # noqa: BLE001  re-raised in the main thread
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=worker, args=(g,), name=f"regen-{g.device}") for g in gens]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise RegenerateError(f"--device {name}: not a device (cpu or cuda:N)") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise RegenerateError(f"--device {name}: no such CUDA device on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise RegenerateError(f"--device {name}: only cpu and cuda:N are supported")
+
+
+def _stats(out, index, prompts, num_shards, skipped, tokens, secs, load_s, eos_hits) -> dict:
+    return {
+        "out_dir": str(out),
+        "records": index["num_sequences"],
+        "shards": num_shards,
+        "shards_skipped": skipped,
+        "shards_generated": num_shards - skipped,
+        "tokens_generated": int(tokens),
+        "prompt_tokens": int(sum(len(p) for p in prompts)),
+        "supervised_tokens": index["num_supervised_tokens"],
+        "seconds": round(secs, 3),
+        "tokens_per_s": tokens / secs if secs > 0 else 0.0,
+        "load_seconds": round(load_s, 3),
+        "stopped_at_eos": int(eos_hits),
+        "index_hash": index["hash"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target-model", required=True, help="local HF model dir (writes the completions)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data-dir", help="prepared shards (dflash-prepare); prompts = tokens before the "
+                                        "first supervised one")
+    src.add_argument("--input", action="append", help="JSONL as dflash-prepare takes it (repeatable)")
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    ap.add_argument("--devices", help="several devices, e.g. cuda:0,cuda:1 (one replica each)")
+    ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="sequences per shard")
+    ap.add_argument("--max-records", type=int, default=0, help="first N prompts only (0 = all)")
+    ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
+    args = ap.parse_args(argv)
+    try:
+        stats = regenerate(
+            args.data_dir, args.target_model, args.output_dir, inputs=args.input or (),
+            device=args.device, devices=args.devices.split(",") if args.devices else None,
+            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, seed=args.seed, shard_size=args.shard_size,
+            max_records=args.max_records)
+    except RegenerateError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -91,10 +91,12 @@ def test_metrics_file_cuts_eval_records_after_the_resume_step(tmp_path):
         if s % 2 == 0:
             lines.append({"kind": "eval", "step": s, "tau": 1.5})
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    MetricsFile(path, resume_step=4).close()
+    mf = MetricsFile(path, resume_step=4)
+    mf.close()
     kept = [json.loads(x) for x in path.read_text().splitlines()]
     assert [(r.get("kind", "step"), r["step"]) for r in kept] == [
         ("step", 1), ("step", 2), ("eval", 2), ("step", 3), ("step", 4), ("eval", 4)]
+    assert mf.last["eval"]["step"] == 4 and mf.last["step"]["step"] == 4   # what status.json's eval resumes with
 
 
 def test_eval_steps_are_a_function_of_the_step():

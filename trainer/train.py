@@ -41,6 +41,7 @@ from .dist import DispatchPlan, Groups, StopVote, Topology, init_rank
 from .drafter import DrafterStage, build_drafter
 from .evaltrain import InTrainingEval, eval_record, eval_scalars, eval_status, eval_wandb
 from .fast import compile_layers, freeze_compiled, resolve_compile, wants
+from .fsutil import atomic_write_text
 from .metrics import HeadTailLog, MetricsFile, Profiler, StepMetrics, step_record
 from .model import DFlashConfig
 from .optim import build_optimizer, guarded_step, lr_at, warmup_steps
@@ -198,6 +199,8 @@ class Trainer:
         self.vote = StopVote(topo, self.groups.control)
         if topo.leader:
             self.metrics_file = MetricsFile(self.out / "metrics.jsonl", self.step if self.resumed_from else None)
+            if "eval" in self.metrics_file.last:   # a resumed run's status shows its last eval from the start
+                self.status.update(eval=eval_status(self.metrics_file.last["eval"]))
             self.wandb = self._wandb()
             from .metrics_sinks import open_tensorboard
             self.tensorboard = open_tensorboard(cfg.tensorboard_dir, self.run_id)
@@ -480,7 +483,7 @@ class Trainer:
         """The end-of-run eval as eval.json (as dflash-eval writes it), with the checkpoint of its weights."""
         rec = {k: v for k, v in self.final_eval.items() if k not in ("kind", "final")}
         ckpt = self.last_ckpt if (self.last_ckpt or "").endswith(step_dir_name(rec["step"])) else None
-        (self.out / "eval.json").write_text(json.dumps(dict(rec, checkpoint=ckpt), indent=2) + "\n")
+        atomic_write_text(self.out / "eval.json", json.dumps(dict(rec, checkpoint=ckpt), indent=2) + "\n")
 
     def train_clock(self) -> float:
         """Seconds of training: the wall clock less the eval pauses (tokens/s, the profile, progress)."""

@@ -34,9 +34,14 @@ def tiny_args(tiny: Path, out: Path, *extra: str) -> list[str]:
             "--profile-interval", "600", "--noise-start", "0.02", "--noise-end", "0.01", *extra]
 
 
-def losses(out: Path) -> dict[int, float]:
+def records(out: Path, kind: str = "step") -> list[dict]:
+    """metrics.jsonl's records of one kind: "step" (no `kind` key: one per optimizer step) or "eval"."""
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs}
+    return [r for r in recs if r.get("kind", "step") == kind]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out)}
 
 
 # ------------------------------------------------------------------------------------ model facts

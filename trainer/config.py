@@ -32,6 +32,9 @@ TRANSPORTS = ("auto", "peer", "pinned")
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
 
 NOISE_TYPES = ("uniform", "gaussian", "none")
+# the bounds of one tau evaluation (trainer/evaluate.py and dflash-eval default to them too)
+EVAL_PROMPTS = 16
+EVAL_MAX_NEW_TOKENS = 128
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -109,7 +112,13 @@ class TrainConfig:
     target_layers: list[int] | None = opt(None, "override the tapped target layers, e.g. 1,9,17", kind="ints")
     max_nan_skips: int = opt(10, "consecutive non-finite steps before the run fails", ge=1)
     mask_token_id: int | None = opt(None, "default: the tokenizer's <|mask|>, else 151669")
-    eval_data_dir: str = opt("", "held-out shards for the acceptance evaluation at the end")
+    eval_data_dir: str = opt("", "held-out shards: tau by real speculative generation at the end of the run "
+                                 "(eval.json) and every --eval-every steps")
+    eval_every: int = opt(0, "optimizer steps between tau evaluations during training, into metrics.jsonl, "
+                             "status.json and the plots (needs --eval-data-dir; every rank pauses for it; "
+                             "0: only at the end)", ge=0)
+    eval_prompts: int = opt(EVAL_PROMPTS, "held-out prompts per tau evaluation", ge=1)
+    eval_max_new_tokens: int = opt(EVAL_MAX_NEW_TOKENS, "tokens generated per prompt in a tau evaluation", ge=1)
     drafter_chunk_rows: int = opt(32768, "block rows per drafter forward", ge=1)
     loss_dedup: bool = opt(True, "LM head only on rows with a loss, soft-label targets once per position of a "
                                  "loss chunk (--no-loss-dedup: every block row, per row; the same loss)")
@@ -367,6 +376,8 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         (cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
         (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
          f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
+        (cfg.eval_every == 0 or bool(cfg.eval_data_dir), "--eval-every",
+         f"({cfg.eval_every}) needs --eval-data-dir (the held-out shards to evaluate on)"),
     ]
     for ok, flag, why in checks:
         if not ok:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS
 from .export import ExportError, hf_config_dict, read_checkpoint
 from .model import DFlashConfig, DFlashDrafter, PackedMeta
 from .modeling_dflash import DFlashDraftModel, dflash_generate
@@ -93,7 +94,7 @@ def heldout_prompts(dataset, max_prompts: int) -> list[np.ndarray]:
 
 
 @torch.no_grad()
-def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = 128,
+def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                      temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0) -> dict:
     """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
     dev = next(target.parameters()).device
@@ -184,8 +185,8 @@ def block_accuracy(target, drafter: DFlashDrafter, cfg: DFlashConfig, dataset, d
 # ------------------------------------------------------------------------------- entry points
 
 
-def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device, max_prompts: int = 16,
-             max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
+def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device, max_prompts: int = EVAL_PROMPTS,
+             max_new_tokens: int = EVAL_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
              with_block_accuracy: bool = False) -> dict:
     """tau by speculative generation for a drafter object (trainer's class or the servable one)."""
     hf = _as_hf(drafter, dcfg).to(device)
@@ -202,9 +203,20 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
     return res
 
 
+def evaluate_state(cfg: DFlashConfig, state: dict[str, torch.Tensor], target, dataset, device: torch.device,
+                   dtype: torch.dtype, max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                   temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True) -> dict:
+    """tau for drafter weights `state` (a consolidated state dict, as model.safetensors holds it) against an
+    already loaded `target`: what evaluate_checkpoint runs after reading the files, and what the trainer runs
+    during training on the current weights (trainer/evaltrain.py), so the two agree by construction."""
+    drafter = hf_drafter(cfg, state, device, dtype)
+    return evaluate(target, drafter, cfg, dataset, device, max_prompts, max_new_tokens, temperature, seed,
+                    with_block_accuracy)
+
+
 def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, device: str | None = None,
-                        max_prompts: int = 16, max_new_tokens: int = 128, temperature: float = 0.0,
-                        seed: int = 0, with_block_accuracy: bool = True, target=None,
+                        max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                        temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
                         out_dir: str | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
@@ -215,11 +227,10 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg, state, src = read_checkpoint(checkpoint)
-    drafter = hf_drafter(cfg, state, dev, dtype)
     if target is None:
         target = load_target(target_model, dev, dtype)
-    res = evaluate(target, drafter, cfg, load_dataset(eval_data), dev, max_prompts, max_new_tokens,
-                   temperature, seed, with_block_accuracy)
+    res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
+                         temperature, seed, with_block_accuracy)
     from .checkpoint import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
@@ -231,14 +242,6 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     return res
 
 
-def evaluate_trainer(trainer, data_dir: str) -> dict:
-    """Compatibility shim for today's train.py: evaluate its newest checkpoint, write eval.json."""
-    out = Path(trainer.cfg.output_dir)
-    src = getattr(trainer, "last_ckpt", None) or str(out)
-    return evaluate_checkpoint(src, trainer.cfg.target_model, data_dir, device=str(trainer.master_dev),
-                               out_dir=str(out))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True)
@@ -246,8 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", help="same as --checkpoint with an output dir")
     p.add_argument("--data-dir", required=True, help="held-out shards")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompts", type=int, default=EVAL_PROMPTS)
+    p.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-block-accuracy", action="store_true", help="skip the teacher-forced figure")

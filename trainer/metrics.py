@@ -1,7 +1,8 @@
 """Metrics of the run: stage timings (Profiler), bounded step logs (HeadTailLog) and metrics.jsonl.
 
-metrics.jsonl is written by rank 0 only. On resume it is cut back to the checkpoint's step first,
-so a reader never sees the steps between the checkpoint and a kill twice.
+metrics.jsonl is written by rank 0 only: one record per optimizer step, and one with "kind": "eval" per
+tau eval (docs/contracts.md). On resume it is cut back to the checkpoint's step first (records of both
+kinds), so a reader never sees the steps between the checkpoint and a kill twice.
 """
 
 from __future__ import annotations
@@ -127,26 +128,30 @@ class MetricsFile:
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = Path(path)
+        self.last: dict[str, dict] = {}   # on resume: the last kept record of each kind ("step", "eval")
         if resume_step is not None:
             self.truncate_after(resume_step)
         self.f = open(self.path, "a")
         self.error = False
 
     def truncate_after(self, step: int) -> int:
-        """Drop records of steps > step (written after the checkpoint we resume from). Returns how many."""
+        """Drop records of steps > step (written after the checkpoint we resume from), of every kind (step
+        records, eval records). Returns how many."""
         if not self.path.exists():
             return 0
         keep, dropped = [], 0
         for line in self.path.read_text().splitlines(keepends=True):
             try:
-                rec_step = json.loads(line).get("step")
-            except ValueError:
+                rec = json.loads(line)
+                rec_step = rec.get("step")
+            except (ValueError, AttributeError):
                 dropped += 1     # a torn last line from a kill
                 continue
             if rec_step is not None and rec_step > step:
                 dropped += 1
             else:
                 keep.append(line)
+                self.last[rec.get("kind", "step")] = rec
         if dropped:
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(keep))

@@ -35,7 +35,7 @@ PHASES = ("starting", "loading", "warmup", "training", "checkpointing", "done", 
 STATUS_FIELDS = (
     "phase", "step", "epoch", "tokens_seen", "tokens_per_s", "loss", "nan_skips", "nan_streak",
     "updated_at", "started_at", "pid", "run_id", "last_checkpoint", "error", "resumed_from",
-    "log_file",
+    "log_file", "eval",
 )
 
 DEFAULT_MAX_AGE = 300.0
@@ -452,6 +452,12 @@ def verdict(st: Mapping[str, Any] | None, *, max_age: float = DEFAULT_MAX_AGE, c
             "reason": problems[0] if problems else reason, "heartbeat_age_s": round(age, 3) if age is not None else None}
 
 
+def _eval_line(ev: Any) -> str:
+    if not isinstance(ev, Mapping) or ev.get("tau") is None:
+        return "-"
+    return f"tau {_fmt_num(ev.get('tau'), '.3f')} at step {ev.get('step')}"
+
+
 def _human_summary(path: str, st: Mapping[str, Any], healthy: bool, age: float | None,
                    reason: str) -> str:
     def g(key: str, fmt: str | None = None) -> str:
@@ -472,6 +478,7 @@ def _human_summary(path: str, st: Mapping[str, Any], healthy: bool, age: float |
         ("tokens/s", g("tokens_per_s", ",.1f")),
         ("loss", g("loss", ".4f")),
         ("nan skips", f"{g('nan_skips')} (streak {g('nan_streak')})"),
+        ("last eval", _eval_line(st.get("eval"))),
         ("last checkpoint", g("last_checkpoint")),
         ("resumed from", g("resumed_from")),
         ("heartbeat age", f"{age:.1f} s" if age is not None else "-"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -49,12 +50,29 @@ class TargetStage:
         self._next = 0
         self._cur: dict | None = None
         layers = dec.layers
+        self.all_layers = layers   # the whole stack (full_model); training may run only a prefix of it
         self._hooks = [layers[lid].register_forward_hook(self._tap_hook(col)) for col, lid in enumerate(self.tap_ids)]
         if soft_labels:
             self._hooks.append(dec.norm.register_forward_hook(self._final_hook))
         elif max(self.tap_ids) + 1 < len(layers) and not keep_head:
             # hard labels need nothing after the last tap: run only the layers we read
             dec.layers = layers[: max(self.tap_ids) + 1]
+
+    @contextmanager
+    def full_model(self):
+        """The whole target for generation (trainer/evaltrain.py): every layer, the final norm and the LM
+        head, in eval mode. The layers hard-label training skips are put back for the duration. Call
+        it only on the main thread while no forward of this stage is queued (an eval step's boundary);
+        the tap hooks stay registered but copy nothing outside forward_pack."""
+        dec, model = decoder(self.model), self.model
+        trained, was_training = dec.layers, model.training
+        dec.layers = self.all_layers
+        model.eval()
+        try:
+            yield model
+        finally:
+            dec.layers = trained
+            model.train(was_training)
 
     # hooks run on the forward's (this stage's) stream
     def _tap_hook(self, col):

@@ -4,7 +4,8 @@ sends, receives), optim.py, metrics.py, checkpoint.py, status.py, runlog.py.
 
 Owners on a rank (one each):
   main thread      the step loop: target forwards and sends, drafter receives and micro-steps,
-                   optimizer step, stop vote, metrics/status/checkpoints (rank 0)
+                   optimizer step, stop vote, metrics/status/checkpoints (rank 0), the tau eval at
+                   eval steps with the pipeline quiescent (evaltrain.py; the lowest target rank runs it)
   prefetch thread  collate + plan of this rank's micro-batches, in order, into a bounded queue
   streams          TargetStage.stream (forward + pack), Sender.stream (sends), DrafterStage.stream
                    (receives are ordered onto it; forward/backward/optimizer)
@@ -38,7 +39,9 @@ from .config import TrainConfig, validate
 from .data import BatchPlanner, DataError, DataPosition, collate, load_dataset
 from .dist import DispatchPlan, Groups, StopVote, Topology, init_rank
 from .drafter import DrafterStage, build_drafter
+from .evaltrain import InTrainingEval, eval_record, eval_scalars, eval_status, eval_wandb
 from .fast import compile_layers, freeze_compiled, resolve_compile, wants
+from .fsutil import atomic_write_text
 from .metrics import HeadTailLog, MetricsFile, Profiler, StepMetrics, step_record
 from .model import DFlashConfig
 from .optim import build_optimizer, guarded_step, lr_at, warmup_steps
@@ -157,6 +160,9 @@ class Trainer:
         self.resumed_from: str | None = None
         self.last_loss: float | None = None
         self.last_acc: list | None = None
+        self.evaluator: InTrainingEval | None = None     # with --eval-data-dir (evaltrain.py)
+        self.final_eval: dict | None = None               # the end-of-run eval's record (leader), for eval.json
+        self.paused_s = 0.0    # seconds training stood still for evals: kept out of tokens/s and the profile
         self.wait_s = 0.0
         self.items_done = 0    # micro-batches this rank worked on (as target, drafter or both)
 
@@ -185,9 +191,16 @@ class Trainer:
         self._build_stages()
         self._build_schedule()
         self._resume()
+        if cfg.eval_data_dir:
+            try:
+                self.evaluator = InTrainingEval(cfg, topo, self.groups, self.device, self.dtype)
+            except (DataError, ValueError) as e:
+                raise BadInput(f"--eval-data-dir: {e}") from None
         self.vote = StopVote(topo, self.groups.control)
         if topo.leader:
             self.metrics_file = MetricsFile(self.out / "metrics.jsonl", self.step if self.resumed_from else None)
+            if "eval" in self.metrics_file.last:   # a resumed run's status shows its last eval from the start
+                self.status.update(eval=eval_status(self.metrics_file.last["eval"]))
             self.wandb = self._wandb()
             from .metrics_sinks import open_tensorboard
             self.tensorboard = open_tensorboard(cfg.tensorboard_dir, self.run_id)
@@ -360,14 +373,7 @@ class Trainer:
         topo, g = self.topo, self.groups.dctl
         self.status.update(phase="checkpointing", step=self.step, force=True)
         t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        full = {}
-        for n, p in self.drafter.model.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if topo.leader:
-                full[n] = t.detach().float().cpu()
-            del t
+        full = self.consolidated_state()
         rngs = [None] * len(topo.drafter_ranks) if topo.leader else None
         dist.gather_object(capture_rng_state(), rngs, dst=0, group=g)
         box = [None]
@@ -414,6 +420,74 @@ class Trainer:
         self.last_ckpt = box[0]["path"]
         log.info("checkpoint %s (%s) in %.1fs", self.last_ckpt, reason, time.perf_counter() - t0)
         self.status.update(phase="training", last_checkpoint=self.last_ckpt, force=True)
+
+    def consolidated_state(self) -> dict[str, torch.Tensor]:
+        """The whole fp32 drafter, on the leader's CPU (empty elsewhere): every drafter rank together
+        (FSDP all-gathers each parameter). What model.safetensors holds and what the tau eval loads."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        full = {}
+        for n, p in self.drafter.model.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            if self.topo.leader:
+                full[n] = t.detach().float().cpu()
+            del t
+        return full
+
+    # ------------------------------------------------------------------------------ tau eval
+    def _quiesce(self):
+        """Nothing of this rank's pipeline in flight: the step's sends complete, the device idle. (No
+        receive is posted across a step boundary: _post_receives.)"""
+        if self.target is not None:
+            for slot in self.target.slots:
+                Sender.reclaim(slot)
+        if self.receiver is not None and self.receiver.posted:
+            raise RuntimeError(f"eval at step {self.step}: receives still posted across the step boundary")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def evaluate_now(self, final: bool) -> float:
+        """Every rank, at an eval step's boundary (evaltrain.py has the message flow): tau of the current
+        weights, measured by the eval owner, recorded by the leader. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.topo.is_drafter:
+            self._drain_metrics(block=True)   # step records first: W&B drops a step below the last logged
+        self._quiesce()
+        state = self.consolidated_state() if self.topo.is_drafter else None
+        res = self.evaluator.run(self.step, state, self.target, self.dcfg, final)
+        del state
+        secs = time.perf_counter() - t0
+        if self.topo.leader:
+            if "error" in res:
+                log.warning("eval at step %d failed on rank %d: %s (training goes on)", self.step,
+                            self.evaluator.owner, res["error"])
+            else:
+                self._record_eval(eval_record(self.step, res, final), secs)
+        return secs
+
+    def _record_eval(self, rec: dict, secs: float):
+        log.info("eval at step %d: tau %.3f over %d verify steps (%d prompts); per-position acceptance %s; "
+                 "training paused %.1fs (not counted in tokens/s)", rec["step"], rec["tau"], rec["verify_steps"],
+                 rec["prompts"], [round(x, 3) for x in rec["per_position_acceptance"]], secs)
+        if self.metrics_file is not None:
+            self.metrics_file.write([json.dumps(rec) + "\n"])
+        self.status.update(eval=eval_status(rec), force=True)
+        if self.wandb is not None:
+            self.wandb.log(eval_wandb(rec), step=rec["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.write(rec["step"], eval_scalars(rec))
+        if rec["final"]:
+            self.final_eval = rec
+
+    def _write_eval_json(self):
+        """The end-of-run eval as eval.json (as dflash-eval writes it), with the checkpoint of its weights."""
+        rec = {k: v for k, v in self.final_eval.items() if k not in ("kind", "final")}
+        ckpt = self.last_ckpt if (self.last_ckpt or "").endswith(step_dir_name(rec["step"])) else None
+        atomic_write_text(self.out / "eval.json", json.dumps(dict(rec, checkpoint=ckpt), indent=2) + "\n")
+
+    def train_clock(self) -> float:
+        """Seconds of training: the wall clock less the eval pauses (tokens/s, the profile, progress)."""
+        return time.perf_counter() - self.paused_s
 
     def _position(self, seq: int) -> tuple[int, int]:
         n = self.planner.num_batches
@@ -675,9 +749,9 @@ class Trainer:
         self._start_prefetch()
         self.status.update(phase="training", step=self.step, resumed_from=self.resumed_from,
                            last_checkpoint=self.last_ckpt, nan_skips=self.nan_skips, force=True)
-        progress = Progress(self.total_steps, desc="train", interval=min(30.0, cfg.profile_interval)) \
-            if topo.leader else None
-        t_start = t_prof = time.perf_counter()
+        progress = Progress(self.total_steps, desc="train", interval=min(30.0, cfg.profile_interval),
+                            clock=self.train_clock) if topo.leader else None
+        t_start = t_prof = self.train_clock()
         tok_window: deque = deque(maxlen=50)
         ready_sent = False
         try:
@@ -694,7 +768,7 @@ class Trainer:
                 stop = self.vote.verdict(self.step)
                 if topo.is_drafter:
                     self._drain_metrics()
-                now = time.perf_counter()
+                now = self.train_clock()
                 if topo.leader:
                     tok_window.append((now, self.tokens_seen))
                     self.step_log.append((now, self.step, self.tokens_seen))
@@ -715,7 +789,12 @@ class Trainer:
                     if now - t_prof >= cfg.profile_interval:
                         self._profile_report(now - t_prof, rate, now - t_start)
                         t_prof = now
-                final = self.step == self.total_steps and cfg.save_final
+                last = self.step == self.total_steps
+                if self.evaluator is not None and not stop and self.evaluator.due(self.step, last):
+                    # before the step's checkpoint: a run killed between the two re-evaluates this step
+                    # after the resume (metrics.jsonl is cut back to the checkpoint), so each eval is once
+                    self.paused_s += self.evaluate_now(final=last)
+                final = last and cfg.save_final
                 if topo.is_drafter and (self.step % cfg.save_interval == 0 or final or stop):
                     self._drain_metrics(block=True)
                     if self.nan_streak == 0 and not (self.last_ckpt or "").endswith(f"{self.step:08d}"):
@@ -726,8 +805,10 @@ class Trainer:
                     return 0
             if topo.is_drafter:
                 self._drain_metrics(block=True)
-            log.info("training complete: %d steps, %d tokens in %.1fs", self.step, self.tokens_seen,
-                     time.perf_counter() - t_start)
+            log.info("training complete: %d steps, %d tokens in %.1fs%s", self.step, self.tokens_seen,
+                     self.train_clock() - t_start, f" (+ {self.paused_s:.1f}s of tau evals)" if self.paused_s else "")
+            if self.final_eval is not None:
+                self._write_eval_json()
             self.status.update(phase="done", step=self.step, force=True)
             return 0
         finally:
@@ -913,9 +994,6 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
         rc = trainer.run()
         if on_done is not None and rc == 0:
             on_done(trainer)
-        if cfg.eval_data_dir and rc == 0 and not trainer.stop_requested.is_set() and topo.leader:
-            from .evaluate import evaluate_checkpoint
-            evaluate_checkpoint(trainer.last_ckpt, cfg.target_model, cfg.eval_data_dir, out_dir=cfg.output_dir)
         return rc
     except BadInput as e:
         _record(e)

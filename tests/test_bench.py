@@ -154,3 +154,21 @@ def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
     ex_new = bench.model_flops_drafter(new, dcfg, True, executed=True)
     ex_old = bench.model_flops_drafter(old, dcfg, True, executed=True)
     assert useful <= ex_new < ex_old
+
+
+def test_serving_figures_count_what_the_loops_did(tmp_path, capsys):
+    """--serving: the eval loop's verify steps and regeneration's generated tokens are counted from
+    what ran (no stop ids on random weights: every row generates exactly NEW_TOKENS); a malformed
+    spec is exit 2 naming the flag."""
+    out = tmp_path / "serving.json"
+    assert bench.main(["--shape", "tiny", "--serving", "3,24,12,2+3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["serving"]
+    ev = res["eval"]
+    assert ev["prompts"] == 3 and ev["new_tokens"] == 3 * 12
+    assert 1.0 <= ev["tau"] <= 16 and ev["verify_steps"] * ev["tau"] >= 3 * 11
+    assert [(r["batch_size"], r["prompts"], r["new_tokens"]) for r in res["regenerate"]] == [(2, 4, 48), (3, 6, 72)]
+    assert all(r["tokens_per_s"] > 0 for r in res["regenerate"])
+    capsys.readouterr()
+    assert bench.main(["--shape", "tiny", "--serving", "3,24"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--serving" in err[0]

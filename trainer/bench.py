@@ -775,6 +775,50 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     return res
 
 
+def bench_serving(shape: str, device: torch.device, factory, prompts: int, prompt_len: int, max_new_tokens: int,
+                  batch_sizes: list[int]) -> dict:
+    """Issue 12's GPU figures on a random-init target of `shape`: the generation-loop eval (dflash-eval's
+    loop, one prompt at a time as serving verifies it) in verify steps/s, and regeneration
+    (dflash-regenerate's batched greedy `generate`) in generated tokens/s per batch size. Random weights:
+    acceptance is about 1 token per verify step, so verify steps/s is the loop's cost per step."""
+    from .evaluate import hf_drafter, speculative_eval
+    from .model import DFlashConfig, DFlashDrafter
+    from .regenerate import TargetGenerator
+    target = factory(device)
+    dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,
+                                    mask_token_id=target.config.vocab_size - 1)
+    torch.manual_seed(0)
+    state = {k: v.to(device) for k, v in DFlashDrafter(dcfg).state_dict().items()}
+    drafter = hf_drafter(dcfg, state, device, next(target.parameters()).dtype)
+    del state
+    rng = np.random.default_rng(0)
+    vocab = min(target.config.vocab_size, 150000)
+    ps = [rng.integers(0, vocab, prompt_len) for _ in range(max(prompts, 2 * max(batch_sizes)))]
+    speculative_eval(target, drafter, ps[:1], max_new_tokens=16, stop_ids=[])   # warm kernels
+    ev = speculative_eval(target, drafter, ps[:prompts], max_new_tokens=max_new_tokens, stop_ids=[])
+    out = {"eval": {k: ev[k] for k in ("tau", "verify_steps", "prompts", "new_tokens", "seconds",
+                                       "verify_steps_per_s")} | {"tokens_per_s": round(ev["new_tokens"] / ev["seconds"], 1)},
+           "regenerate": []}
+    del drafter
+    for bs in batch_sizes:
+        gen = TargetGenerator(target, str(device), max_new_tokens, 0.0, bs)
+        gen.stop_ids = []   # random weights: no early stop, every row generates max_new_tokens
+        gen.complete(ps[:min(bs, 2)], seed=0)   # warm
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        done = gen.complete(ps[:2 * bs], seed=0)   # two full batches
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        secs = time.perf_counter() - t0
+        toks = sum(len(c) for c in done)
+        out["regenerate"].append({"batch_size": bs, "prompts": len(done), "new_tokens": toks,
+                                  "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1)})
+    if device.type == "cuda":
+        out["peak_gpu_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
 def table(results: list[dict]) -> str:
     rows = []
     for r in results:
@@ -834,6 +878,9 @@ def main(argv=None) -> int:
                         "for each SDPA backend in --probe-backends, then exit")
     p.add_argument("--probe-backends", default="any,auto,flash",
                    help="SDPA backends for --shape-cache-probe (auto on the CPU)")
+    p.add_argument("--serving", default="", metavar="PROMPTS,PROMPT_LEN,NEW_TOKENS,BATCHES",
+                   help="only measure dflash-eval's generation loop (verify steps/s) and dflash-regenerate "
+                        "(tok/s) on the random target of --shape, e.g. 16,512,128,16+64, then exit")
     p.add_argument("--work", default="/tmp/dflash-bench")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -863,6 +910,25 @@ def main(argv=None) -> int:
         print(format_table(["backend", "pass", "shapes", "s", "RSS growth MB", "after trim MB", "KB/shape"],
                            [[r["backend"], r["pass"], r["shapes"], r["seconds"], r["rss_growth_bytes"] / 1e6,
                              r["rss_growth_after_trim_bytes"] / 1e6, r["per_shape_bytes"] / 1e3] for r in rows]))
+        return 0
+    if a.serving:
+        try:
+            n, plen, new, batches = a.serving.split(",")
+            spec = (int(n), int(plen), int(new), [int(b) for b in batches.split("+")])
+        except ValueError:
+            print(f"bench: error: --serving {a.serving!r}: expected PROMPTS,PROMPT_LEN,NEW_TOKENS,B1+B2",
+                  file=sys.stderr)
+            return 2
+        dev = torch.device("cuda", a.target_gpus[0]) if cuda else torch.device("cpu")
+        res = bench_serving(a.shape, dev, factory, *spec)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"meta": meta, "serving": res}, indent=2))
+        ev = res["eval"]
+        print(format_table(["shape", "loop", "batch", "verify steps/s", "tok/s", "tau"],
+                           [[a.shape, "dflash-eval", 1, ev["verify_steps_per_s"], ev["tokens_per_s"], ev["tau"]]]
+                           + [[a.shape, "dflash-regenerate", r["batch_size"], "-", r["tokens_per_s"], "-"]
+                              for r in res["regenerate"]]))
         return 0
     if cuda and not a.no_flex_check:
         meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))

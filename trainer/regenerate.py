@@ -136,7 +136,9 @@ class TargetGenerator:
 
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = load_target(target_model, self.device, dtype)
+        # a path, or a model already on `device` (the benchmark's random-init target)
+        self.model = (target_model if isinstance(target_model, torch.nn.Module)
+                      else load_target(target_model, self.device, dtype))
         self.stop_ids = stop_token_ids(self.model)
         gc, cfg = self.model.generation_config, self.model.config
         pad = gc.pad_token_id if gc.pad_token_id is not None else cfg.pad_token_id

@@ -17,7 +17,7 @@ from trainer.data import (
     load_dataset,
     write_shards,
 )
-from trainer.data import _overall_hash, _sha256_file
+from trainer.data import _overall_hash, sha256_file
 
 
 def make_records(n=50, seed=0, lo=1, hi=120, vocab=1000):
@@ -41,7 +41,7 @@ def shard_dir(tmp_path):
 def _rewrite_index_sha(d, i):
     """After changing shard i on purpose, make the index agree with it (to reach later checks)."""
     index = json.loads((d / "index.json").read_text())
-    index["shards"][i]["sha256"] = _sha256_file(d / index["shards"][i]["file"])
+    index["shards"][i]["sha256"] = sha256_file(d / index["shards"][i]["file"])
     index["hash"] = _overall_hash(index["shards"])
     (d / "index.json").write_text(json.dumps(index))
 
@@ -60,7 +60,7 @@ def test_roundtrip_and_index(shard_dir):
     assert [s["file"] for s in index["shards"]] == [f"shard-{i:05d}.parquet" for i in range(4)]
     assert [s["num_sequences"] for s in index["shards"]] == [16, 16, 16, 2]
     for s in index["shards"]:
-        assert s["sha256"] == _sha256_file(d / s["file"])
+        assert s["sha256"] == sha256_file(d / s["file"])
     assert index["hash"] == _overall_hash(index["shards"])
 
     # Inspectable with standard tools, with the contract's column types.

@@ -60,7 +60,7 @@ class DataError(ValueError):
 # Writing
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -122,7 +122,7 @@ def write_shard(path: str | os.PathLike, ids: Sequence[np.ndarray], masks: Seque
         "file": path.name,
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),
-        "sha256": _sha256_file(path),
+        "sha256": sha256_file(path),
         "num_supervised_tokens": int(np.count_nonzero(mask_flat)),
     }
 

@@ -31,7 +31,6 @@ Python: `regenerate(data_dir, target_model, out_dir, *, device=..., batch_size=.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import queue
@@ -51,6 +50,7 @@ from .data import (
     Dataset,
     load_dataset,
     read_index,
+    sha256_file,
     write_index,
     write_shard,
 )
@@ -68,14 +68,6 @@ class RegenerateError(ValueError):
 
 def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,7 +108,7 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
         ds = Dataset.from_records(iter_records(Encoder(tok), list(inputs), 0, Stats(), log=log))
     except PrepareError as e:
         raise RegenerateError(str(e)) from None
-    source = {"inputs": [{"path": str(p.absolute()), "sha256": _sha256(p)} for p in inputs]}
+    source = {"inputs": [{"path": str(p.absolute()), "sha256": sha256_file(p)} for p in inputs]}
     return prompts_from_records(ds), source, len(ds)
 
 
@@ -244,7 +236,7 @@ def _finished(out: Path, manifest: dict, k: int) -> dict | None:
     if entry is None:
         return None
     path = out / entry["file"]
-    if path.is_file() and _sha256(path) == entry["sha256"]:
+    if path.is_file() and sha256_file(path) == entry["sha256"]:
         return entry
     return None
 

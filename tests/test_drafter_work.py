@@ -3,10 +3,15 @@
 - soft labels once per unique position of a loss chunk, zero-weight rows skipped: the loss and its
   gradient equal the per-row reference (float64, and float32 within rounding);
 - FlexAttention's full-block lists: exactly the complete, fully visible tiles (brute force), disjoint
-  from the partial list, which together with them still covers every visible pair.
+  from the partial list, which together with them still covers every visible pair;
+- a short training run with the switches off logs the same losses and reaches the same tau.
 """
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,10 @@ import torch
 
 from trainer.model import dflash_loss, lm_head_chunk
 from trainer.plan import FLEX_BLOCK, flex_block_sparsity, loss_layout, plan_micro_batch
+from trainer.__main__ import main as train_main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer import losses, records, tiny_args  # noqa: E402
 
 
 def _batch(lens, block, anchors, seed=0, soft=True, flex=False, **kw):
@@ -186,3 +195,22 @@ def test_full_block_lists_match_a_brute_force_tile_scan(lens, block, anchors):
 def test_full_blocks_off_leaves_the_old_lists():
     _, plan = _batch([1500, 700], 16, 200, soft=False, flex=True, full_blocks=False)
     assert all(c.full_kv_num_blocks is None for c in plan.chunks)
+
+
+def test_a_short_run_without_the_issue15_switches_trains_the_same(tiny_small_dir, tmp_path):
+    """Issue 15's training result: the same short run with soft labels per row and the LM head on every
+    row (--no-loss-dedup, the code before) and per position (the default) logs the same losses step by
+    step and reaches the same tau (the real generation-loop eval at the end)."""
+    runs = {}
+    for name, flags in (("per_position", ()), ("per_row", ("--no-loss-dedup", "--no-fp32-logits"))):
+        out = tmp_path / name
+        assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "6", "--lr", "5e-3", "--grad-accum", "1",
+                                    "--eval-data-dir", str(tiny_small_dir / "heldout"), "--eval-prompts", "4",
+                                    "--eval-max-new-tokens", "32", *flags)) == 0
+        runs[name] = (losses(out), records(out, "eval")[-1])
+    (la, ea), (lb, eb) = runs["per_position"], runs["per_row"]
+    assert la.keys() == lb.keys() == set(range(1, 7))
+    for s in la:
+        assert la[s] == pytest.approx(lb[s], rel=1e-4), (s, la[s], lb[s])
+    assert la[6] < la[1], "the run must learn, or equal losses say little"
+    assert ea["tau"] == pytest.approx(eb["tau"], abs=0.05), json.dumps([ea, eb])

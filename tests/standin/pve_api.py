@@ -341,7 +341,9 @@ class Lxc:
         if not self.rootfs_src or not os.path.isdir(self.rootfs_src):
             raise RuntimeError(f"stand-in has no rootfs to create from ({self.rootfs_src})")
         dest = os.path.join(self.dir(vmid), "rootfs")
-        os.makedirs(self.dir(vmid), mode=0o750, exist_ok=True)
+        # traversable by others: an unprivileged CT's root (100000 here) must reach its rootfs
+        os.makedirs(self.dir(vmid), mode=0o755, exist_ok=True)
+        os.chmod(self.dir(vmid), 0o755)
         log(f"extracting archive (stand-in: copying {self.rootfs_src})")
         subprocess.run(["cp", "-a", "--reflink=auto", self.rootfs_src, dest], check=True,
                        capture_output=True)
@@ -352,7 +354,7 @@ class Lxc:
             log(f"unprivileged: {n} files shifted to ids {IDMAP_BASE}+")
 
     def write_config(self, vmid: int, text: str) -> None:
-        os.makedirs(self.dir(vmid), mode=0o750, exist_ok=True)
+        os.makedirs(self.dir(vmid), mode=0o755, exist_ok=True)
         path = os.path.join(self.dir(vmid), "config")
         with open(path + ".tmp", "w") as f:
             f.write(text)

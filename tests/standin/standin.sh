@@ -220,6 +220,9 @@ ct_down() {
 case "${1:-}" in
     up)
         [[ "${DFLASH_STANDIN_SKIP_CACHES:-0}" == 1 ]] || { wheelhouse >/dev/null; tiny >/dev/null; }
+        # Bind-mounted into an unprivileged CT, whose root is nobody to these host files: readable by
+        # others, as a node's weights store must be (dflash-tiny writes model.safetensors 0600).
+        chmod -R a+rX "$TINY" "$WHEELHOUSE" 2>/dev/null || true
         ct_up
         node_up
         log "up: CT $VMID running; node sshd root@127.0.0.1:$PORT key $NODE/id_ed25519" ;;

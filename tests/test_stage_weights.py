@@ -77,3 +77,30 @@ def test_a_second_staging_waits_for_the_first(tmp_path):
         assert p.poll() is None and not (tmp_path / "shm" / "A").exists()
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0 and "waiting for" in err and json.loads(out)["copied"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(), reason="runs the script as nobody")
+def test_a_source_file_the_containers_root_cannot_read_fails_the_preflight_naming_it():
+    """An unprivileged CT's root is `nobody` to the node's files (issue 13): a weights file of mode 0600 on
+    the node cannot be read inside. Played here by running the script as uid 65534 against root's files."""
+    import shutil
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="dflash-stage-"))     # not under pytest's 0700 tmp dir
+    try:
+        top.chmod(0o777)
+        src = model(top / "store" / "M", 1)
+        for d in (top / "store", src):
+            d.chmod(0o755)
+        (src / "config.json").chmod(0o644)
+        (src / "model.safetensors").chmod(0o600)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, str(SCRIPT),
+                            "--source", str(src), "--dest", str(top / "shm" / "M"), "--margin-bytes", "0",
+                            "--manifest-dir", str(top / "manifests"), "--lock-file", str(top / "stage.lock")],
+                           capture_output=True, text=True)
+        res = json.loads(r.stdout)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "cannot read 1 file(s)" in res["msg"] and "model.safetensors" in res["msg"], res["msg"]
+        assert "chmod -R a+rX" in res["msg"]
+        assert not (top / "shm").exists()                      # nothing copied
+    finally:
+        shutil.rmtree(top)

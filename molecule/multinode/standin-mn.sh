@@ -50,6 +50,8 @@ up() {
     ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
     ip link set "$BRIDGE" up
     mkdir -p "$SHARED"
+    # the containers are unprivileged (standin.sh): their root is 100000 here
+    [[ "${DFLASH_STANDIN_PRIVILEGED:-0}" == 1 ]] || chown 100000:100000 "$SHARED"
     local id cfg
     for id in 211 212; do
         DFLASH_STANDIN_VMID=$id "$STANDIN" up
@@ -59,6 +61,8 @@ up() {
             net_config "$id" >> "$cfg"
             echo "${NAME[$id]}" > "$LXCPATH/$id/rootfs/etc/hostname"
             printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "${NAME[$id]}" > "$LXCPATH/$id/rootfs/etc/hosts"
+            # owned as the rest of the rootfs (shifted when the CT is unprivileged)
+            chown --reference="$LXCPATH/$id/rootfs/etc" "$LXCPATH/$id/rootfs/etc/hostname" "$LXCPATH/$id/rootfs/etc/hosts"
             lxc-stop -n "$id" -P "$LXCPATH" -t 60
             lxc-start -n "$id" -P "$LXCPATH" -d -o "$CACHE/lxc-$id.log" -l INFO
         fi

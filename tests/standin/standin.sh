@@ -2,9 +2,12 @@
 # standin.sh up|down|status|wheelhouse|tiny - the local Proxmox stand-in.
 #
 # Only Proxmox itself is simulated. `up` builds (idempotently):
-#   - a cached debootstrapped bookworm rootfs (build-rootfs.sh) copied into LXC container $VMID,
-#     no network, booted with systemd (lxc-start), waited on until `systemctl is-system-running`
-#     says running/degraded;
+#   - a cached debootstrapped bookworm rootfs (build-rootfs.sh; DFLASH_STANDIN_TEMPLATE=bare: the
+#     variant without python3-venv, whose apt source is a local file repo) copied into LXC container
+#     $VMID, unprivileged as PVE's default (lxc.idmap u/g 0 100000 65536, the copy's ownership
+#     shifted by idshift.py; DFLASH_STANDIN_PRIVILEGED=1 for the old privileged one), no network,
+#     booted with systemd (lxc-start), waited on until `systemctl is-system-running` says
+#     running/degraded;
 #   - bind mounts into it, read-only: the node's weights store ($CACHE/tiny/target, the tiny
 #     target from `dflash-tiny`) at /workspace/models/$MODEL, the tiny dataset at
 #     /workspace/data/tiny and the host wheelhouse at /srv/wheelhouse for offline pip installs;
@@ -27,6 +30,9 @@ CTDIR="$LXCPATH/$VMID"
 PYTHON="${DFLASH_STANDIN_PYTHON:-}"
 WHEELHOUSE="$CACHE/wheelhouse"
 TINY="$CACHE/tiny"
+TEMPLATE="${DFLASH_STANDIN_TEMPLATE:-prepared}"        # prepared | bare
+PRIVILEGED="${DFLASH_STANDIN_PRIVILEGED:-0}"
+IDMAP_BASE=100000                                    # PVE's default map for unprivileged CTs
 TORCH_SPEC="${DFLASH_TORCH_SPEC:-torch==2.13.0+cpu}"   # +cpu: never resolves to a CUDA build
 
 log() { echo "standin: $*" >&2; }
@@ -135,6 +141,10 @@ ct_config() {
     cat <<CONF
 # LXC container $VMID: stand-in for Proxmox CT $VMID (dflash). Written by tests/standin/standin.sh.
 lxc.include = /usr/share/lxc/config/common.conf
+$(if [[ "$PRIVILEGED" != 1 ]]; then printf '%s\n' \
+    "# Unprivileged, as PVE creates a CT by default: root inside is $IDMAP_BASE on this host." \
+    "lxc.include = /usr/share/lxc/config/userns.conf" \
+    "lxc.idmap = u 0 $IDMAP_BASE 65536" "lxc.idmap = g 0 $IDMAP_BASE 65536"; fi)
 lxc.arch = amd64
 lxc.uts.name = dflash-ct
 lxc.rootfs.path = dir:$CTDIR/rootfs
@@ -164,13 +174,27 @@ wait_booted() {
 }
 
 ct_up() {
-    local rootfs
-    rootfs="$("$HERE/build-rootfs.sh")"
+    local rootfs owner want_owner=0
+    case "$TEMPLATE" in
+        prepared) rootfs="$("$HERE/build-rootfs.sh")" ;;
+        bare) rootfs="$("$HERE/build-rootfs.sh" --bare)" ;;
+        *) log "DFLASH_STANDIN_TEMPLATE must be prepared or bare, not '$TEMPLATE'"; exit 2 ;;
+    esac
+    [[ "$PRIVILEGED" == 1 ]] || want_owner=$IDMAP_BASE
     mkdir -p "$TINY/target" "$TINY/data" "$WHEELHOUSE"
+    if [[ -d "$CTDIR/rootfs" ]]; then
+        owner="$(stat -c %u "$CTDIR/rootfs")"
+        if [[ "$owner" != "$want_owner" ]]; then      # made privileged/unprivileged before: remake
+            log "CT $VMID rootfs is owned by $owner, want $want_owner: recreating it"
+            ct_down
+        fi
+    fi
     if [[ ! -d "$CTDIR/rootfs" ]]; then
-        log "creating CT $VMID from $rootfs"
+        log "creating CT $VMID from $rootfs ($TEMPLATE template, $([[ "$PRIVILEGED" == 1 ]] && echo privileged || echo "unprivileged, ids shifted by $IDMAP_BASE"))"
         mkdir -p "$CTDIR"
-        cp -a "$rootfs" "$CTDIR/rootfs.tmp"
+        rm -rf --one-file-system "$CTDIR/rootfs.tmp"
+        cp -a --reflink=auto "$rootfs" "$CTDIR/rootfs.tmp"
+        [[ "$PRIVILEGED" == 1 ]] || python3 "$HERE/idshift.py" "$CTDIR/rootfs.tmp" "$IDMAP_BASE"
         mv "$CTDIR/rootfs.tmp" "$CTDIR/rootfs"
     fi
     local want; want="$(ct_config)"
@@ -196,6 +220,9 @@ ct_down() {
 case "${1:-}" in
     up)
         [[ "${DFLASH_STANDIN_SKIP_CACHES:-0}" == 1 ]] || { wheelhouse >/dev/null; tiny >/dev/null; }
+        # Bind-mounted into an unprivileged CT, whose root is nobody to these host files: readable by
+        # others, as a node's weights store must be (dflash-tiny writes model.safetensors 0600).
+        chmod -R a+rX "$TINY" "$WHEELHOUSE" 2>/dev/null || true
         ct_up
         node_up
         log "up: CT $VMID running; node sshd root@127.0.0.1:$PORT key $NODE/id_ed25519" ;;

@@ -49,7 +49,40 @@ def dflash_service_env_quote(value) -> str:
     return '"' + text + '"'
 
 
+_UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+
+
+def dflash_service_memlock(limits_text: str, wanted) -> dict:
+    """/proc/<pid>/limits text and the unit's LimitMEMLOCK= value (infinity, bytes, or 64M / 8G as
+    systemd reads them, base 1024) -> {"ok", "soft", "hard", "wanted", "wanted_bytes"}. ok: the soft
+    and the hard limit are each at least what the unit asks for (unlimited meets everything; for
+    infinity only unlimited does). A process whose limits were not found is not ok."""
+    want = str(wanted).strip()
+    if want.lower() in ("infinity", "unlimited"):
+        want_bytes = None
+    else:
+        num, unit = want.rstrip("KMGTB").rstrip(), want[len(want.rstrip("KMGTB")):].rstrip("B").upper()
+        if not num.isdigit() or unit not in _UNITS:
+            raise ValueError(f"LimitMEMLOCK value {wanted!r}: want infinity, bytes, or a number with K/M/G/T")
+        want_bytes = int(num) * _UNITS[unit]
+    soft = hard = None
+    for line in str(limits_text).splitlines():
+        if line.startswith("Max locked memory"):
+            soft, hard = line[len("Max locked memory"):].split()[:2]
+
+    def meets(value):
+        if value is None:
+            return False
+        if value == "unlimited":
+            return True
+        return want_bytes is not None and int(value) >= want_bytes
+
+    return {"ok": meets(soft) and meets(hard), "soft": soft, "hard": hard, "wanted": want,
+            "wanted_bytes": want_bytes}
+
+
 class FilterModule:
     def filters(self):
         return {"dflash_service_argv": dflash_service_argv, "dflash_service_flag_lines": dflash_service_flag_lines,
-                "dflash_service_env_quote": dflash_service_env_quote}
+                "dflash_service_env_quote": dflash_service_env_quote,
+                "dflash_service_memlock": dflash_service_memlock}

@@ -35,8 +35,8 @@ if (( $# )); then
 fi
 
 logb="$(mktemp /tmp/dflash-lane-b.XXXXXX.log)"
-"${PYTEST[@]}" -p no:cacheprovider --basetemp="$(mktemp -d /tmp/dflash-lane-b.XXXXXX)" -m "not standin" \
-    > "$logb" 2>&1 &
+tmpb="$(mktemp -d /tmp/dflash-lane-b.XXXXXX)"   # lane B's own pytest temp root, removed when it ends
+"${PYTEST[@]}" -p no:cacheprovider --basetemp="$tmpb" -m "not standin" > "$logb" 2>&1 &
 lane_b=$!
 trap 'kill $lane_b 2>/dev/null || true' EXIT
 set +e
@@ -50,6 +50,7 @@ trap - EXIT
 echo "================ lane B (no containers): $logb ================"
 cat "$logb"
 echo "run: lane B exit $rc_b after $(( $(date +%s) - start ))s"
+rm -rf "$tmpb" "$logb"
 set +e
 "${PYTEST[@]}" -m faults
 rc_f=$?

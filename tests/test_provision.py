@@ -320,8 +320,12 @@ def test_a_privilege_separated_token_without_an_acl_may_do_nothing(api):
     for name in ("noacl", "unlisted"):      # unlisted: given a secret, not in user.cfg = `token add` defaults
         t = _as(s, name)
         assert t.get(base + "/version").ok                     # authenticated ...
-        r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x"})
+        r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x",
+                                                  "unprivileged": 1})
         assert (r.status_code, r.reason) == (403, "Permission check failed")   # ... but no VM.Allocate
+        # the API's default is a privileged CT (unprivileged: 0), which needs Sys.Modify on / first
+        r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x"})
+        assert (r.status_code, r.reason) == (403, "Permission check failed (/, Sys.Modify)")
         assert t.get(base + "/access/permissions").json()["data"] == {}
     _create(s, base, 341)
     assert all(c.get("vmid") != 341 for c in _as(s, "noacl").get(base + "/cluster/resources").json()["data"])

@@ -788,8 +788,10 @@ class Node:
                 raise ApiError(500, f"CT {vmid}: an LXC container '{vmid}' exists outside the stand-in's records")
             self.check_params(params, CREATE_ONLY)
             # The order of pve-container's create_vm: privileged needs Sys.Modify on /,
-            # VM.Allocate on the vmid, each key's privilege, the template, the storage.
-            unprivileged = str(params.get("unprivileged", "1")) != "0"
+            # VM.Allocate on the vmid, each key's privilege, the template, the storage. The API's
+            # default is privileged (unprivileged: 0; the GUI's default of 1 is the GUI's), as the
+            # backend below records it
+            unprivileged = str(params.get("unprivileged", "0")) != "0"
             if not unprivileged:
                 self.acl.check(user, "/", ["Sys.Modify"])
             if not self.acl.has(user, f"/vms/{vmid}", ["VM.Allocate"]):

@@ -166,7 +166,8 @@ def test_serving_figures_count_what_the_loops_did(tmp_path, capsys):
     ev = res["eval"]
     assert ev["prompts"] == 3 and ev["new_tokens"] == 3 * 12
     assert 1.0 <= ev["tau"] <= 16 and ev["verify_steps"] * ev["tau"] >= 3 * 11
-    assert [(r["batch_size"], r["prompts"], r["new_tokens"]) for r in res["regenerate"]] == [(2, 4, 48), (3, 6, 72)]
+    assert [(r["batch_size"], r["static_cache"], r["prompts"], r["new_tokens"]) for r in res["regenerate"]] == [
+        (2, False, 4, 48), (2, True, 4, 48), (3, False, 6, 72), (3, True, 6, 72)]
     assert all(r["tokens_per_s"] > 0 for r in res["regenerate"])
     capsys.readouterr()
     assert bench.main(["--shape", "tiny", "--serving", "3,24"]) == 2

@@ -89,6 +89,21 @@ def test_jsonl_input_and_two_devices_give_the_same_shards(tiny_small_dir, tmp_pa
     assert b["index.json"] == c["index.json"]
 
 
+def test_a_static_cache_writes_the_same_shards(tiny_small_dir, tmp_path):
+    """--static-cache (transformers' static KV cache, prompts padded wider to few shapes; compiled on GPUs)
+    generates the same tokens as the dynamic cache, and is part of the output's configuration."""
+    common = dict(batch_size=8, max_new_tokens=24, shard_size=16, max_records=24, **QUIET)
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "dyn", static_cache=False, **common)
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "static", static_cache=True, **common)
+    a, b = files(tmp_path / "dyn"), files(tmp_path / "static")
+    shards = [n for n in a if n.startswith("shard-")]
+    assert len(shards) == 2 and all(a[n] == b[n] for n in shards)
+    assert json.loads(b["index.json"])["regenerated"]["static_cache"] is True
+    with pytest.raises(Exception, match="static_cache"):   # a resume must not mix the two
+        regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "static", static_cache=False,
+                   **common)
+
+
 def test_resumes_after_kill_9_without_redoing_finished_shards(tiny_small_dir, tmp_path, capsys):
     args = ["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(tiny_small_dir / "data"),
             "--max-records", "24", "--shard-size", "3", "--batch-size", "2", "--max-new-tokens", "24"]

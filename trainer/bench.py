@@ -793,7 +793,7 @@ def bench_serving(shape: str, device: torch.device, factory, prompts: int, promp
     del state
     rng = np.random.default_rng(0)
     vocab = min(target.config.vocab_size, 150000)
-    ps = [rng.integers(0, vocab, prompt_len) for _ in range(max(prompts, 2 * max(batch_sizes)))]
+    ps = [rng.integers(0, vocab, prompt_len) for _ in range(max(prompts, 3 * max(batch_sizes)))]
     speculative_eval(target, drafter, ps[:1], max_new_tokens=16, stop_ids=[])   # warm kernels
     ev = speculative_eval(target, drafter, ps[:prompts], max_new_tokens=max_new_tokens, stop_ids=[])
     out = {"eval": {k: ev[k] for k in ("tau", "verify_steps", "prompts", "new_tokens", "seconds",
@@ -801,19 +801,21 @@ def bench_serving(shape: str, device: torch.device, factory, prompts: int, promp
            "regenerate": []}
     del drafter
     for bs in batch_sizes:
-        gen = TargetGenerator(target, str(device), max_new_tokens, 0.0, bs)
-        gen.stop_ids = []   # random weights: no early stop, every row generates max_new_tokens
-        gen.complete(ps[:min(bs, 2)], seed=0)   # warm
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        done = gen.complete(ps[:2 * bs], seed=0)   # two full batches
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        secs = time.perf_counter() - t0
-        toks = sum(len(c) for c in done)
-        out["regenerate"].append({"batch_size": bs, "prompts": len(done), "new_tokens": toks,
-                                  "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1)})
+        for static in (False, True):   # dflash-regenerate --static-cache off / on, side by side
+            gen = TargetGenerator(target, str(device), max_new_tokens, 0.0, bs, static_cache=static)
+            gen.stop_ids = []   # random weights: no early stop, every row generates max_new_tokens
+            gen.complete(ps[:bs], seed=0)   # warm: the full batch's shapes (compiled with a static cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            done = gen.complete(ps[bs:3 * bs], seed=0)   # two full batches
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            secs = time.perf_counter() - t0
+            toks = sum(len(c) for c in done)
+            out["regenerate"].append({"batch_size": bs, "static_cache": static, "prompts": len(done),
+                                      "new_tokens": toks, "seconds": round(secs, 3),
+                                      "tokens_per_s": round(toks / secs, 1)})
     if device.type == "cuda":
         out["peak_gpu_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     return out
@@ -927,8 +929,8 @@ def main(argv=None) -> int:
         ev = res["eval"]
         print(format_table(["shape", "loop", "batch", "verify steps/s", "tok/s", "tau"],
                            [[a.shape, "dflash-eval", 1, ev["verify_steps_per_s"], ev["tokens_per_s"], ev["tau"]]]
-                           + [[a.shape, "dflash-regenerate", r["batch_size"], "-", r["tokens_per_s"], "-"]
-                              for r in res["regenerate"]]))
+                           + [[a.shape, "dflash-regenerate" + (" --static-cache" if r["static_cache"] else ""),
+                               r["batch_size"], "-", r["tokens_per_s"], "-"] for r in res["regenerate"]]))
         return 0
     if cuda and not a.no_flex_check:
         meta["flex_check"] = check_flex_on_gpu(torch.device("cuda", a.drafter_gpus[0]))

@@ -116,11 +116,14 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
 # Generation (one device, one model replica)
 
 
+STATIC_PAD = 64   # --static-cache: prompt widths rounded up to this (few distinct compiled shapes)
+
+
 class TargetGenerator:
     """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
-                 batch_size: int):
+                 batch_size: int, static_cache: bool = False):
         import torch
 
         from .evaluate import stop_token_ids
@@ -136,11 +139,16 @@ class TargetGenerator:
         pad = gc.pad_token_id if gc.pad_token_id is not None else cfg.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.stop_ids or [0])[0])
         self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
+        # static KV cache: transformers compiles the decode step on GPUs (fixed shapes, CUDA graphs);
+        # prompt widths are padded to a multiple of STATIC_PAD so a run sees few cache shapes
+        self.static_cache = static_cache
 
     def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
         import torch
 
         width = max(len(p) for p in prompts)
+        if self.static_cache:
+            width = -(-width // STATIC_PAD) * STATIC_PAD
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), width), dtype=torch.long)
         for r, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
@@ -153,6 +161,8 @@ class TargetGenerator:
             knobs = dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0, min_p=0.0)
         else:
             knobs = dict(do_sample=False)
+        if self.static_cache:
+            knobs["cache_implementation"] = "static"
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
@@ -282,11 +292,13 @@ def regenerate(
     max_records: int = 0,
     log: Callable[[str], None] = _log_stderr,
     progress_every: float = 5.0,
+    static_cache: bool | None = None,
 ) -> dict:
     """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
     records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
+    static_cache None: on when every device is a GPU (docs/performance.md measures it).
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
 
@@ -309,6 +321,8 @@ def regenerate(
             raise RegenerateError(f"{name}: must be >= {lo}, got {value}")
     if not temperature >= 0:
         raise RegenerateError(f"--temperature: must be >= 0, got {temperature}")
+    if static_cache is None:
+        static_cache = all(d.startswith("cuda") for d in devs)
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -329,6 +343,7 @@ def regenerate(
         "seed": int(seed),
         "batch_size": int(batch_size),
         "shard_size": int(shard_size),
+        "static_cache": bool(static_cache),
     }
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
@@ -355,7 +370,8 @@ def regenerate(
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
         t_load = time.monotonic()
-        gens = [TargetGenerator(str(target), d, max_new_tokens, temperature, batch_size) for d in devs] if todo else []
+        gens = [TargetGenerator(str(target), d, max_new_tokens, temperature, batch_size, static_cache)
+                for d in devs] if todo else []
         load_s = time.monotonic() - t_load
         lock = threading.Lock()
         eos_hits = [0]
@@ -474,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="sequences per shard")
     ap.add_argument("--max-records", type=int, default=0, help="first N prompts only (0 = all)")
+    ap.add_argument("--static-cache", choices=["auto", "on", "off"], default="auto",
+                    help="static KV cache, its decode step compiled by transformers on GPUs (auto: on when "
+                         "every device is a GPU)")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:
@@ -482,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, devices=args.devices.split(",") if args.devices else None,
             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, seed=args.seed, shard_size=args.shard_size,
-            max_records=args.max_records)
+            max_records=args.max_records,
+            static_cache={"auto": None, "on": True, "off": False}[args.static_cache])
     except RegenerateError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ molecule/provision.
 - applying a config change: the trainer is stopped first, `pct reboot` gets a timeout, and the
   wait is for basic.target, not for the end of boot
 - lxc.prlimit.memlock is set and read back from /proc/1/limits
+- a bind-mount source the unprivileged CT's root cannot reach fails the preflight, naming the directory
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +52,13 @@ def node(tmp_path_factory):
     """The stand-in (fake LXC) with user.cfg granting the documented role to root@pam!ansible and
     the same role without SDN.Use to root@pam!nosdn; an inventory for CT 250."""
     tmp = tmp_path_factory.mktemp("realnode")
+    # The CT is unprivileged: its root (uid 100000, "others" here) must search every directory
+    # down to the bind-mount sources, and the role's preflight checks that. pytest makes its
+    # temp dirs 0700: open them to search (o+x) from /tmp down.
+    for d in [tmp, *tmp.parents]:
+        if d == Path(tempfile.gettempdir()) or d == d.parent:
+            break
+        d.chmod(d.stat().st_mode | 0o001)
     etc, lxc, state = tmp / "etc", tmp / "lxc", tmp / "state"
     etc.mkdir()
     acl = prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, NETIF)
@@ -202,3 +211,20 @@ def test_7_raw_lines_go_into_the_main_section_only_and_never_while_locked(node):
     assert r.returncode != 0 and "CT 250 is locked (backup)" in r.text, r.text[-3000:]
     assert node["conf"].read_text() == locked
     node["conf"].write_text(locked.replace("lock: backup\n", ""))
+
+
+def test_8_a_bind_source_under_a_0700_directory_fails_naming_it_and_changes_nothing(node):
+    locked, ws = node["tmp"] / "locked", node["tmp"] / "ws8"
+    (locked / "models").mkdir(parents=True)
+    locked.chmod(0o700)
+    before = node["conf"].read_text()
+    r = play(node, dflash_node_models_host_path=str(locked / "models"), dflash_node_workspace_host_path=str(ws))
+    assert r.returncode != 0, r.text[-3000:]
+    assert f"and {locked} (0700 " in r.text and f"`chmod o+x {locked}`" in r.text, r.text[-3000:]
+    assert f"bind-mount source {locked}/models and" in r.text, r.text[-3000:]
+    assert recap(r)["changed"] == 0
+    assert node["conf"].read_text() == before
+    assert not ws.exists()
+    locked.chmod(0o701)                     # searchable: the preflight passes and the mounts move
+    r = play(node, "--check", dflash_node_models_host_path=str(locked / "models"))
+    assert r.returncode == 0, r.text[-3000:]

@@ -86,11 +86,10 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
     JSONL files."""
     if data_dir is not None:
         try:
-            index = read_index(data_dir)
-            ds = load_dataset(data_dir)
+            ds = load_dataset(data_dir)   # reads and checks the index once; ds.index is it
         except DataError as e:
             raise RegenerateError(f"--data-dir {data_dir}: {e}") from None
-        source = {"data_dir": str(Path(data_dir).absolute()), "hash": index["hash"]}
+        source = {"data_dir": str(Path(data_dir).absolute()), "hash": ds.index["hash"]}
         return prompts_from_records(ds), source, len(ds)
     # JSONL: dflash-prepare's parser and chat-template rendering, records kept in memory
     from transformers import AutoTokenizer

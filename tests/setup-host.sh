@@ -45,7 +45,7 @@ stamp="$VENV/.dflash-setup"
 want="$(sha256sum "$REPO/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     log "pip install -e $REPO and the Ansible toolchain"
-    "${PIP[@]}" install -q -e "$REPO" ansible paramiko proxmoxer requests molecule ansible-runner ansible-lint pytest
+    "${PIP[@]}" install -q -e "$REPO[fp8]" ansible paramiko proxmoxer requests molecule ansible-runner ansible-lint pytest
     echo "$want" > "$stamp"
 fi
 "$VENV/bin/ansible-galaxy" collection list community.proxmox >/dev/null 2>&1 \

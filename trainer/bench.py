@@ -67,6 +67,14 @@ VARIANTS = {
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
     "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False},
+    # FP8 training of the drafter's linear layers (torchao float8 recipes)
+    "fp8": {"fp8": "tensorwise"},
+    "fp8row": {"fp8": "rowwise"},
+    # FlexAttention kernel options for the drafter's 128-row tiles (PyTorch's H100 defaults for bf16, head
+    # dim 128: forward 128x64, 8 warps, 3 stages; backward 64/128/128/64, 8 warps, 3 stages)
+    "fk64": {"flex_kernel_options": "fwd_BLOCK_M=64,fwd_BLOCK_N=64,fwd_num_warps=4"},
+    "fkbwd64": {"flex_kernel_options": "bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,"
+                                       "bwd_num_warps=4"},
 }
 
 

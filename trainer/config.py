@@ -30,6 +30,8 @@ COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("auto", "peer", "pinned")
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
+# --fp8: torchao float8 training recipes for the drafter's linear layers (trainer/drafter.py)
+FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 NOISE_TYPES = ("uniform", "gaussian", "none")
 # the bounds of one tau evaluation (trainer/evaluate.py and dflash-eval default to them too)
@@ -126,6 +128,12 @@ class TrainConfig:
                                        "same attention)")
     fp32_logits: bool = opt(True, "LM-head GEMM writes fp32 logits on GPUs (--no-fp32-logits: bf16 output "
                                   "rounded before the softmax, the old behaviour)")
+    fp8: str = opt("off", "FP8 training of the drafter's linear layers with torchao float8 (needs the torchao "
+                          "package and GPUs of compute capability 8.9+; the LM head stays bf16; see "
+                          "docs/performance.md for its speed and its loss/tau parity)", choices=FP8_CHOICES)
+    flex_kernel_options: str = opt("", "FlexAttention kernel options for the drafter, KEY=INT,... (e.g. "
+                                       "BLOCK_M=64,BLOCK_N=64,num_warps=4; empty: PyTorch's defaults)",
+                                   metavar="K=V,...")
     slots_per_worker: int = opt(3, "copies in flight per target worker", ge=1)
     queue_depth: int = opt(2, "delivered batches waiting per drafter replica", ge=1)
     attention: str = opt("auto", "drafter attention kernel", choices=ATTENTION_CHOICES)
@@ -382,11 +390,55 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
     for ok, flag, why in checks:
         if not ok:
             raise ConfigError(f"{flag}: {why}")
+    parse_kernel_options(cfg.flex_kernel_options)
+    if cfg.fp8 != "off":
+        _check_fp8(cfg, gpu_count)
     if cfg.tensorboard_dir:
         import importlib.util
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("--tensorboard-dir: needs the tensorboard package "
                               "(pip install 'dflash-trainer[tensorboard]' or pip install tensorboard)")
+
+
+def parse_kernel_options(text: str) -> dict:
+    """--flex-kernel-options 'BLOCK_M=64,num_warps=4' -> {'BLOCK_M': 64, 'num_warps': 4} (ints; true/false
+    for switches such as PRESCALE_QK). ConfigError names the flag on a malformed item."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key.replace("_", "").isalnum() or not key[0].isalpha():
+            raise ConfigError(f"--flex-kernel-options: expected KEY=VALUE items, got {item!r}")
+        if val.lower() in ("true", "false"):
+            out[key] = val.lower() == "true"
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                raise ConfigError(f"--flex-kernel-options: {key}: expected an integer or true/false, "
+                                  f"got {val!r}") from None
+    return out
+
+
+def _check_fp8(cfg: TrainConfig, gpu_count: int | None) -> None:
+    """--fp8 needs torchao, and FP8 tensor cores (compute capability 8.9+) on every drafter GPU."""
+    if gpu_count == -1:
+        return  # the Ansible controller: the trainer's host checks this
+    import importlib.util
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"--fp8 {cfg.fp8}: needs the torchao package "
+                          "(pip install 'dflash-trainer[fp8]' or pip install torchao)")
+    if not cfg.drafter_gpus:
+        return
+    try:
+        import torch
+        caps = {i: (torch.cuda.get_device_capability(i), torch.cuda.get_device_name(i)) for i in cfg.drafter_gpus}
+    except Exception:
+        return  # no CUDA here: validate_flags has already reported the missing GPUs
+    for i, (cap, name) in caps.items():
+        if tuple(cap) < (8, 9):
+            raise ConfigError(f"--fp8 {cfg.fp8}: drafter GPU {i} ({name}) has compute capability "
+                              f"{cap[0]}.{cap[1]}; FP8 GEMMs need 8.9 (Ada, Hopper) or newer")
 
 
 def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:

@@ -18,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from .config import parse_kernel_options
 from .fast import compile_layers, wants
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from .transport import device_ctx, new_event, new_stream, stream_ctx
@@ -37,6 +38,12 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
         model = DFlashDrafter(dcfg, split_fc=cfg.split_fc)
     init_drafter_weights(model, seed=cfg.seed)
     model.train()
+    fp8 = getattr(cfg, "fp8", "off")
+    if fp8 != "off":
+        log.info("--fp8 %s: %d drafter linear layers train in float8 (torchao)", fp8, to_float8(model, fp8))
+    kernel_options = parse_kernel_options(getattr(cfg, "flex_kernel_options", ""))
+    for layer in model.layers:
+        layer.self_attn.kernel_options = kernel_options or None
     if wants(cfg.compile, "drafter"):
         compile_layers(model.layers, dynamic=True)  # every micro-batch has its own row counts
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -44,6 +51,29 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+def to_float8(model: DFlashDrafter, recipe: str) -> int:
+    """Swap the drafter's nn.Linear layers (fc and every projection of its layers; the LM head is the
+    target's, outside this module, and stays bf16) for torchao's Float8Linear with `recipe`'s dynamic
+    scaling. Before fully_shard and compile: FSDP2 then shards the same fp32 master weights (the
+    state_dict keys do not change, so checkpoints and exports are the same with --fp8 on or off) and the
+    casts compile into the layers' graphs. pad_inner_dim: a weight gradient contracts over the rows,
+    whose count varies per chunk; FP8 GEMMs need it to be a multiple of 16. Returns the layers swapped."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+    names = []
+
+    def eligible(mod: torch.nn.Module, fqn: str) -> bool:
+        ok = (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+        if ok:
+            names.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    return len(names)
 
 
 class DrafterStage:

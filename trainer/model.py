@@ -179,6 +179,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
         self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.kernel_options: dict | None = None  # FlexAttention's (--flex-kernel-options, set by build_drafter)
 
     def forward(self, x, ctx, rope_q, rope_ctx, meta: PackedMeta, backend: str):
         tq, tc = x.shape[0], ctx.shape[0]
@@ -197,7 +198,8 @@ class DFlashAttention(nn.Module):
             block_mask = BlockMask.from_kv_blocks(
                 meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices,
                 BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta), seq_lengths=(tq, tc + tq))
-            out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh)
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh,
+                                              kernel_options=self.kernel_options)
         else:
             mask = dense_mask(meta)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.nkv != self.nh)

@@ -491,7 +491,7 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
     from .dist import free_port, local_roles
     work = Path(ctx.args.work)
     shutil.rmtree(work / "run", ignore_errors=True)
-    cfg = make_cfg(ctx, async_pipeline=async_, max_steps=ctx.args.steps)
+    cfg = make_cfg(ctx, async_pipeline=async_, max_steps=ctx.args.pipeline_steps)
     work.mkdir(parents=True, exist_ok=True)
     spec_dir = Path(tempfile.mkdtemp(prefix="ranks-", dir=work))
     spec = spec_dir / "spec.pt"
@@ -514,8 +514,7 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
 def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
     if not _shared_gpu(ctx):
         return bench_pipeline_ranks(ctx, async_)
-    steps = ctx.args.steps
-    t = _new_trainer(ctx, async_pipeline=async_, max_steps=steps)
+    t = _new_trainer(ctx, async_pipeline=async_, max_steps=ctx.args.pipeline_steps)
     devices = [t.device]
     try:
         reset_peaks(devices)
@@ -733,7 +732,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
         base["max_seq_len"] = args.max_seq_len
     vocab = SHAPES[shape][6]
     # enough sequences that length buckets fill their batches, as with a real corpus
-    need = max(base["token_budget"] * 4 * args.steps * base["grad_accum"], args.dataset_tokens)
+    need = max(base["token_budget"] * 4 * max(args.steps, args.pipeline_steps) * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
                            mean_len=min(args.mean_len, base["max_seq_len"]),
                            min_len=min(args.min_len, base["max_seq_len"]))
@@ -870,7 +869,10 @@ def main(argv=None) -> int:
     p.add_argument("--target-gpus", default=None, help="default: 0 (cpu for --shape tiny)")
     p.add_argument("--drafter-gpus", default=None, help="default: 1 if present, else 0")
     p.add_argument("--dataset-tokens", type=int, default=20_000_000, help="synthetic corpus size")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per pipeline run (first untimed)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per stage-alone run (first untimed)")
+    p.add_argument("--pipeline-steps", type=int, default=0,
+                   help="optimizer steps per sync/async pipeline run, the first untimed (0: 11 on GPUs, so that "
+                        "10 steps are timed between CUDA events; --steps on the CPU)")
     p.add_argument("--supervised", type=float, default=0.5, help="completion share of each sequence")
     p.add_argument("--mean-len", type=int, default=2048)
     p.add_argument("--min-len", type=int, default=64, help="shortest synthetic sequence")
@@ -896,6 +898,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     setup_console()  # the console setup_logging also uses: each line printed once
     cuda = torch.cuda.is_available() and a.shape != "tiny"
+    if a.pipeline_steps <= 0:
+        a.pipeline_steps = 11 if cuda else a.steps
     if a.target_gpus is None:
         a.target_gpus = "0" if cuda else "cpu"
     if a.drafter_gpus is None:

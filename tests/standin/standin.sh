@@ -52,18 +52,20 @@ ct_state() { lxc-info -n "$VMID" -P "$LXCPATH" -sH 2>/dev/null || echo ABSENT; }
 wheelhouse() {
     pick_python
     local stamp="$WHEELHOUSE/.complete"
-    if [[ -f "$stamp" ]]; then echo "$WHEELHOUSE"; return; fi
+    # what the wheelhouse holds: a cache made for another list is topped up
+    local -a want=("$TORCH_SPEC" transformers safetensors pyarrow numpy setuptools wheel torchao)
+    if [[ "$(head -1 "$stamp" 2>/dev/null)" == "${want[*]}" ]]; then echo "$WHEELHOUSE"; return; fi
     mkdir -p "$WHEELHOUSE"
     log "downloading cp311 wheels into $WHEELHOUSE ($TORCH_SPEC from the local find-links)"
     # Same interpreter ABI as the container (Debian 12: CPython 3.11).
     "$PYTHON" -m pip download --quiet -d "$WHEELHOUSE" --only-binary=:all: \
         --python-version 3.11 --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-        "$TORCH_SPEC" transformers safetensors pyarrow numpy setuptools wheel >&2
+        "${want[@]}" >&2
     if ls "$WHEELHOUSE" | grep -E '^nvidia_|^torch-.*cu[0-9]' >&2; then
         log "CUDA wheels in the wheelhouse; refusing"; exit 1
     fi
-    date -u +%FT%TZ > "$stamp"
+    printf '%s\n%s\n' "${want[*]}" "$(date -u +%FT%TZ)" > "$stamp"
     echo "$WHEELHOUSE"
 }
 

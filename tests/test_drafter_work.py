@@ -214,3 +214,53 @@ def test_a_short_run_without_the_issue15_switches_trains_the_same(tiny_small_dir
         assert la[s] == pytest.approx(lb[s], rel=1e-4), (s, la[s], lb[s])
     assert la[6] < la[1], "the run must learn, or equal losses say little"
     assert ea["tau"] == pytest.approx(eb["tau"], abs=0.05), json.dumps([ea, eb])
+
+
+# ----------------------------------------------------------------------------- context copies
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("lens,block,anchors", [([300, 77, 150], 8, 20), ([1500, 700, 90], 16, 200),
+                                                 ([2000], 32, 60), ([1200, 900], 128, 4)])
+def test_context_copies_keep_every_pair_and_bound_the_key_tiles_fan_in(lens, block, anchors, group):
+    """Per query tile the same (query, key) pairs and the same tiles (full or partial) as one shared
+    context; no context tile of the new layout is listed by more than `group` query tiles."""
+    _, shared = _batch(lens, block, anchors, soft=False, flex=True)
+    _, plan = _batch(lens, block, anchors, soft=False, flex=True, ctx_group=group)
+    assert len(plan.chunks) == len(shared.chunks)
+    for c, s in zip(plan.chunks, shared.chunks):
+        nct = len(c.ctx_seq) // FLEX_BLOCK
+        ncopy = len(c.kv_ctx) // FLEX_BLOCK
+        assert len(c.kv_ctx) % FLEX_BLOCK == 0 and (c.kv_ctx < len(c.ctx_seq)).all()
+        # the dense mask of the copied layout, from the copied rows' sequence and position
+        copied = type(c)(**{**c.__dict__, "ctx_seq": c.kv_ctx_seq, "ctx_pos": c.ctx_pos[c.kv_ctx],
+                            "q_seq": c.q_copy_seq})
+        dm = _dense(copied, block)
+        ref = _dense(s, block)
+        tq, tk = dm.shape
+        full = _tiles(c.full_kv_num_blocks, c.full_kv_indices)
+        part = _tiles(c.kv_num_blocks, c.kv_indices)
+        assert not (full & part)
+
+        def back(j):  # the shared layout's key tile that copied tile j holds
+            return int(c.kv_ctx[j * FLEX_BLOCK]) // FLEX_BLOCK if j < ncopy else j - ncopy + nct
+
+        def tile(m, i, j):
+            return m[i * FLEX_BLOCK:(i + 1) * FLEX_BLOCK, j * FLEX_BLOCK:(j + 1) * FLEX_BLOCK]
+        for i, j in full | part:  # a listed tile sees what its shared original sees (a copy is whole tiles)
+            assert (tile(dm, i, j) == tile(ref, i, back(j))).all()
+        # and the mask alone says the same: no visible pair outside the listed tiles (eager FlexAttention
+        # applies only the mask, the kernels only the listed tiles plus the mask)
+        listed = np.zeros((-(-tq // FLEX_BLOCK), -(-tk // FLEX_BLOCK)), bool)
+        for i, j in full | part:
+            listed[i, j] = True
+        qi, ki = np.nonzero(dm)
+        assert listed[qi // FLEX_BLOCK, ki // FLEX_BLOCK].all()
+        assert dm.sum() == ref.sum()
+        for i, j in full:
+            assert tile(dm, i, j).shape == (FLEX_BLOCK, FLEX_BLOCK) and tile(dm, i, j).all()
+        # the same tiles as the shared layout, each once: every visible pair is computed exactly once
+        assert sorted((i, back(j)) for i, j in full) == sorted(_tiles(s.full_kv_num_blocks, s.full_kv_indices))
+        assert sorted((i, back(j)) for i, j in part) == sorted(_tiles(s.kv_num_blocks, s.kv_indices))
+        fan_in = np.bincount([j for _, j in full | part if j < ncopy], minlength=ncopy)
+        assert fan_in.max() <= group
+        assert c.kv_indices.shape[-1] >= -(-tk // FLEX_BLOCK)  # FlexAttention wants every key tile in range

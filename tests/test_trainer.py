@@ -332,9 +332,11 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     assert trained["per_position_acceptance"][0] > 0.05
 
 
-def test_flex_block_sparse_path_matches_the_dense_mask():
+@pytest.mark.parametrize("ctx_group", [0, 1, 2])
+def test_flex_block_sparse_path_matches_the_dense_mask(ctx_group):
     """The GPU path (FlexAttention with host-built block sparsity) computes what the dense mask says.
-    Eager FlexAttention on the CPU (forward only) applies both the tile list and the mask_mod."""
+    Eager FlexAttention on the CPU applies both the tile list and the mask_mod. ctx_group > 0: each group
+    of query tiles attends to its own copy of the context (plan.context_copies)."""
     cfg, model = _tiny_drafter(block=8)
     model.requires_grad_(False)
     rng = np.random.default_rng(0)
@@ -344,26 +346,48 @@ def test_flex_block_sparse_path_matches_the_dense_mask():
     for b, n in enumerate(lens):
         mask[b, n // 3:n] = True
     plan = plan_micro_batch(ids, mask, lens, [0, 1, 2], 0, seed=1, block_size=8, max_anchors=20, mask_token_id=49,
-                            gamma=4.0, soft_labels=True, chunk_rows=10**6, flex=True)
+                            gamma=4.0, soft_labels=True, chunk_rows=10**6, flex=True, ctx_group=ctx_group)
     c = plan.chunks[0]
     assert (c.c1 - c.c0) % 128 == 0
     t = torch.from_numpy
+    copies = {k: t(getattr(c, k)) for k in ("kv_ctx", "kv_ctx_seq", "q_copy_seq")} if ctx_group else {}
     meta = PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 8,
-                      t(c.kv_num_blocks), t(c.kv_indices))
+                      t(c.kv_num_blocks), t(c.kv_indices), **copies)
+    if ctx_group:
+        assert len(c.kv_ctx) > len(c.ctx_seq)  # the query tiles of one sequence share its first tiles
     # every allowed (query, key) pair lies in a listed tile
     from trainer.model import dense_mask
     dm = dense_mask(meta).numpy()
-    tiles = np.zeros((dm.shape[0] // 128 + 1, dm.shape[1] // 128 + 1), bool)
-    for qb in range(c.kv_num_blocks.shape[2]):
-        tiles[qb, c.kv_indices[0, 0, qb, :c.kv_num_blocks[0, 0, qb]]] = True
-    qi, ki = np.nonzero(dm)
-    assert tiles[qi // 128, ki // 128].all()
+    if not ctx_group:
+        tiles = np.zeros((dm.shape[0] // 128 + 1, dm.shape[1] // 128 + 1), bool)
+        for qb in range(c.kv_num_blocks.shape[2]):
+            tiles[qb, c.kv_indices[0, 0, qb, :c.kv_num_blocks[0, 0, qb]]] = True
+        qi, ki = np.nonzero(dm)
+        assert tiles[qi // 128, ki // 128].all()
     g = torch.Generator().manual_seed(0)
     taps = torch.randn(len(c.ctx_seq), 64, generator=g)
     emb = torch.randn(len(c.q_seq), 32, generator=g)
     ref = model(taps, emb, meta, backend="sdpa")
     out = model(taps, emb, meta, backend="flex")
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_context_copies_sum_their_gradients_in_fp32():
+    """The copies' backward adds every copy's gradient into its source row, in fp32, rounding once (the
+    gradients through FlexAttention itself are checked on the GPU: trainer.bench's flex check)."""
+    from trainer.model import context_copies
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(256 + 40, 2, 8, generator=g).bfloat16().requires_grad_(True)
+    kv_ctx = torch.cat([torch.arange(0, 256), torch.arange(0, 128), torch.arange(128, 256), torch.arange(0, 128)])
+    out = context_copies(t, 256, kv_ctx)
+    assert out.shape == (len(kv_ctx) + 40, 2, 8) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:len(kv_ctx)], t.detach()[kv_ctx]) and torch.equal(out[len(kv_ctx):], t.detach()[256:])
+    up = torch.randn(out.shape, generator=g).bfloat16()
+    out.backward(up)
+    want = torch.zeros(256 + 40, 2, 8, dtype=torch.float64)
+    want.index_add_(0, kv_ctx, up[:len(kv_ctx)].double())
+    want[256:] = up[len(kv_ctx):].double()
+    assert torch.equal(t.grad, want.to(torch.bfloat16))  # one rounding of the exact sum
 
 
 def test_extending_a_run_follows_the_new_length_without_repeating_the_warmup(tiny_small_dir, tmp_path):

@@ -66,7 +66,8 @@ VARIANTS = {
     "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
-    "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False},
+    "noctxcopy": {"flex_ctx_group": 0},      # one shared context for all query tiles (no context copies)
+    "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False, "flex_ctx_group": 0},
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
     "fp8row": {"fp8": "rowwise"},
@@ -662,11 +663,12 @@ def _dispose(t):
 
 def check_flex_on_gpu(device) -> dict:
     """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
-    reference, with and without grouped-query attention."""
+    reference, with and without grouped-query attention, with one shared context and with context copies
+    (--flex-ctx-group)."""
     from . import model as M
     from .plan import plan_micro_batch
     out = {}
-    for kv_heads in (2, 4):
+    for kv_heads, ctx_group in ((2, 0), (4, 0), (2, 2), (4, 1)):
         cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
                              rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
@@ -681,7 +683,7 @@ def check_flex_on_gpu(device) -> dict:
             mask[b, n // 4:n] = True
         plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
                                 max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
-                                chunk_rows=10**6, flex=True)
+                                chunk_rows=10**6, flex=True, ctx_group=ctx_group)
         c = plan.chunks[0]
         g = torch.Generator().manual_seed(0)
         taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
@@ -696,7 +698,8 @@ def check_flex_on_gpu(device) -> dict:
             t = lambda a: torch.from_numpy(a).to(dev)
             meta = M.PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
                                 t(c.kv_num_blocks), t(c.kv_indices), t(c.full_kv_num_blocks),
-                                t(c.full_kv_indices))
+                                t(c.full_kv_indices), **({k: t(getattr(c, k)) for k in
+                                                          ("kv_ctx", "kv_ctx_seq", "q_copy_seq")} if ctx_group else {}))
             saved = M._compiled_flex
             if not compiled:
                 from torch.nn.attention.flex_attention import flex_attention
@@ -718,7 +721,7 @@ def check_flex_on_gpu(device) -> dict:
                 res[name] = {"out": rel(r[0], ref[0]), "grad_fc": rel(r[1], ref[1]), "grad_q": rel(r[2], ref[2])}
             except Exception as e:
                 res[name] = {"error": repr(e)[:300]}
-        out[f"kv_heads={kv_heads}"] = res
+        out[f"kv_heads={kv_heads},ctx_group={ctx_group}"] = res
     return out
 
 

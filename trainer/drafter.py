@@ -127,7 +127,8 @@ class DrafterStage:
                 dev = {k: v.to(self.device, non_blocking=True) for k, v in h.items()}
                 meta = PackedMeta(dev["ctx_seq"], dev["ctx_pos"], dev["q_seq"], dev["q_anchor"], dev["q_pos"],
                                   bs, dev.get("kv_num_blocks"), dev.get("kv_indices"),
-                                  dev.get("full_kv_num_blocks"), dev.get("full_kv_indices"))
+                                  dev.get("full_kv_num_blocks"), dev.get("full_kv_indices"), dev.get("kv_ctx"),
+                                  dev.get("kv_ctx_seq"), dev.get("q_copy_seq"))
                 x = taps[c.c0:c.c1]
                 if noise_amp > 0 and cfg.noise_type != "none":
                     if cfg.noise_type == "uniform":

@@ -48,6 +48,10 @@ def to_host_tensors(plan: MicroPlan, pin: bool) -> list[dict]:
         if c.full_kv_num_blocks is not None:
             d["full_kv_num_blocks"] = torch.from_numpy(c.full_kv_num_blocks)
             d["full_kv_indices"] = torch.from_numpy(c.full_kv_indices)
+        if c.kv_ctx is not None:
+            d["kv_ctx"] = torch.from_numpy(c.kv_ctx)
+            d["kv_ctx_seq"] = torch.from_numpy(c.kv_ctx_seq)
+            d["q_copy_seq"] = torch.from_numpy(c.q_copy_seq)
         if pin:
             d = {k: v.pin_memory() for k, v in d.items()}
         out.append(d)

@@ -120,6 +120,10 @@ class PackedMeta:
     kv_indices: torch.Tensor | None = None
     full_kv_num_blocks: torch.Tensor | None = None  # fully visible tiles: no mask_mod on them
     full_kv_indices: torch.Tensor | None = None
+    # context copies for the flex keys (plan.context_copies), or None
+    kv_ctx: torch.Tensor | None = None
+    kv_ctx_seq: torch.Tensor | None = None
+    q_copy_seq: torch.Tensor | None = None
 
     @property
     def num_ctx(self) -> int:
@@ -140,6 +144,8 @@ def _flex_mask_mod(meta: PackedMeta):
     # so a new batch shape does not force a recompile; only the block size is a constant
     bs = meta.block_size
     ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
+    if meta.kv_ctx is not None:  # keys are [ctx[kv_ctx], block rows]; a query sees its group's copy only
+        ctx_seq, ctx_pos, q_seq = meta.kv_ctx_seq, ctx_pos[meta.kv_ctx], meta.q_copy_seq
 
     def mask_mod(b, h, q, kv):
         tc, tq = ctx_seq.shape[0], q_seq.shape[0]
@@ -164,6 +170,13 @@ def flex_attention_fn(device: torch.device):
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
+
+
+def context_copies(t: torch.Tensor, tc: int, kv_ctx: torch.Tensor) -> torch.Tensor:
+    """Keys or values [Tc + Tq, heads, hd] -> [Tc' + Tq, heads, hd]: the context part replaced by its copies
+    (rows kv_ctx). The gather runs in fp32, so its backward sums the copies' gradients in fp32 and rounds
+    once, as the attention kernel accumulates a key's gradient."""
+    return torch.cat([t[:tc].float().index_select(0, kv_ctx).to(t.dtype), t[tc:]], dim=0)
 
 
 class DFlashAttention(nn.Module):
@@ -192,12 +205,14 @@ class DFlashAttention(nn.Module):
         # [T, heads, hd] layout: rope broadcast over heads (unsqueeze_dim=1)
         q, _ = apply_rotary_pos_emb(q, q, cos_q, sin_q, unsqueeze_dim=1)
         k, _ = apply_rotary_pos_emb(k, k, cos_k, sin_k, unsqueeze_dim=1)
+        if backend == "flex" and meta.kv_ctx is not None:
+            k, v = (context_copies(t, tc, meta.kv_ctx) for t in (k, v))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, hd]
         if backend == "flex":
             from torch.nn.attention.flex_attention import BlockMask
             block_mask = BlockMask.from_kv_blocks(
                 meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices,
-                BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta), seq_lengths=(tq, tc + tq))
+                BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta), seq_lengths=(tq, k.shape[2]))
             out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh,
                                               kernel_options=self.kernel_options)
         else:

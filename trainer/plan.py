@@ -33,6 +33,10 @@ class ChunkPlan:
     kv_indices: np.ndarray | None
     full_kv_num_blocks: np.ndarray | None = None  # fully visible tiles (FlexAttention skips mask_mod)
     full_kv_indices: np.ndarray | None = None
+    # context copies (context_copies), or None: the flex keys' ctx rows, and sequence ids that tell copies apart
+    kv_ctx: np.ndarray | None = None      # [Tc'] ctx row held by each copied key row
+    kv_ctx_seq: np.ndarray | None = None  # [Tc'] (sequence, copy) id of each copied key row, -1 on pad rows
+    q_copy_seq: np.ndarray | None = None  # [Tq] (sequence, copy) id of each query row: the copy it may see
     # LM-head layout (see loss_layout): the rows that go through the head, the loss chunks over them,
     # and the soft-label target rows once per unique position of each loss chunk
     loss_rows: np.ndarray | None = None    # [N] int64 rows of this chunk with a loss (all rows if dedup off)
@@ -82,11 +86,13 @@ def anchor_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
 def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, sample_ids,
                      epoch: int, *, seed: int, block_size: int, max_anchors: int, mask_token_id: int,
                      gamma: float, soft_labels: bool, chunk_rows: int, flex: bool, dedup: bool = True,
-                     full_blocks: bool = True, loss_chunk_rows: int = LOSS_CHUNK_ROWS) -> MicroPlan:
+                     full_blocks: bool = True, loss_chunk_rows: int = LOSS_CHUNK_ROWS,
+                     ctx_group: int = 0) -> MicroPlan:
     """input_ids/loss_mask [B, S] (right padded), lengths [B]. chunk_rows bounds block rows per drafter chunk.
     dedup: only rows with a loss go through the LM head, and the soft-label target distribution is computed
     once per unique position of a loss chunk (off: every row, per row; the same loss). full_blocks: list the
-    fully visible FlexAttention tiles separately (they skip mask_mod)."""
+    fully visible FlexAttention tiles separately (they skip mask_mod). ctx_group > 0: each group of that many
+    128-row query tiles attends to its own copy of the context tiles it needs (context_copies)."""
     bsz, seqlen = input_ids.shape
     slot = np.arange(block_size)
     w_slot = np.exp(-(slot - 1) / gamma).astype(np.float32)
@@ -164,6 +170,8 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
         if flex:
             sp = flex_block_sparsity(np.asarray(starts, np.int64), q_seq, q_anchor, row - c0, len(q_seq),
                                      block_size, full=full_blocks)
+            if ctx_group:
+                ch.kv_ctx, ch.kv_ctx_seq, ch.q_copy_seq, sp = context_copies(sp, ch.ctx_seq, q_seq, ctx_group)
             ch.kv_num_blocks, ch.kv_indices = sp[0], sp[1]
             if full_blocks:
                 ch.full_kv_num_blocks, ch.full_kv_indices = sp[2], sp[3]
@@ -306,3 +314,57 @@ def flex_block_sparsity(ctx_seq_start, q_seq, q_anchor, num_ctx: int, num_q: int
     assert (p_counts == n_part_ctx + (qhi - qlo) - nb_full).all()
     return (p_counts.astype(np.int32)[None, None], part_idx[None, None],
             f_counts.astype(np.int32)[None, None], full_idx[None, None])
+
+
+def context_copies(sp: tuple, ctx_seq: np.ndarray, q_seq: np.ndarray, group: int) -> tuple:
+    """Give each group of `group` query tiles its own copy of the context tiles it attends to.
+
+    sp: flex_block_sparsity's arrays, for keys laid out as [ctx (len(ctx_seq) rows), block rows].
+    Returns (kv_ctx, kv_ctx_seq, q_copy_seq, sp'):
+    - kv_ctx [Tc']: per copy, the ctx rows it holds (whole 128-row tiles, one contiguous range per group);
+    - kv_ctx_seq [Tc'] and q_copy_seq [Tq]: sequence ids made unique per copy, so that the mask (which
+      compares sequence ids) lets a query see its own group's copy only;
+    - sp': the block sparsity for keys laid out as [ctx[kv_ctx], block rows].
+    Every (query, key) pair is computed once, as before, and every tile keeps its full/partial kind.
+
+    Why: FlexAttention's backward gives each key tile one program, which loops over every query tile that
+    sees it. Every block of a sequence sees that sequence's first context tiles, so at block 32 with 1,024
+    anchors one program walks all 256 query tiles of the chunk while most finish after a few; the
+    kernel waits on its longest programs. With copies no key tile is seen by more than `group` query
+    tiles. The copies cost a gather of K and V per layer (fp32 scatter-add in the backward)."""
+    num_ctx, num_q = len(ctx_seq), len(q_seq)
+    n_ctx_t = num_ctx // FLEX_BLOCK
+    nqb = sp[0].shape[-1]
+    lists = [(sp[k][0, 0], sp[k + 1][0, 0].astype(np.int64)) for k in range(0, len(sp), 2)]  # (counts, indices)
+    col = np.arange(sp[1].shape[-1])[None, :]
+    used = [(idx < n_ctx_t) & (col < num[:, None]) for num, idx in lists]  # context entries in use
+    grp = np.arange(nqb) // group
+    n_grp = int(grp[-1]) + 1 if nqb else 0
+    lo = np.full(n_grp, np.iinfo(np.int64).max)
+    hi = np.zeros(n_grp, np.int64)
+    for (num, idx), u in zip(lists, used):
+        big = np.where(u, idx, np.iinfo(np.int64).max).min(1)
+        top = np.where(u, idx + 1, 0).max(1)
+        np.minimum.at(lo, grp, big)
+        np.maximum.at(hi, grp, top)
+    lo = np.where(hi > 0, lo, 0)  # a group with no context gets no copy
+    size = hi - lo
+    base = np.concatenate([[0], np.cumsum(size)[:-1]])
+    n_copy_t = int(size.sum())
+    width = n_copy_t + (num_q + FLEX_BLOCK - 1) // FLEX_BLOCK
+    offset = (base - lo)[grp][:, None]
+    out = []
+    for (num, idx), u in zip(lists, used):
+        new = np.where(idx < n_ctx_t, idx + offset, idx - n_ctx_t + n_copy_t)
+        new = np.where(col < num[:, None], new, 0).astype(np.int32)
+        w = min(width, new.shape[1])
+        full = np.zeros((nqb, width), np.int32)
+        full[:, :w] = new[:, :w]
+        out += [num[None, None], full[None, None]]
+    tiles = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if n_grp else np.zeros(0, np.int64)
+    kv_ctx = (tiles[:, None] * FLEX_BLOCK + np.arange(FLEX_BLOCK)[None, :]).reshape(-1).astype(np.int64)
+    owner = np.repeat(np.arange(n_grp), size * FLEX_BLOCK)  # the group each copied key row belongs to
+    seqs = int(max(ctx_seq.max(initial=0), q_seq.max(initial=0))) + 1
+    kv_ctx_seq = np.where(ctx_seq[kv_ctx] >= 0, owner * seqs + ctx_seq[kv_ctx], -1)
+    q_copy_seq = (np.arange(num_q) // (FLEX_BLOCK * group)) * seqs + q_seq
+    return kv_ctx, kv_ctx_seq.astype(np.int64), q_copy_seq.astype(np.int64), tuple(out)

@@ -503,7 +503,8 @@ class Trainer:
                                 batch.sample_ids, ep, seed=cfg.seed, block_size=cfg.block_size,
                                 max_anchors=cfg.max_anchors, mask_token_id=self.mask_token, gamma=cfg.gamma,
                                 soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows, flex=self.flex,
-                                dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks)
+                                dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
+                                ctx_group=cfg.flex_ctx_group)
         self.batch_shapes.add(tuple(batch.input_ids.shape))
         item = make_item(seq, ep, bi, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
         item.data_s = time.perf_counter() - t0
@@ -716,7 +717,8 @@ class Trainer:
                                         max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
                                         mask_token_id=self.mask_token, gamma=cfg.gamma,
                                         soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
-                                        flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks)
+                                        flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
+                                        ctx_group=cfg.flex_ctx_group)
                 batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lengths),
                               list(range(n)), int(lengths.sum()), int(mask.sum()))
                 item = make_item(-1, 0, 0, batch, plan, pin=self.device.type == "cuda", data_s=0.0)

@@ -66,7 +66,7 @@ VARIANTS = {
     "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
-    "noctxcopy": {"flex_ctx_group": 0},      # one shared context for all query tiles (no context copies)
+    "ctxcopy": {"flex_ctx_group": 16},       # context copies per 16 query tiles (the default at 19ee62b)
     "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False, "flex_ctx_group": 0},
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
@@ -734,8 +734,10 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     if args.max_seq_len:
         base["max_seq_len"] = args.max_seq_len
     vocab = SHAPES[shape][6]
-    # enough sequences that length buckets fill their batches, as with a real corpus
-    need = max(base["token_budget"] * 4 * max(args.steps, args.pipeline_steps) * base["grad_accum"], args.dataset_tokens)
+    # enough sequences that length buckets fill their batches, as with a real corpus; sized by the steps of
+    # the parts that run, so a stage-alone run times the same batches whatever --pipeline-steps says
+    steps = max([args.steps] + [args.pipeline_steps for p in ("sync", "async") if p in args.parts.split(",")])
+    need = max(base["token_budget"] * 4 * steps * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
                            mean_len=min(args.mean_len, base["max_seq_len"]),
                            min_len=min(args.min_len, base["max_seq_len"]))

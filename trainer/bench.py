@@ -736,7 +736,8 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     vocab = SHAPES[shape][6]
     # enough sequences that length buckets fill their batches, as with a real corpus; sized by the steps of
     # the parts that run, so a stage-alone run times the same batches whatever --pipeline-steps says
-    steps = max([args.steps] + [args.pipeline_steps for p in ("sync", "async") if p in args.parts.split(",")])
+    parts = args.parts.split(",")
+    steps = max([args.steps] + [args.pipeline_steps for p in ("sync", "async") if p in parts])
     need = max(base["token_budget"] * 4 * steps * base["grad_accum"], args.dataset_tokens)
     ds = synthetic_dataset(need, base["max_seq_len"], vocab, args.supervised,
                            mean_len=min(args.mean_len, base["max_seq_len"]),
@@ -745,7 +746,6 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
     ctx = Ctx(args, shape, setting, dtype, ds, factory, base, over)
     res = {"setting": setting, "variant": variant, "options": over, **base, "dataset_tokens": ds.num_tokens,
            "dataset_sequences": len(ds)}
-    parts = args.parts.split(",")
     for p, fn, gpus in (("target", bench_target, args.target_gpus), ("drafter", bench_drafter, args.drafter_gpus)):
         if p not in parts:
             continue

@@ -24,6 +24,7 @@ def run_molecule(scenario: str) -> None:
     import shutil
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     if os.geteuid() != 0 or shutil.which("lxc-start") is None or shutil.which("debootstrap") is None:
@@ -32,13 +33,28 @@ def run_molecule(scenario: str) -> None:
     if not (bin_dir / "molecule").exists():
         pytest.skip("molecule not installed")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    started = time.time()
     r = subprocess.run([str(bin_dir / "molecule"), "test", "-s", scenario], cwd=Path(__file__).resolve().parents[1],
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
         # the failing task's own message sits before long command output (debootstrap, pip), so show
         # every line that names a failure, then the tails of both streams
+        # every line that names a failure (with the lines after a fatal one: molecule folds a long
+        # message over several), then the tails of both streams
         lines = (r.stdout + "\n" + r.stderr).splitlines()
-        marks = [ln for ln in lines if any(k in ln for k in ("fatal:", "FAILED!", "\"msg\"", "msg:", "ERROR", "rc:"))]
+        keys = ("fatal:", "FAILED!", "\"msg\"", "msg:", "ERROR", "rc:")
+        marks, after = [], 0
+        for ln in lines:
+            if "fatal:" in ln:
+                after = 8
+            if after or any(k in ln for k in keys):
+                marks.append(ln)
+            after = max(0, after - 1)
+        # the provision scenario's destroy keeps the PVE API stand-in's log (the reason behind a 500)
+        standin = Path("/var/log/dflash-standin-pve_api.log")
+        api_log = ""
+        if standin.exists() and standin.stat().st_mtime >= started:
+            api_log = "\n--- PVE API stand-in log tail ---\n" + standin.read_text(errors="replace")[-4000:]
         pytest.fail(f"molecule test -s {scenario} exited {r.returncode}\n--- lines naming the failure ---\n"
-                    + "\n".join(marks[-60:]) + "\n--- stdout tail ---\n" + r.stdout[-4000:]
+                    + "\n".join(marks[-80:]) + api_log + "\n--- stdout tail ---\n" + r.stdout[-4000:]
                     + "\n--- stderr tail ---\n" + r.stderr[-3000:])

@@ -81,6 +81,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 
 PVE_VERSION = {"version": "8.2.4", "release": "8.2", "repoid": "standin"}
@@ -619,6 +620,7 @@ class Node:
             except Exception as e:  # the task's error is its exitstatus, as in PVE
                 t["exitstatus"] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 log(f"TASK ERROR: {e}")
+                sys.stderr.write(f"task {upid} failed\n" + traceback.format_exc())
             t["endtime"] = int(time.time())
             t["status"] = "stopped"
 
@@ -956,8 +958,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             user = self._auth()
             self._reply(200, self._route(method, path[len("/api2/json"):].rstrip("/"), params, user))
         except ApiError as e:
+            if e.status >= 500:   # the reason in the log too: a client may show only the status line
+                sys.stderr.write(f"{self.log_date_time_string()} {method} {self.path}: {e.status} {e.reason}\n")
             self._reply(e.status, None, e.reason, e.errors)
         except Exception as e:   # an unexpected error is a 500 with the message, as in PVE
+            sys.stderr.write(f"{self.log_date_time_string()} {method} {self.path}: unexpected error\n"
+                             + traceback.format_exc())
             self._reply(500, None, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def _route(self, method, path, p, user):

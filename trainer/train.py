@@ -494,17 +494,23 @@ class Trainer:
         return seq // n, seq % n
 
     # ---------------------------------------------------------------------------------- data
+    def plan(self, input_ids, loss_mask, lengths, sample_ids, epoch: int, *, seed: int, max_anchors: int):
+        """plan_micro_batch with this run's drafter options: the one place the training batches and the
+        warmup's batches take them from, so the warmup compiles for the layouts training will bring."""
+        cfg = self.cfg
+        return plan_micro_batch(input_ids, loss_mask, lengths, sample_ids, epoch, seed=seed,
+                                block_size=cfg.block_size, max_anchors=max_anchors, mask_token_id=self.mask_token,
+                                gamma=cfg.gamma, soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
+                                flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
+                                ctx_group=cfg.flex_ctx_group)
+
     def make_item(self, seq: int) -> WorkItem:
         cfg = self.cfg
         t0 = time.perf_counter()
         ep, bi = self._position(seq)
         batch = collate(self.dataset, self.planner.epoch_batches(ep)[bi], cfg.max_seq_len, cfg.pad_multiple)
-        plan = plan_micro_batch(batch.input_ids.numpy(), batch.loss_mask.numpy(), batch.lengths.numpy(),
-                                batch.sample_ids, ep, seed=cfg.seed, block_size=cfg.block_size,
-                                max_anchors=cfg.max_anchors, mask_token_id=self.mask_token, gamma=cfg.gamma,
-                                soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows, flex=self.flex,
-                                dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
-                                ctx_group=cfg.flex_ctx_group)
+        plan = self.plan(batch.input_ids.numpy(), batch.loss_mask.numpy(), batch.lengths.numpy(), batch.sample_ids,
+                         ep, seed=cfg.seed, max_anchors=cfg.max_anchors)
         self.batch_shapes.add(tuple(batch.input_ids.shape))
         item = make_item(seq, ep, bi, batch, plan, pin=self.device.type == "cuda", data_s=0.0)
         item.data_s = time.perf_counter() - t0
@@ -713,12 +719,8 @@ class Trainer:
                 lengths = np.array(lens)
                 mask = np.arange(s)[None, :] < lengths[:, None]
                 mask[:, 0] = False
-                plan = plan_micro_batch(ids, mask, lengths, list(range(n)), 0, seed=0, block_size=cfg.block_size,
-                                        max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size),
-                                        mask_token_id=self.mask_token, gamma=cfg.gamma,
-                                        soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
-                                        flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
-                                        ctx_group=cfg.flex_ctx_group)
+                plan = self.plan(ids, mask, lengths, list(range(n)), 0, seed=0,
+                                 max_anchors=min(cfg.max_anchors, cfg.drafter_chunk_rows // cfg.block_size))
                 batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(lengths),
                               list(range(n)), int(lengths.sum()), int(mask.sum()))
                 item = make_item(-1, 0, 0, batch, plan, pin=self.device.type == "cuda", data_s=0.0)

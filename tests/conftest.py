@@ -38,7 +38,6 @@ def run_molecule(scenario: str) -> None:
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
         # the failing task's own message sits before long command output (debootstrap, pip), so show
-        # every line that names a failure, then the tails of both streams
         # every line that names a failure (with the lines after a fatal one: molecule folds a long
         # message over several), then the tails of both streams
         lines = (r.stdout + "\n" + r.stderr).splitlines()

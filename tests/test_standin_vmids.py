@@ -38,10 +38,14 @@ def _inventory(rel: str) -> list[tuple[str, dict]]:
     return list(_hosts(yaml.safe_load((REPO / rel).read_text())["all"], {}))
 
 
+def _vmids(rel: str) -> list[int]:
+    return [int(v["proxmox_vmid"]) for _, v in _inventory(rel) if "proxmox_vmid" in v]
+
+
 def test_each_stand_in_has_its_own_vmids():
     owner: dict[int, str] = {}
     for rel, who in STANDINS.items():
-        vmids = [int(v["proxmox_vmid"]) for _, v in _inventory(rel) if "proxmox_vmid" in v]
+        vmids = _vmids(rel)
         assert vmids, f"{rel}: no proxmox_vmid"
         for vmid in vmids:
             assert vmid not in owner, f"CT {vmid} is used by {owner.get(vmid)} and by {who}"
@@ -60,14 +64,14 @@ def test_each_stand_in_node_listens_on_its_own_port():
 
 def test_the_scripts_build_the_vmids_their_inventories_name():
     """The scripts that build the containers carry the same VMIDs as the inventories that reach them."""
-    local = {int(v["proxmox_vmid"]) for _, v in _inventory("inventory/local/hosts.yml") if "proxmox_vmid" in v}
+    local = set(_vmids("inventory/local/hosts.yml"))
     default = re.search(r'VMID="\$\{DFLASH_STANDIN_VMID:-(\d+)\}"', (REPO / "tests/standin/standin.sh").read_text())
     assert default and {int(default.group(1))} == local
 
-    faults = {int(v["proxmox_vmid"]) for _, v in _inventory("tests/faults/inventory/hosts.yml") if "proxmox_vmid" in v}
+    faults = set(_vmids("tests/faults/inventory/hosts.yml"))
     lib = re.search(r'^VMID = "(\d+)"', (REPO / "tests/faults/faultlib.py").read_text(), re.M)
     assert lib and {int(lib.group(1))} == faults
 
-    multinode = {int(v["proxmox_vmid"]) for _, v in _inventory("inventory/multinode/hosts.yml") if "proxmox_vmid" in v}
+    multinode = set(_vmids("inventory/multinode/hosts.yml"))
     names = re.search(r"declare -A NAME=\(([^)]*)\)", (REPO / "molecule/multinode/standin-mn.sh").read_text())
     assert names and {int(x) for x in re.findall(r"\[(\d+)\]", names.group(1))} == multinode

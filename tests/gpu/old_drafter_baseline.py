@@ -1,0 +1,65 @@
+"""Re-measure an older checkout's drafter stage on one GPU, in the same device call as today's code.
+
+    git archive df36c97 trainer | tar -x -C .bench_old
+    python tests/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
+        --shape 27b --settings b16 --steps 2 --parts drafter --target-gpus 0 --drafter-gpus 0 ...
+
+Not part of the test suite. Issue 15's goals are ratios against figures of the code before it (the
+in-process engine, e.g. df36c97); those figures were taken on another machine, so this runs that code's
+own `python -m trainer.bench` again beside today's. Runs only that checkout's bench `main` with the
+arguments after `--`; nothing of today's trainer is imported.
+
+One change, and only with --target-layers N: the older bench builds the target model on the drafter's GPU
+even for the drafter-alone part (today's drops it first), and a 27B-class target (53 GB) does not fit one
+H200 beside the 27B-width drafter. The drafter-alone part feeds the drafter random tap tensors, so the
+target's depth changes none of the timed work: the target is cut to its first N layers, as long as the
+drafter still gets as many distinct taps as before (checked; N = 8 gives taps [1, 2, 3, 4, 5]). The JSON's
+meta records the cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="old_drafter_baseline", description=__doc__.splitlines()[0])
+    p.add_argument("checkout", help="a directory holding the older trainer/ package")
+    p.add_argument("--target-layers", type=int, default=0, help="cut the target to its first N layers (0: keep)")
+    a = p.parse_args(own)
+    root = Path(a.checkout).resolve()
+    if not (root / "trainer" / "bench.py").is_file():
+        print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py there", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from trainer import bench, model   # the older checkout's, from here on
+
+    shape = rest[rest.index("--shape") + 1] if "--shape" in rest else "tiny"
+    cut = None
+    if a.target_layers:
+        layers, taps = bench.SHAPES[shape][1], 5
+        before, after = model.tap_layers(layers, taps), model.tap_layers(a.target_layers, taps)
+        if len(set(after)) != len(before):
+            print(f"old_drafter_baseline: --target-layers {a.target_layers}: gives taps {after}, "
+                  f"not {len(before)} distinct ones like {before}", file=sys.stderr)
+            return 2
+        bench.make_target_factory = functools.partial(bench.make_target_factory, layers=a.target_layers)
+        cut = {"target_layers": a.target_layers, "of": layers, "taps": after, "taps_uncut": before}
+    rc = bench.main(rest)
+    out = rest[rest.index("--out") + 1] if "--out" in rest else ""
+    if out and Path(out).is_file():
+        d = json.loads(Path(out).read_text())
+        d["meta"]["baseline"] = {"checkout": str(root), "target_cut": cut}
+        Path(out).write_text(json.dumps(d, indent=2, default=str))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

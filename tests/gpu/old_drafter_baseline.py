@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     shape = rest[rest.index("--shape") + 1] if "--shape" in rest else "tiny"
     cut = None
     if a.target_layers:
-        layers, taps = bench.SHAPES[shape][1], 5
+        sets = bench.parse_sets([rest[i + 1] for i, x in enumerate(rest[:-1]) if x == "--set"])
+        taps = sets.get("num_draft_layers", bench.TrainConfig.num_draft_layers)   # one tap per drafter layer
+        layers = bench.SHAPES[shape][1]
         before, after = model.tap_layers(layers, taps), model.tap_layers(a.target_layers, taps)
         if len(set(after)) != len(before):
             print(f"old_drafter_baseline: --target-layers {a.target_layers}: gives taps {after}, "

@@ -15,6 +15,13 @@ H200 beside the 27B-width drafter. The drafter-alone part feeds the drafter rand
 target's depth changes none of the timed work: the target is cut to its first N layers, as long as the
 drafter still gets as many distinct taps as before (checked; N = 8 gives taps [1, 2, 3, 4, 5]). The JSON's
 meta records the cut.
+
+With --no-freeze, the older trainer does not freeze its compiled graphs after the warmup. That code
+(df36c97) freezes them, and then the multi-sequence drafter chunks its one-sequence warmup did not cover
+run FlexAttention eagerly: at 27b that materialises a 51.6 GiB score matrix and runs out of memory. The
+27.9K figure of results/h200x2-27b-b16-compiled.json was taken before the freeze existed (its log says
+"warmup done", not "graphs frozen"): the bench's first, untimed step compiled those shapes. --no-freeze
+restores that; the JSON's compiles_in_timed_window says whether a timed step compiled anyway.
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="old_drafter_baseline", description=__doc__.splitlines()[0])
     p.add_argument("checkout", help="a directory holding the older trainer/ package")
     p.add_argument("--target-layers", type=int, default=0, help="cut the target to its first N layers (0: keep)")
+    p.add_argument("--no-freeze", action="store_true", help="leave compiled graphs unfrozen after the warmup")
     a = p.parse_args(own)
     root = Path(a.checkout).resolve()
     if not (root / "trainer" / "bench.py").is_file():
         print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py there", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
-    from trainer import bench, model   # the older checkout's, from here on
+    from trainer import bench, model, train   # the older checkout's, from here on
+    if a.no_freeze:
+        train.freeze_compiled = lambda on: None
 
     shape = rest[rest.index("--shape") + 1] if "--shape" in rest else "tiny"
     cut = None
@@ -58,7 +68,7 @@ def main(argv=None) -> int:
     out = rest[rest.index("--out") + 1] if "--out" in rest else ""
     if out and Path(out).is_file():
         d = json.loads(Path(out).read_text())
-        d["meta"]["baseline"] = {"checkout": str(root), "target_cut": cut}
+        d["meta"]["baseline"] = {"checkout": str(root), "target_cut": cut, "no_freeze": a.no_freeze}
         Path(out).write_text(json.dumps(d, indent=2, default=str))
     return rc
 

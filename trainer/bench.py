@@ -226,10 +226,12 @@ def peak_flops(n_gpus: int) -> float | None:
     return None
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory from /proc/self/status: VmRSS (all of it), or RssAnon (the heap and
+    other anonymous pages only, without the file pages the kernel may evict and fault back in)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -588,7 +590,8 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     shapes [B, S] it has not seen, then over the same shapes again. Per-shape caches (cuDNN's SDPA graph
     cache is one: per thread, keyed on exact shapes, unbounded) grow host RSS in the first pass only.
     RSS is read again after malloc_trim(0), which separates memory that is held from free memory glibc
-    has not given back."""
+    has not given back. RSS here is anonymous memory (RssAnon), what a cache holds: on a loaded host the
+    kernel evicts pages of the mapped libraries and faults them back in, which moves VmRSS by tens of MB."""
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
     from .fast import sdpa_context
@@ -627,14 +630,14 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
                 continue
             gc.collect()
             trim(0)
-            base = rss_bytes()
+            base = rss_bytes("RssAnon")
             for label in ("new shapes", "same shapes again"):
                 t0 = time.perf_counter()
                 run_pass(backend, shapes)
                 gc.collect()
-                rss = rss_bytes()
+                rss = rss_bytes("RssAnon")
                 trim(0)
-                rss_trim = rss_bytes()
+                rss_trim = rss_bytes("RssAnon")
                 rows.append({"backend": backend, "pass": label, "shapes": len(shapes),
                              "seconds": round(time.perf_counter() - t0, 3),
                              "rss_growth_bytes": rss - base, "rss_growth_after_trim_bytes": rss_trim - base,

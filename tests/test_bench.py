@@ -33,35 +33,52 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     assert 1 <= seen[0] <= seen[1]
 
 
+# A stand-in for a per-shape cache (cuDNN's SDPA graph cache keeps its plans so): LEAK_MB touched bytes
+# per new input shape, kept; nothing on a shape seen before. Run in a process of its own by the test below.
+LEAKY_PROBE = """
+import json, sys
+from trainer import bench, target
+real, cache = target.decoder, {}
+
+def leaky_decoder(model):
+    dec = real(model)
+
+    def call(input_ids, **kw):
+        key = tuple(input_ids.shape)
+        if key not in cache:
+            cache[key] = b"\\x01" * (LEAK_MB << 20)
+        return dec(input_ids=input_ids, **kw)
+    return call
+
+target.decoder = leaky_decoder
+rc = bench.main(["--shape", "tiny", "--shape-cache-probe", "10", "--out", sys.argv[1]])
+print("cached shapes:", len(cache))
+sys.exit(rc)
+"""
+
+
 @pytest.mark.slow
-def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path, monkeypatch, capsys):
-    """--shape-cache-probe must measure what it claims: a cache that keeps 2 MB per new input shape
-    (as cuDNN's SDPA graph cache keeps its plans) shows in the first pass and not in the second."""
-    from trainer import target
-    real = target.decoder
-    cache = {}
-
-    def leaky_decoder(model):
-        dec = real(model)
-
-        def call(input_ids, **kw):
-            key = tuple(input_ids.shape)
-            if key not in cache:  # as a cache does: memory on a miss only (touched, so resident)
-                cache[key] = b"\x01" * (2 << 20)
-            return dec(input_ids=input_ids, **kw)
-        return call
-
-    monkeypatch.setattr(target, "decoder", leaky_decoder)
+def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path):
+    """--shape-cache-probe must measure what it claims: a cache that keeps 8 MB per new input shape shows
+    in the first pass and not in the second. In a process of its own: the probe measures its process's
+    memory, and in CI's long-lived pytest process the pass over known shapes once kept 23 MB (twice, with
+    a 2 MB stand-in; not seen in a fresh process), so the stand-in is large and the bound relative."""
+    import subprocess
+    import sys
+    leak_mb = 8
     out = tmp_path / "probe.json"
-    assert bench.main(["--shape", "tiny", "--shape-cache-probe", "10", "--out", str(out)]) == 0
+    r = subprocess.run([sys.executable, "-c", LEAKY_PROBE.replace("LEAK_MB", str(leak_mb)), str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cached shapes: 11" in r.stdout      # the 10 shapes and the probe's first-call shape
+    assert "KB/shape" in r.stdout
     rows = json.loads(out.read_text())["shape_cache_probe"]
     assert [(r["backend"], r["pass"], r["shapes"]) for r in rows] == [
         ("auto", "new shapes", 10), ("auto", "same shapes again", 10)]
     first, again = rows
-    assert first["rss_growth_after_trim_bytes"] >= 15e6, first     # 10 new shapes x 2 MB
-    assert again["rss_growth_after_trim_bytes"] < 5e6, again
-    assert len(cache) == 11  # the 10 shapes and the probe's first-call shape
-    assert "KB/shape" in capsys.readouterr().out
+    leaked = 10 * (leak_mb << 20)
+    assert first["rss_growth_after_trim_bytes"] >= 0.9 * leaked, first
+    assert again["rss_growth_after_trim_bytes"] < 0.25 * leaked, again
 
 
 def test_flop_counts_scale_as_expected():

@@ -33,12 +33,12 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     assert 1 <= seen[0] <= seen[1]
 
 
-# A stand-in for a per-shape cache (cuDNN's SDPA graph cache keeps its plans so): LEAK_MB touched bytes
-# per new input shape, kept; nothing on a shape seen before. Run in a process of its own by the test below.
+# A stand-in for a per-shape cache (cuDNN's SDPA graph cache keeps its plans so): argv[2] MB of touched
+# bytes per new input shape, kept; nothing on a shape seen before. Run in a process of its own below.
 LEAKY_PROBE = """
 import json, sys
 from trainer import bench, target
-real, cache = target.decoder, {}
+real, cache, leak_mb = target.decoder, {}, int(sys.argv[2])
 
 def leaky_decoder(model):
     dec = real(model)
@@ -46,7 +46,7 @@ def leaky_decoder(model):
     def call(input_ids, **kw):
         key = tuple(input_ids.shape)
         if key not in cache:
-            cache[key] = b"\\x01" * (LEAK_MB << 20)
+            cache[key] = b"\\x01" * (leak_mb << 20)
         return dec(input_ids=input_ids, **kw)
     return call
 
@@ -61,13 +61,13 @@ sys.exit(rc)
 def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_path):
     """--shape-cache-probe must measure what it claims: a cache that keeps 8 MB per new input shape shows
     in the first pass and not in the second. In a process of its own: the probe measures its process's
-    memory, and in CI's long-lived pytest process the pass over known shapes once kept 23 MB (twice, with
-    a 2 MB stand-in; not seen in a fresh process), so the stand-in is large and the bound relative."""
+    memory, and in two CI runs the suite's long-lived pytest process kept 23 MB in the pass over known
+    shapes (with a 2 MB stand-in; never in a fresh process), so the stand-in is large and the bound relative."""
     import subprocess
     import sys
     leak_mb = 8
     out = tmp_path / "probe.json"
-    r = subprocess.run([sys.executable, "-c", LEAKY_PROBE.replace("LEAK_MB", str(leak_mb)), str(out)],
+    r = subprocess.run([sys.executable, "-c", LEAKY_PROBE, str(out), str(leak_mb)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cached shapes: 11" in r.stdout      # the 10 shapes and the probe's first-call shape

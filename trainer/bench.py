@@ -591,7 +591,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     cache is one: per thread, keyed on exact shapes, unbounded) grow host RSS in the first pass only.
     RSS is read again after malloc_trim(0), which separates memory that is held from free memory glibc
     has not given back. RSS here is anonymous memory (RssAnon), what a cache holds: on a loaded host the
-    kernel evicts pages of the mapped libraries and faults them back in, which moves VmRSS by tens of MB."""
+    kernel can evict pages of the mapped libraries and fault them back in, which moves VmRSS."""
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
     from .fast import sdpa_context

@@ -9,7 +9,7 @@ in-process engine, e.g. df36c97); those figures were taken on another machine, s
 own `python -m trainer.bench` again beside today's. Runs only that checkout's bench `main` with the
 arguments after `--`; nothing of today's trainer is imported.
 
-One change, and only with --target-layers N: the older bench builds the target model on the drafter's GPU
+Two changes, each only when asked for. With --target-layers N: the older bench builds the target model on the drafter's GPU
 even for the drafter-alone part (today's drops it first), and a 27B-class target (53 GB) does not fit one
 H200 beside the 27B-width drafter. The drafter-alone part feeds the drafter random tap tensors, so the
 target's depth changes none of the timed work: the target is cut to its first N layers, as long as the

@@ -7,7 +7,8 @@ by construction. Files (docs/contracts.md "Checkpoints"):
 * ``model.safetensors``  drafter weights (dtype as trained)
 * ``config.json``        drafter config an inference engine can read
 * ``training_state.pt``  optimizer, scheduler, data position, RNG states, step, run config
-* ``meta.json``          step, epoch, created_at, trainer version (+ file sizes)
+* ``meta.json``          step, epoch, created_at, trainer version (+ file sizes), ``target``: the
+                         target's identity (trainer/identity.py)
 
 Keep-K pruning happens only after a successful save. A failed save (e.g. a full disk) removes its
 temp dir, leaves earlier checkpoints untouched and raises :class:`CheckpointError`.
@@ -31,6 +32,7 @@ import torch
 import safetensors.torch
 
 from .fsutil import fsync_dir, fsync_path
+from .identity import RECORD_KEY, for_checkpoint as identity_for_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +332,8 @@ class CheckpointManager:
             os.fsync(f.fileno())
         m: dict[str, Any] = {"epoch": None}
         m.update(dict(meta or {}))
+        if RECORD_KEY not in m:   # the target this drafter was trained on (trainer/identity.py)
+            m[RECORD_KEY] = identity_for_checkpoint(dict(model_config), dict(train_state))
         m.update(step=step, created_at=time.time(), trainer_version=_trainer_version(),
                  files={fn: (tmp / fn).stat().st_size
                         for fn in (MODEL_FILE, CONFIG_FILE, STATE_FILE)})

@@ -1,0 +1,403 @@
+"""A model of NCCL's rules, to decide on the CPU whether the op order the trainer issues can hang on GPUs.
+
+gloo on the CPU blocks the host at every wait, so a gloo run that finishes says nothing about NCCL, where
+ops are enqueued on CUDA streams and wait on each other *on the device*. This module takes each rank's
+program (the ops its host issues, in order, each placed on a stream) and replays it under these rules:
+
+  - the ops of one stream run in FIFO order (a CUDA stream; also each NCCL communicator's stream);
+  - an NCCL op is enqueued on its communicator's stream, after the issuing stream's work so far
+    (ProcessGroupNCCL makes its stream wait on the current stream when the op is posted);
+  - a point-to-point op completes only when both ends have reached it (the k-th send from a to b on a
+    communicator matches the k-th receive on b from a there); a collective only when every member has,
+    and the k-th collectives of the members must be the same kind (else NCCL hangs or corrupts);
+  - `work.wait()` and `stream.wait_event(ev)` block the later work of *that stream*, not the host;
+  - host waits (`event.synchronize()`, a gloo collective, a blocking `.wait()` on gloo) block the host,
+    which then issues nothing more until the op completed.
+
+Communicators: with eager init (`device_id` passed to `init_process_group`) ProcessGroupNCCL sends
+unbatched P2P through the group's own communicator, serialised with every other op of that group
+(`p2p="shared"`); without it each pair of ranks gets a communicator of its own (`p2p="pair"`); a
+process group per (target, drafter) pair is the same as "pair" for our traffic.
+
+`simulate` returns whether every rank's program completes; when it cannot, `Result.cycle` names the
+wait cycle (or the op a peer never issues), one line per edge. With `dur` set on ops it is also a
+timed replay: every op starts when its dependencies and its peers are ready, so the makespan shows what
+an ordering costs (head-of-line blocking of one stream shared by several peers, for example).
+
+Programs come from two places (trainer/oprecord.py): recorded from the real trainer on the CPU (gloo)
+under a layer that logs our transport's and FSDP's calls with the stream they would run on, or built
+from a DispatchPlan for hundreds of steps by driving the same loop with stages that only record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class Op:
+    """One op on one rank's device queue (a CUDA stream or an NCCL communicator's stream)."""
+    id: int
+    rank: int
+    queue: str                 # e.g. "drafter", "sender", "nccl:WORLD", "gloo:control"
+    kind: str                  # compute | wait | send | recv | coll
+    label: str
+    deps: list[int] = field(default_factory=list)   # other ops (this rank's) that must complete first
+    key: tuple | None = None   # comm ops: what all participants share
+    dur: float = 0.0
+    coll: str = ""             # collectives: the op's name (all_gather, reduce_scatter, ...), checked per key
+
+
+class Program:
+    """One rank's host program: device ops placed on queues, and host waits, in issue order.
+
+    The builder methods mirror what our code calls: `compute` (kernels on a stream), `record`/`wait_event`
+    (a CUDA event), `comm` (an NCCL/gloo op posted from a stream), `wait` (`work.wait()` on a stream),
+    `host_wait` (the host blocks until an op completed)."""
+
+    def __init__(self, rank: int, role: str = "", p2p: str = "shared", groups: dict | None = None):
+        self.rank, self.role, self.p2p = rank, role, p2p
+        self.ops: list[Op] = []
+        self.actions: list[tuple[str, int]] = []      # ("issue", op index) | ("wait", op index)
+        self._tail: dict[str, int | None] = {}
+        self._pending_deps: dict[str, list[int]] = defaultdict(list)
+        self._counts: dict[tuple, int] = defaultdict(int)
+        self.groups = groups if groups is not None else {}
+
+    # -- device ops ---------------------------------------------------------------------------------
+    def _add(self, queue: str, kind: str, label: str, deps: Iterable[int] = (), key=None, dur=0.0,
+             coll: str = "") -> int:
+        deps = [d for d in deps if d is not None] + self._pending_deps.pop(queue, [])
+        op = Op(len(self.ops), self.rank, queue, kind, label, deps, key, dur, coll)
+        self.ops.append(op)
+        self._tail[queue] = op.id
+        self.actions.append(("issue", op.id))
+        return op.id
+
+    def tail(self, stream: str) -> int | None:
+        """The last op on `stream` so far (what an event recorded now would mark)."""
+        if self._pending_deps.get(stream):   # a wait with nothing after it yet: materialise it
+            self._add(stream, "wait", "wait", ())
+        return self._tail.get(stream)
+
+    def compute(self, stream: str, label: str, dur: float = 0.0) -> int:
+        return self._add(stream, "compute", label, dur=dur)
+
+    def record(self, stream: str) -> int | None:
+        return self.tail(stream)
+
+    def wait_event(self, stream: str, ev: int | None) -> None:
+        if ev is not None:
+            self._pending_deps[stream].append(ev)
+
+    def wait(self, stream: str, op: int) -> None:
+        self._pending_deps[stream].append(op)
+
+    def comm_queue(self, group: str, peer: int | None) -> str:
+        if peer is not None and self.p2p == "pair":
+            lo, hi = sorted((self.rank, peer))
+            return f"nccl:{group}:{lo}-{hi}"
+        return f"nccl:{group}"
+
+    def send(self, stream: str | None, group: str, dst: int, label: str, dur: float = 0.0) -> int:
+        return self._p2p("send", stream, group, self.rank, dst, label, dur)
+
+    def recv(self, stream: str | None, group: str, src: int, label: str, dur: float = 0.0) -> int:
+        return self._p2p("recv", stream, group, src, self.rank, label, dur)
+
+    def _p2p(self, kind, stream, group, src, dst, label, dur) -> int:
+        q = self.comm_queue(group, dst if kind == "send" else src)
+        n = self._counts[(q, src, dst)]
+        self._counts[(q, src, dst)] += 1
+        after = self.tail(stream) if stream is not None else None
+        return self._add(q, kind, label, [after], key=(q.split(":")[1], q, src, dst, n), dur=dur)
+
+    def collective(self, stream: str | None, group: str, name: str, label: str = "", dur: float = 0.0,
+                   queue: str | None = None) -> int:
+        q = queue or f"nccl:{group}"
+        n = self._counts[(q, "coll")]
+        self._counts[(q, "coll")] += 1
+        after = self.tail(stream) if stream is not None else None
+        return self._add(q, "coll", label or f"{name} #{n} on {group}", [after], key=(group, q, n), dur=dur,
+                         coll=name)
+
+    # -- host ---------------------------------------------------------------------------------------
+    def host_wait(self, op: int | None) -> None:
+        if op is not None:
+            self.actions.append(("wait", op))
+
+    def host_collective(self, group: str, name: str, label: str = "") -> int:
+        """A blocking gloo collective: issued on the group's gloo queue, the host waits for it."""
+        op = self.collective(None, group, name, label, queue=f"gloo:{group}")
+        self.host_wait(op)
+        return op
+
+    # -- (de)serialisation ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "role": self.role, "p2p": self.p2p, "groups": self.groups,
+                "ops": [[o.queue, o.kind, o.label, o.deps, list(o.key) if o.key else None, o.dur, o.coll]
+                        for o in self.ops],
+                "actions": self.actions}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Program":
+        p = cls(d["rank"], d.get("role", ""), d.get("p2p", "shared"), d.get("groups") or {})
+        for i, (q, kind, label, deps, key, dur, coll) in enumerate(d["ops"]):
+            p.ops.append(Op(i, p.rank, q, kind, label, list(deps), tuple(key) if key else None, dur, coll))
+        p.actions = [tuple(a) for a in d["actions"]]
+        return p
+
+
+@dataclass
+class Result:
+    ok: bool
+    cycle: list[str]            # empty when ok
+    stuck: dict[int, str]       # rank -> what its host waits for / where it stopped (when not ok)
+    makespan: float = 0.0
+    done: dict[int, int] = field(default_factory=dict)   # rank -> ops completed
+    times: dict = field(default_factory=dict)             # (rank, op id) -> end time, for rates
+
+    def explain(self) -> str:
+        if self.ok:
+            return "no deadlock"
+        return "deadlock:\n  " + "\n  ".join(self.cycle)
+
+
+def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None) -> Result:
+    """Replay every rank's program under NCCL's rules (module docstring). `groups`: members per group
+    name (collectives need every member); defaults to the union of the programs' own `groups`."""
+    groups = dict(groups or {})
+    for p in programs:
+        for g, members in p.groups.items():
+            groups.setdefault(g, members)
+    by_rank = {p.rank: p for p in programs}
+    R = len(programs)
+    # global op ids: (rank, local id)
+    complete: dict[tuple, float] = {}          # op -> end time
+    ready_at: dict[tuple, float] = {}          # comm op -> time it reached the front with deps done
+    issued: set[tuple] = set()
+    host_time = {r: 0.0 for r in by_rank}
+    pc = {r: 0 for r in by_rank}               # next host action
+    waiting_on: dict[tuple, list[int]] = defaultdict(list)   # op -> hosts blocked on it
+    dependents: dict[tuple, list[tuple]] = defaultdict(list)
+    remaining: dict[tuple, int] = {}
+    prev_on_queue: dict[tuple, tuple | None] = {}
+    last_on_queue: dict[tuple, tuple] = {}
+    parts: dict[tuple, list[tuple]] = defaultdict(list)   # comm key -> ops that reached it (ready)
+    issued_parts: dict[tuple, list[tuple]] = defaultdict(list)
+    mismatch: list[str] = []
+    work: deque = deque()
+
+    def expected(op: Op) -> int:
+        if op.kind in ("send", "recv"):
+            return 2
+        members = groups.get(op.key[0])
+        if members is None:
+            raise ValueError(f"rank {op.rank}: collective on unknown group {op.key[0]!r}")
+        return len(members)
+
+    def finish(gid: tuple, t: float):
+        complete[gid] = t
+        for d in dependents.pop(gid, ()):
+            remaining[d] -= 1
+            if remaining[d] == 0:
+                work.append(("ready", d))
+        for r in waiting_on.pop(gid, ()):
+            host_time[r] = max(host_time[r], t)
+            work.append(("host", r))
+
+    def on_ready(gid: tuple):
+        op = by_rank[gid[0]].ops[gid[1]]
+        deps = [prev_on_queue[gid]] + [(gid[0], d) for d in op.deps]
+        t = max([complete[d] for d in deps if d is not None] + [issue_time[gid]])
+        if op.key is None:
+            finish(gid, t + op.dur)
+            return
+        ready_at[gid] = t
+        key = op.key
+        parts[key].append(gid)
+        if len(parts[key]) == expected(op):
+            ops = [by_rank[g[0]].ops[g[1]] for g in parts[key]]
+            if op.kind == "coll" and len({o.coll for o in ops}) > 1:
+                mismatch.append("collective mismatch on " + key[0] + ": " + ", ".join(
+                    f"rank {o.rank} {o.label}" for o in ops))
+                return
+            if op.kind != "coll" and {o.kind for o in ops} != {"send", "recv"}:
+                mismatch.append("point-to-point mismatch: " + ", ".join(f"rank {o.rank} {o.label}" for o in ops))
+                return
+            end = max(ready_at[g] for g in parts[key]) + max(o.dur for o in ops)
+            for g in parts[key]:
+                finish(g, end)
+
+    issue_time: dict[tuple, float] = {}
+
+    def run_host(r: int):
+        p = by_rank[r]
+        while pc[r] < len(p.actions):
+            kind, i = p.actions[pc[r]]
+            gid = (r, i)
+            if kind == "wait":
+                if gid not in complete:
+                    if r not in waiting_on[gid]:
+                        waiting_on[gid].append(r)
+                    return
+                host_time[r] = max(host_time[r], complete[gid])
+                pc[r] += 1
+                continue
+            op = p.ops[i]
+            issued.add(gid)
+            issue_time[gid] = host_time[r]
+            qk = (r, op.queue)
+            prev = last_on_queue.get(qk)
+            prev_on_queue[gid] = prev
+            last_on_queue[qk] = gid
+            deps = [prev] + [(r, d) for d in op.deps]
+            n = 0
+            for d in deps:
+                if d is not None and d not in complete:
+                    dependents[d].append(gid)
+                    n += 1
+            remaining[gid] = n
+            if op.key is not None:
+                issued_parts[op.key].append(gid)
+            if n == 0:
+                work.append(("ready", gid))
+            pc[r] += 1
+            # drain device work as we go keeps the queues short
+            while work:
+                w = work.popleft()
+                if w[0] == "ready":
+                    on_ready(w[1])
+                else:
+                    other.append(w[1])
+
+    other: list[int] = []
+    for r in by_rank:
+        work.append(("host", r))
+    while work or other:
+        while work:
+            w = work.popleft()
+            if w[0] == "ready":
+                on_ready(w[1])
+            else:
+                run_host(w[1])
+        while other:
+            run_host(other.pop())
+
+    total = sum(len(p.ops) for p in programs)
+    hosts_done = all(pc[r] == len(by_rank[r].actions) for r in by_rank)
+    makespan = max(complete.values(), default=0.0)
+    done = defaultdict(int)
+    for g in complete:
+        done[g[0]] += 1
+    if hosts_done and len(complete) == total and not mismatch:
+        return Result(True, [], {}, makespan, dict(done), complete)
+    return Result(False, mismatch or _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc,
+                                                 groups), _stuck(by_rank, pc), makespan, dict(done), complete)
+
+
+def _describe(by_rank, gid) -> str:
+    if gid[0] == "host":
+        r = gid[1]
+        return f"rank {r} ({by_rank[r].role}) host"
+    op = by_rank[gid[0]].ops[gid[1]]
+    return f"rank {op.rank} ({by_rank[op.rank].role}) {op.queue}: {op.label}"
+
+
+def _stuck(by_rank, pc) -> dict[int, str]:
+    out = {}
+    for r, p in by_rank.items():
+        if pc[r] < len(p.actions):
+            kind, i = p.actions[pc[r]]
+            out[r] = f"host blocked on {_describe(by_rank, (r, i))}" if kind == "wait" else "host stopped"
+    return out
+
+
+def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, groups) -> list[str]:
+    """A wait-for cycle among incomplete ops and blocked hosts, one line per edge."""
+
+    def edges(node):
+        if node[0] == "host":
+            r = node[1]
+            p = by_rank[r]
+            if pc[r] < len(p.actions):
+                kind, i = p.actions[pc[r]]
+                if kind == "wait":
+                    return [((r, i), "host waits for")]
+            return []
+        op = by_rank[node[0]].ops[node[1]]
+        out = []
+        prev = prev_on_queue.get(node)
+        if prev is not None and prev not in complete:
+            out.append((prev, "queued behind"))
+        for d in op.deps:
+            if (node[0], d) not in complete:
+                out.append(((node[0], d), "waits on"))
+        if out or op.key is None:
+            return out
+        # deps done: waiting for peers
+        have = {g[0] for g in issued_parts[op.key]}
+        if op.kind in ("send", "recv"):
+            src, dst = op.key[2], op.key[3]
+            want = [dst if op.kind == "send" else src]
+        else:
+            want = groups.get(op.key[0], [])
+        for r in want:
+            if r == node[0]:
+                continue
+            peer = [g for g in issued_parts[op.key] if g[0] == r]
+            if peer:
+                if peer[0] not in complete:
+                    out.append((peer[0], "needs its peer"))
+            elif r not in have:
+                out.append((("host", r), "needs a peer op not yet issued by"))
+        return out
+
+    starts = [("host", r) for r in by_rank if pc[r] < len(by_rank[r].actions)]
+    starts += [g for g in issued if g not in complete]
+    color: dict = {}
+    stack_path: list = []
+
+    def dfs(start):
+        stack = [(start, iter(edges(start)))]
+        color[start] = 1
+        path = [(start, None)]
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            child, why = nxt
+            path[-1] = (node, why)
+            if color.get(child) == 1:
+                i = [n for n, _ in path].index(child)
+                cyc = path[i:]
+                return [f"{_describe(by_rank, n)}  --{w}-->" for n, w in cyc] + [_describe(by_rank, child)]
+            if color.get(child) is None:
+                color[child] = 1
+                stack.append((child, iter(edges(child))))
+                path.append((child, None))
+        return None
+
+    for s in starts:
+        if color.get(s) is None:
+            c = dfs(s)
+            if c:
+                return c
+    # no cycle: someone waits for an op a peer never issues (a count mismatch)
+    lines = []
+    for g in sorted(issued - set(complete))[:5]:
+        for child, why in edges(g):
+            if child[0] == "host":
+                lines.append(f"{_describe(by_rank, g)}: {why} rank {child[1]}, which never issues it")
+    return lines or ["no progress (no cycle found): " + "; ".join(_stuck(by_rank, pc).values())]
+
+
+def load_programs(paths) -> list[Program]:
+    return [Program.from_json(json.loads(open(p).read())) for p in paths]

@@ -7,8 +7,10 @@ roles/dflash_service/meta/argument_specs.yml by the tests) are all generated fro
 The defaults are the recipe we recommend: the seed run's (block 32, 1024 anchors, gamma 10, noise
 0.05 -> 0.01, soft labels); `dflash-train --help` lists them.
 
-Validation reads only small files (config.json, safetensors headers, the data index) and never
-imports a model, so a bad flag or a broken shard fails in well under a second with exit code 2.
+Validation reads only small files (config.json, safetensors headers, the tokenizer, the data index)
+and hashes the data shards (a shard corrupted in place); it never imports a model, so a bad flag or a
+broken shard fails with exit code 2 before anything loads. With checkpoints in --output-dir it also
+checks that the target is the one they were trained on (trainer/identity.py).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class TrainConfig:
     keep_checkpoints: int = opt(3, "checkpoints kept (older ones are pruned after a save)", ge=0)
     resume: bool = opt(True, "resume from the newest checkpoint in --output-dir (--no-resume: refuse to start "
                              "when it holds checkpoints)")
+    allow_target_change: bool = opt(False, "resume a checkpoint trained on another target (e.g. a fine-tuned "
+                                           "revision of the same model) whose shapes still fit; the run log "
+                                           "names what differs (default: such a resume exits 2)")
     status_file: str = opt("", "status.json heartbeat (default <output-dir>/status.json)")
     log_dir: str = opt("", "one log file per run and latest.log (default <output-dir>/logs)")
     tensorboard_dir: str = opt("", "also write the training metrics as TensorBoard events here "
@@ -241,7 +246,7 @@ def _range_text(f: dataclasses.Field) -> str:
 
 
 def _help(f: dataclasses.Field) -> str:
-    md, bits = f.metadata, [f.metadata.get("help", "")]
+    md, bits = f.metadata, [f.metadata.get("help", "").replace("%", "%%")]   # argparse formats help with %
     if md.get("ge") is not None or md.get("gt") is not None or md.get("lt") is not None:
         bits.append(f"[{_range_text(f)}]")
     if md.get("env"):
@@ -362,11 +367,11 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
                           "both only when it is the node's only GPU: --target-gpus 0 --drafter-gpus 0)")
     if cfg.target_gpus and gpu_count != -1:
         n = _gpu_count() if gpu_count is None else gpu_count
-        for flag, ids in (("--target-gpus", cfg.target_gpus), ("--drafter-gpus", cfg.drafter_gpus)):
-            missing = [i for i in ids if i >= n]
-            if missing:
-                raise ConfigError(f"{flag}: GPU index(es) {missing} do not exist "
-                                  f"(this machine has {n} CUDA device(s))")
+        missing = [f"{flag}: GPU index(es) {bad} do not exist"
+                   for flag, ids in (("--target-gpus", cfg.target_gpus), ("--drafter-gpus", cfg.drafter_gpus))
+                   if (bad := [i for i in ids if i >= n])]
+        if missing:   # every flag's missing indices, in one line
+            raise ConfigError("; ".join(missing) + f" (this machine has {n} CUDA device(s))")
     for f in cli_fields():
         md, v = f.metadata, getattr(cfg, f.name)
         if v is None or isinstance(v, (bool, list, str)):
@@ -429,6 +434,9 @@ def _check_fp8(cfg: TrainConfig, gpu_count: int | None) -> None:
     if gpu_count == -1:
         return  # the Ansible controller: the trainer's host checks this
     import importlib.util
+
+    from . import allow_optional
+    allow_optional("torchao")  # asked for: let it be found (trainer/__init__.py defers it)
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"--fp8 {cfg.fp8}: needs the torchao package "
                           "(pip install 'dflash-trainer[fp8]' or pip install torchao)")
@@ -445,8 +453,12 @@ def _check_fp8(cfg: TrainConfig, gpu_count: int | None) -> None:
                               f"{cap[0]}.{cap[1]}; FP8 GEMMs need 8.9 (Ada, Hopper) or newer")
 
 
-def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
-    """Cheap checks of every flag and file. Returns facts learnt (target config, data index)."""
+def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool | None = None) -> dict:
+    """Cheap checks of every flag and file. Returns facts learnt (target config, data index, the target's
+    identity). read_shards: hash every data shard against the index (None: unless this process is a
+    launched rank, which verifies each shard as it loads it; so --check-config and the supervisor catch a
+    corrupt shard before any rank starts). With checkpoints in --output-dir, the target must be the one
+    the newest was trained on (:func:`check_resume_target`)."""
     validate_flags(cfg, gpu_count)
 
     facts = {"target_config": check_model_dir(cfg.target_model)}
@@ -460,16 +472,26 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
 
-    from .data import DataError, check_data_dir
+    from . import identity
     try:
-        facts["data_index"] = check_data_dir(cfg.data_dir)
-    except DataError as e:
-        raise ConfigError(f"--data-dir: {e}") from None
-    if cfg.eval_data_dir:
+        facts["target"] = target = identity.for_run(cfg.target_model, cfg.num_draft_layers, cfg.target_layers,
+                                                     cfg.mask_token_id)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--target-model: {cfg.target_model}: cannot read its identity ({e})") from None
+
+    if read_shards is None:
+        from .dist import in_launched_rank
+        read_shards = not in_launched_rank()
+    for flag, d in (("--data-dir", cfg.data_dir), ("--eval-data-dir", cfg.eval_data_dir)):
+        if not d:
+            continue
+        index = check_data(flag, d, read_shards)
+        if flag == "--data-dir":
+            facts["data_index"] = index
         try:
-            check_data_dir(cfg.eval_data_dir)
-        except DataError as e:
-            raise ConfigError(f"--eval-data-dir: {e}") from None
+            identity.check_data_tokenizer(index, target, flag, d)
+        except identity.TargetMismatch as e:
+            raise ConfigError(str(e)) from None
 
     for flag, value in (("--output-dir", cfg.output_dir), ("--log-dir", cfg.log_dir),
                         ("--status-file", str(Path(cfg.status_file).parent) if cfg.status_file else ""),
@@ -480,7 +502,54 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None) -> dict:
     if not cfg.resume and out.is_dir() and any(out.glob("step-*")):
         raise ConfigError(f"--no-resume: {out} already holds checkpoints; refusing to overwrite them "
                           "(choose another --output-dir or drop --no-resume)")
+    if cfg.resume and out.is_dir() and any(out.glob("step-*")):
+        facts["target_changes"] = check_resume_target(cfg, target)
     return facts
+
+
+def check_data(flag: str, data_dir: str, read_shards: bool) -> dict:
+    """The data index and its shards (present, non-empty; with read_shards, each one's sha256 is the
+    index's: a shard corrupted in place, of the right size, is found before a run starts)."""
+    from .data import DataError, check_data_dir, sha256_file
+    try:
+        index = check_data_dir(data_dir)
+        for s in index["shards"] if read_shards else ():
+            p = Path(data_dir) / s["file"]
+            digest = sha256_file(p)
+            if digest != s["sha256"]:
+                raise DataError(f"{p}: sha256 mismatch (index says {s['sha256'][:12]}..., file is {digest[:12]}...; "
+                                "the shard is corrupt: re-copy or re-prepare it)")
+    except DataError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{flag}: {data_dir}: cannot read a shard: {e}") from None
+    return index
+
+
+def check_resume_target(cfg: TrainConfig, target) -> list[str]:
+    """A run that resumes continues the drafter of the newest checkpoint in --output-dir: the target (its
+    shape, tokenizer and config) and the taps and mask token this run resolves must be the ones that
+    checkpoint was trained with. Raises ConfigError naming what differs; with --allow-target-change the
+    differences a drafter's weights survive are logged (the run log says the run continues on a new
+    target) and returned. Imports torch only here, where checkpoints exist (trainer/checkpoint.py owns
+    what a complete checkpoint is)."""
+    import logging
+    from . import identity
+    from .checkpoint import CheckpointManager
+    latest = CheckpointManager(cfg.output_dir).latest()
+    if latest is None:
+        return []
+    trained, _ = identity.recorded(latest)
+    try:
+        allowed = identity.check(trained, target, flag="--target-model", what=f"the checkpoint {latest.name}",
+                                 allow=cfg.allow_target_change, where=f"resuming {latest}")
+    except identity.TargetMismatch as e:
+        raise ConfigError(str(e)) from None
+    if allowed:
+        logging.getLogger("trainer.identity").warning(
+            "%s: resuming %s on a different target (%s); from now on its checkpoints record the new target: %s",
+            identity.ALLOW_FLAG, latest, target.describe(), "; ".join(allowed))
+    return allowed
 
 
 def check_writable_dir(flag: str, d: Path) -> None:

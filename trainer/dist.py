@@ -154,7 +154,10 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     if world > 1 and any(x.target and x.drafter for x in topo.roles):
         raise ValueError("--target-gpus/--drafter-gpus: a GPU may hold both roles only when it is the job's "
                          "only GPU (world size 1)")
-    return topo, Groups(topo, timeout)
+    groups = Groups(topo, timeout)
+    from . import oprecord
+    oprecord.install_from_env(topo, groups)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)
+    return topo, groups
 
 
 # --------------------------------------------------------------------------------------- dispatch

@@ -21,11 +21,14 @@ operations are posted in the same order on both sides.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from . import oprecord
 
 
 class HostEvent:
@@ -51,7 +54,9 @@ class HostEvent:
 
 
 def new_event(device: torch.device, timing: bool = False):
-    return torch.cuda.Event(enable_timing=timing) if device.type == "cuda" else HostEvent()
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=timing)
+    return oprecord.event() or HostEvent()   # recording (oprecord.py): an event that logs its stream
 
 
 class NullCtx:
@@ -63,6 +68,8 @@ class NullCtx:
 
 
 def stream_ctx(stream):
+    if isinstance(stream, oprecord.LogicalStream):
+        return oprecord.RECORDER.on(stream)
     return torch.cuda.stream(stream) if stream is not None else NullCtx()
 
 
@@ -70,8 +77,15 @@ def device_ctx(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else NullCtx()
 
 
-def new_stream(device: torch.device):
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
+def new_stream(device: torch.device, name: str | None = None):
+    """A CUDA stream on GPUs; None on the CPU, or a named logical stream while recording (oprecord.py),
+    named after its owner (the calling class unless `name` is given)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device)
+    if oprecord.RECORDER is None:
+        return None
+    owner = sys._getframe(1).f_locals.get("self")
+    return oprecord.stream(name or (type(owner).__name__ if owner is not None else "default"))
 
 
 def packed_numel(rows: int, final_rows: int, k: int, hidden: int) -> int:
@@ -105,11 +119,12 @@ class Sender:
         self.stream = new_stream(device)
         self.sent = 0
 
-    def send(self, slot: Slot, dst_rank: int, numel: int) -> None:
+    def send(self, slot: Slot, dst_rank: int, numel: int, label: str = "") -> None:
         import torch.distributed as dist
         with device_ctx(self.device), stream_ctx(self.stream):
             if self.stream is not None:
                 self.stream.wait_event(slot.ready)
+            oprecord.label(f"send slot {slot.index} ({label}) to rank {dst_rank}")
             work = dist.isend(slot.flat[:numel], dst_rank, group=self.group)
         slot.work = work
         self.sent += 1
@@ -152,6 +167,7 @@ class Receiver:
         b = self.free.popleft()
         numel = packed_numel(rows, final_rows, self.k, self.hidden)
         with device_ctx(self.device), stream_ctx(stream):   # ordered after the last reader of this buffer
+            oprecord.label(f"recv mb {seq} into buf {b} from rank {src_rank}")
             work = dist.irecv(self.bufs[b][:numel], src_rank, group=self.group)
         self.posted.append(Posted(seq, b, work, rows, final_rows))
 

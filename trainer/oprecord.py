@@ -1,0 +1,309 @@
+"""Recording layer: the ops a rank really issues, with the stream each would run on under NCCL.
+
+With `DFLASH_RECORD_OPS=<dir>` set, a rank (on the CPU, gloo) runs unchanged but logs, in issue order:
+  - streams: `transport.new_stream` hands out a named logical stream instead of None; `stream_ctx` makes it
+    current; `wait_event`/`wait_stream`/`synchronize` on it are logged;
+  - events: `transport.new_event` hands out an event that logs `record` (the stream's tail), `wait`
+    (a stream dependency) and `synchronize` (a host wait);
+  - every torch.distributed call of the trainer and of FSDP2/DTensor (point-to-point, collectives,
+    functional collectives): on a group that is NCCL in production ("WORLD", "drafters") it is an NCCL op
+    posted after the current stream's work, and `work.wait()` is a dependency of the current stream; on a
+    gloo group ("control", "dctl") it runs on the group's gloo queue and `wait()` blocks the host;
+  - FSDP2's root pre-forward: its all-gather streams wait on the current stream (or on the event given
+    to `set_post_optim_event`), so an all-gather issued in a forward depends on what the stream waited on
+    before it; the all-gather's result is waited on by the current stream;
+  - compute markers (`compute(stream, label)`) the loop places after each stage's work, for readable cycles.
+At exit it writes `<dir>/ops-rank<r>.json`, a `streamcheck.Program`; `python -m trainer.streamcheck check
+<dir>` decides whether those programs can hang under NCCL's rules.
+
+Nothing here changes what the rank computes: every call still goes to gloo. Without the variable every
+hook is a no-op (`RECORDER is None`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from .streamcheck import Program
+
+ENV = "DFLASH_RECORD_OPS"
+NCCL_GROUPS = ("WORLD", "drafters")       # the groups that are NCCL on GPUs; the others are gloo everywhere
+FSDP_AG = "fsdp_all_gather"               # FSDP2's all-gather stream
+
+RECORDER: "Recorder | None" = None
+
+
+class LogicalStream:
+    """Stands in for a torch.cuda.Stream while recording: a name the program's ops are placed on."""
+
+    def __init__(self, rec: "Recorder", name: str):
+        self.rec, self.name = rec, name
+
+    def wait_event(self, ev) -> None:
+        if isinstance(ev, RecEvent):
+            self.rec.program.wait_event(self.name, ev.op)
+
+    def wait_stream(self, other) -> None:
+        if isinstance(other, LogicalStream):
+            self.rec.program.wait_event(self.name, self.rec.program.record(other.name))
+
+    def synchronize(self) -> None:
+        self.rec.program.host_wait(self.rec.program.record(self.name))
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self):
+        return f"LogicalStream({self.name})"
+
+
+class RecEvent:
+    """Stands in for torch.cuda.Event (and transport.HostEvent) while recording."""
+
+    def __init__(self, rec: "Recorder"):
+        self.rec, self.op = rec, None
+
+    def record(self, stream=None):
+        self.op = self.rec.program.record(self.rec.stream_name(stream))
+        return self
+
+    def synchronize(self):
+        self.rec.program.host_wait(self.op)
+
+    def query(self):
+        return True
+
+    def wait(self, stream=None):
+        self.rec.program.wait_event(self.rec.stream_name(stream), self.op)
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class RecWork:
+    """A torch.distributed Work whose wait() is logged (a stream dependency for NCCL groups, a host wait
+    for gloo ones) before the real (gloo) wait."""
+
+    def __init__(self, rec: "Recorder", work, op: int, nccl: bool):
+        self._rec, self._work, self._op, self._nccl = rec, work, op, nccl
+
+    def wait(self, *a, **k):
+        self._rec.waited(self._op, self._nccl)
+        return self._work.wait(*a, **k) if self._work is not None else True
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class Recorder:
+    def __init__(self, rank: int, role: str, groups: dict, members: dict[str, list[int]], out_dir: str):
+        self.rank, self.out_dir = rank, Path(out_dir)
+        self.program = Program(rank, role, "shared", members)
+        self.by_pg = {id(pg): name for name, pg in groups.items() if pg is not None}
+        self.names = {getattr(pg, "group_name", None): name for name, pg in groups.items() if pg is not None}
+        self.stack: list[str] = []
+        self.post_optim: dict[int, int | None] = {}   # FSDP state id -> event op given by set_post_optim_event
+        self._label: str | None = None
+        self._undo: list = []
+
+    # -- streams -----------------------------------------------------------------------------------
+    def stream_name(self, stream=None) -> str:
+        if isinstance(stream, LogicalStream):
+            return stream.name
+        return self.stack[-1] if self.stack else "default"
+
+    @contextlib.contextmanager
+    def on(self, stream: LogicalStream):
+        self.stack.append(stream.name)
+        try:
+            yield stream
+        finally:
+            self.stack.pop()
+
+    def label(self, text: str) -> None:
+        """The label of the next logged op (our transport names the micro-batch it moves)."""
+        self._label = text
+
+    def _take_label(self, default: str) -> str:
+        lab, self._label = self._label, None
+        return lab or default
+
+    def waited(self, op: int, nccl: bool) -> None:
+        if nccl:
+            self.program.wait(self.stream_name(), op)
+        else:
+            self.program.host_wait(op)
+
+    # -- torch.distributed -----------------------------------------------------------------------------
+    def group(self, group) -> str:
+        import torch.distributed as dist
+        if group is None or group is dist.group.WORLD:
+            return "WORLD"
+        if isinstance(group, tuple):         # DTensor: (mesh, dim)
+            mesh, dim = group
+            group = mesh.get_group(dim)
+        if isinstance(group, str):
+            return self.names.get(group, group)
+        return self.by_pg.get(id(group)) or self.names.get(getattr(group, "group_name", None), "WORLD")
+
+    def p2p(self, kind: str, peer: int, group, work):
+        g = self.group(group)
+        peer = int(peer)
+        if g != "WORLD":
+            raise RuntimeError(f"oprecord: point-to-point on group {g!r} is not modelled (global ranks assumed)")
+        stream = self.stream_name()
+        lab = self._take_label(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}")
+        if kind == "send":
+            op = self.program.send(stream, g, peer, lab)
+        else:
+            op = self.program.recv(stream, g, peer, lab)
+        return RecWork(self, work, op, True)
+
+    def coll(self, name: str, group, work, async_op: bool, functional: bool = False):
+        g = self.group(group)
+        nccl = g in NCCL_GROUPS
+        lab = self._take_label(f"{name} on {g}")
+        if not nccl:
+            op = self.program.collective(None, g, name, lab, queue=f"gloo:{g}")
+            if not async_op:
+                self.program.host_wait(op)
+            return RecWork(self, work, op, False) if async_op else work
+        stream = self.stream_name()
+        op = self.program.collective(stream, g, name, lab)
+        if not async_op or functional:     # a synchronous NCCL call = the current stream waits on it
+            self.program.wait(stream, op)
+        return RecWork(self, work, op, True) if async_op else work
+
+    def root_pre_forward(self, state) -> None:
+        """FSDP2's root pre-forward: the all-gather streams wait on the post-optim event or the current stream."""
+        if getattr(state._state_ctx, "iter_forward_root", None) is not None:
+            return
+        ev = getattr(state._state_ctx, "post_optim_event", None)
+        dep = ev.op if isinstance(ev, RecEvent) else self.program.record(self.stream_name())
+        self.program.wait_event(FSDP_AG, dep)
+
+    # -- output ------------------------------------------------------------------------------------
+    def write(self) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"ops-rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.program.to_json()))
+        os.replace(tmp, path)
+        return path
+
+    def uninstall(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _patch(rec: Recorder, obj, name: str, make):
+    old = getattr(obj, name)
+    setattr(obj, name, make(old))
+    rec._undo.append(lambda: setattr(obj, name, old))
+
+
+def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], out_dir: str) -> Recorder:
+    """Start recording this rank (module docstring). `groups`: our name -> process group."""
+    global RECORDER
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    rec = Recorder(rank, role, groups, members, out_dir)
+
+    def p2p(kind):
+        def make(old):
+            def wrapped(tensor, peer=None, group=None, tag=0, **kw):
+                return rec.p2p(kind, peer, group, old(tensor, peer, group=group, tag=tag, **kw))
+            return wrapped
+        return make
+
+    _patch(rec, dist, "isend", p2p("send"))
+    _patch(rec, dist, "irecv", p2p("recv"))
+
+    def coll(name, group_pos):
+        def make(old):
+            def wrapped(*args, **kw):
+                group = kw.get("group", args[group_pos] if len(args) > group_pos else None)
+                async_op = bool(kw.get("async_op", False))
+                if name == "all_gather_single" and not async_op:
+                    # FSDP2's implicit all-gather (in a forward): on its all-gather stream, which waited at
+                    # the root pre-forward; the forward then waits for the parameters
+                    with rec.on(LogicalStream(rec, FSDP_AG)):
+                        w = rec.coll(name, group, old(*args, **kw), True)
+                    rec.waited(w._op, True)
+                    return w._work
+                return rec.coll(name, group, old(*args, **kw), async_op)
+            return wrapped
+        return make
+
+    for name, pos in (("all_reduce", 2), ("broadcast", 2), ("all_gather_single", 2), ("reduce_scatter_single", 3),
+                      ("all_gather_into_tensor", 2), ("reduce_scatter_tensor", 3), ("barrier", 0),
+                      ("all_gather", 2), ("all_gather_object", 2), ("broadcast_object_list", 2),
+                      ("gather_object", 3), ("scatter_object_list", 3)):
+        if hasattr(dist, name):
+            _patch(rec, dist, name, coll(name, pos))
+
+    def fcoll(name, group_pos):
+        def make(old):
+            def wrapped(*args, **kw):
+                group = kw.get("group", args[group_pos] if len(args) > group_pos else None)
+                rec.coll(name, group, None, True, functional=True)
+                return old(*args, **kw)
+            return wrapped
+        return make
+
+    for name, pos in (("all_reduce", 2), ("all_gather_single", 2), ("reduce_scatter_single", 3),
+                      ("all_gather_tensor", 2), ("reduce_scatter_tensor", 3)):
+        if hasattr(funcol, name):
+            _patch(rec, funcol, name, fcoll(name, pos))
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+    old_rpf = _fsdp_state.FSDPState._root_pre_forward
+
+    def root_pre_forward(self, module, args, kwargs):
+        rec.root_pre_forward(self)
+        return old_rpf(self, module, args, kwargs)
+    _fsdp_state.FSDPState._root_pre_forward = root_pre_forward
+    rec._undo.append(lambda: setattr(_fsdp_state.FSDPState, "_root_pre_forward", old_rpf))
+
+    RECORDER = rec
+    atexit.register(rec.write)
+    return rec
+
+
+def install_from_env(topo, groups) -> Recorder | None:
+    """dist.init_rank's hook: record when DFLASH_RECORD_OPS names a directory."""
+    out = os.environ.get(ENV)
+    if not out:
+        return None
+    members = {"WORLD": list(range(topo.world)), "control": list(range(topo.world)),
+               "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks)}
+    role = ("target+drafter" if topo.is_target and topo.is_drafter
+            else "target %d" % topo.target_index if topo.is_target else "drafter %d" % topo.drafter_index)
+    return install(topo.rank, role, {"WORLD": groups.world, "control": groups.control,
+                                     "drafters": groups.drafters, "dctl": groups.dctl}, members, out)
+
+
+# -- hooks our own code calls (no-ops unless recording) ---------------------------------------------------
+def stream(name: str):
+    return LogicalStream(RECORDER, name) if RECORDER is not None else None
+
+
+def event():
+    return RecEvent(RECORDER) if RECORDER is not None else None
+
+
+def label(text: str) -> None:
+    if RECORDER is not None:
+        RECORDER.label(text)
+
+
+def compute(stream_obj, text: str) -> None:
+    """A marker for the work a stage just queued on `stream_obj` (for readable cycles)."""
+    if RECORDER is not None:
+        RECORDER.program.compute(RECORDER.stream_name(stream_obj), text)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer import allow_optional
 from trainer.__main__ import main as train_main
 from trainer.config import ConfigError, parse_args, parse_kernel_options, validate_flags
 from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
@@ -21,6 +22,7 @@ from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import losses, tiny_args  # noqa: E402
 
+allow_optional("torchao")  # trainer/__init__.py defers torchao until --fp8 asks for it
 torchao = pytest.importorskip("torchao", reason="--fp8 needs torchao (pip install 'dflash-trainer[fp8]')")
 PATHS = ["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o"]
 

@@ -62,6 +62,8 @@ def to_float8(model: DFlashDrafter, recipe: str) -> int:
     whose count varies per chunk; FP8 GEMMs need it to be a multiple of 16. Returns the layers swapped."""
     import dataclasses
 
+    from . import allow_optional
+    allow_optional("torchao")  # asked for (--fp8): trainer/__init__.py defers it
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     names = []

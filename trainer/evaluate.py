@@ -227,6 +227,9 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg, state, src = read_checkpoint(checkpoint)
+    from .identity import check_drafter_on_target
+    # TargetMismatch (a ValueError) names what differs; a loaded target is compared by its config
+    check_drafter_on_target(src, target_model if target is None else target.config.to_dict())
     if target is None:
         target = load_target(target_model, dev, dtype)
     res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
@@ -242,6 +245,33 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     return res
 
 
+def check_eval_args(max_prompts: int, max_new_tokens: int, temperature: float) -> None:
+    """The bounds of one eval; ValueError naming the flag (dflash-eval prints it as its one line)."""
+    for flag, v in (("--max-prompts", max_prompts), ("--max-new-tokens", max_new_tokens)):
+        if v < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {v}")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature: must be >= 0, got {temperature}")
+
+
+def parse_device(text: str) -> torch.device:
+    """--device cpu | cuda | cuda:N, checked against this machine (ValueError naming the flag)."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device: expected cpu or cuda:N, got {text!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"--device {text}: expected cpu or cuda:N")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ValueError(f"--device {text}: CUDA is not available on this machine (use --device cpu)")
+    if (dev.index or 0) >= n:
+        raise ValueError(f"--device {text}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n")[0])
     p.add_argument("--target-model", required=True)
@@ -255,23 +285,32 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-block-accuracy", action="store_true", help="skip the teacher-forced figure")
     p.add_argument("--untrained", action="store_true", help="re-initialise the drafter (baseline)")
+    p.add_argument("--allow-target-change", action="store_true",
+                   help="evaluate even when the target differs from the one the drafter was trained on "
+                        "(e.g. a fine-tuned revision) where its weights still fit")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from . import identity
     from .config import ConfigError, check_model_dir
-    from .data import DataError, load_dataset
+    from .data import DataError, load_dataset, read_index
     src = a.checkpoint or a.output_dir
-    if not src:
-        print("dflash-eval: error: give --checkpoint (or --output-dir)", file=sys.stderr)
-        return 2
     try:
+        if not src:
+            raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
+        check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature)
+        dev = parse_device(a.device)
         check_model_dir(a.target_model)
         ds = load_dataset(a.data_dir)
         cfg, state, ckpt = read_checkpoint(src)
-    except (ConfigError, DataError, ExportError) as e:
+        allowed = identity.check_drafter_on_target(ckpt, a.target_model, allow=a.allow_target_change)
+        identity.check_data_tokenizer(read_index(a.data_dir), identity.of_target(a.target_model), "--data-dir",
+                                      a.data_dir)
+    except (ConfigError, DataError, ExportError, ValueError) as e:   # TargetMismatch is a ValueError
         print(f"dflash-eval: error: {e}", file=sys.stderr)
         return 2
-    dev = torch.device(a.device)
+    if allowed:
+        log.warning("%s: evaluating %s on a different target: %s", identity.ALLOW_FLAG, ckpt, "; ".join(allowed))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if a.untrained:
         from .model import init_drafter_weights

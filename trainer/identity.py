@@ -203,6 +203,15 @@ def of_target(model_dir: str | os.PathLike, target_layer_ids: list[int] | None =
                                else None, mask_token_id=mask_token_id)
 
 
+def of_config(config: dict) -> TargetIdentity:
+    """The shape part of the identity of a target given by its config (e.g. a loaded model's
+    `config.to_dict()`): no fingerprints, no name."""
+    t = text_config(config)
+    return TargetIdentity(model_type=t.get("model_type") or config.get("model_type"),
+                          hidden_size=t.get("hidden_size"), num_hidden_layers=t.get("num_hidden_layers"),
+                          vocab_size=t.get("vocab_size"))
+
+
 def for_run(model_dir: str | os.PathLike, num_draft_layers: int, target_layers: list[int] | None,
             mask_token_id: int | None) -> TargetIdentity:
     """The identity a training run with these flags gives its drafter (taps and mask resolved as the
@@ -350,3 +359,13 @@ def record_for_data(model_dir: str | os.PathLike) -> dict[str, Any]:
     ident = of_target(model_dir)
     return {"tokenizer": ident.tokenizer, "name": ident.name, "revision": ident.revision,
             "vocab_size": ident.vocab_size}
+
+
+def check_drafter_on_target(src: str | os.PathLike, target: str | os.PathLike | dict, *, allow: bool = False,
+                            flag: str = "--target-model", what: str = "the drafter") -> list[str]:
+    """A checkpoint or export dir `src` against a target (a model directory, or a loaded model's config
+    dict): raises TargetMismatch naming what differs; returns what `allow` let through. The drafter's own
+    taps and mask token are used, so they are checked against the target, not against a run's flags."""
+    trained, _ = recorded(src)
+    current = of_config(target) if isinstance(target, dict) else of_target(target)
+    return check(trained, current, flag=flag, what=what, allow=allow, compare_drafter=False)

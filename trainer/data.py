@@ -527,8 +527,10 @@ class BatchPlanner:
         return self._num_batches
 
     def _plan(self, epoch: int) -> list[tuple[int, ...]]:
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
+        # one read of the cache: the prefetch thread may replace it between two reads of this thread
+        cache = self._cache
+        if cache is not None and cache[0] == epoch:
+            return cache[1]
         rng = np.random.default_rng(
             [self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF]
         )

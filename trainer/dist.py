@@ -213,25 +213,34 @@ class DispatchPlan:
 
     @staticmethod
     def _lpt(work: list[int], bins: int) -> list[int]:
+        """Longest processing time first; ties in load go to the bin with fewer items, so with at least
+        as many items as bins every bin gets one even when items weigh nothing (a micro-batch with no
+        anchors): a drafter rank with no micro-batch would skip the step's FSDP collectives."""
         order = sorted(range(len(work)), key=lambda i: (-work[i], i))
         load = [0] * bins
+        count = [0] * bins
         out = [0] * len(work)
         for i in order:
-            b = min(range(bins), key=lambda j: (load[j], j))
+            b = min(range(bins), key=lambda j: (load[j], count[j], j))
             out[i] = b
             load[b] += work[i]
+            count[b] += 1
         return out
 
     def step(self, step: int) -> list[Assignment]:
-        if step not in self._cache:
-            if len(self._cache) > 64:
-                self._cache.clear()
+        # the main and prefetch threads both ask: one read of the cache, the answer kept in a local, and a
+        # full cache replaced rather than cleared, so no thread loses an entry it has just looked up
+        cached = self._cache.get(step)
+        if cached is None:
             seq0 = step * self.per_step
             work = [self._work(s) for s in range(seq0, seq0 + self.per_step)]
             d = self._lpt([w[0] for w in work], self.D)
             t = self._lpt([w[1] for w in work], self.T)
-            self._cache[step] = [Assignment(seq0 + i, step, t[i], d[i], *w) for i, w in enumerate(work)]
-        return self._cache[step]
+            cached = [Assignment(seq0 + i, step, t[i], d[i], *w) for i, w in enumerate(work)]
+            if len(self._cache) > 64:
+                self._cache = {}
+            self._cache[step] = cached
+        return cached
 
     def for_target(self, index: int, step: int) -> list[Assignment]:
         return [a for a in self.step(step) if a.target == index]

@@ -401,3 +401,61 @@ def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, grou
 
 def load_programs(paths) -> list[Program]:
     return [Program.from_json(json.loads(open(p).read())) for p in paths]
+
+
+def check_dir(path) -> Result:
+    """Check the programs a recorded run wrote (`DFLASH_RECORD_OPS=<path>`, one ops-rank<r>.json per rank)."""
+    from pathlib import Path
+    files = sorted(Path(path).glob("ops-rank*.json"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no ops-rank*.json (record a run with DFLASH_RECORD_OPS={path})")
+    return simulate(load_programs(files))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m trainer.streamcheck",
+                                 description="Decide whether the trainer's op order can hang under NCCL's rules.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="check a recorded run (a DFLASH_RECORD_OPS directory)")
+    c.add_argument("dir")
+    c.add_argument("--p2p", choices=("shared", "pair"), default=None,
+                   help="replay point-to-point on the group's communicator (eager init) or one per pair")
+    args = ap.parse_args(argv)
+    if args.cmd == "check":
+        from pathlib import Path
+        files = sorted(Path(args.dir).glob("ops-rank*.json"))
+        if not files:
+            print(f"streamcheck: error: {args.dir}: no ops-rank*.json files", file=sys.stderr)
+            return 2
+        progs = load_programs(files)
+        if args.p2p:
+            progs = [with_p2p(p, args.p2p) for p in progs]
+        res = simulate(progs)
+        print(f"{len(progs)} ranks, {sum(len(p.ops) for p in progs)} ops: {res.explain()}")
+        return 0 if res.ok else 1
+    return 2
+
+
+def with_p2p(p: Program, mode: str) -> Program:
+    """The same program with its point-to-point ops on the group's communicator ("shared") or on one
+    communicator per pair of ranks ("pair")."""
+    q = Program(p.rank, p.role, mode, p.groups)
+    remap = {}
+    for o in p.ops:
+        queue, key = o.queue, o.key
+        if o.kind in ("send", "recv"):
+            group, src, dst, n = key[0], key[2], key[3], key[4]
+            peer = dst if o.kind == "send" else src
+            queue = q.comm_queue(group, peer)
+            key = (group, queue, src, dst, n)
+        remap[o.id] = Op(o.id, o.rank, queue, o.kind, o.label, list(o.deps), key, o.dur, o.coll)
+    q.ops = [remap[o.id] for o in p.ops]
+    q.actions = list(p.actions)
+    return q
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

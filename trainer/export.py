@@ -10,8 +10,10 @@ checkpoint is taken). OUT receives only the model (no optimizer or training stat
     modeling_dflash.py  the model class that config.json's auto_map names
 
 OUT is written beside itself and renamed into place, so a directory named OUT is complete.
-With --target-model the export is checked against the target (depth, width, vocabulary) and the mask
-token's text is recorded (SGLang compares it with its tokenizer).
+With --target-model the export is checked against the target the drafter was trained on (trainer/identity.py:
+depth, width, vocabulary, tokenizer, config; exit 2 naming what differs, OUT untouched) and the mask
+token's text is recorded (SGLang compares it with its tokenizer). export.json records that identity.
+Exports are world-readable (files 0644, the directory 0755); checkpoints are not (model.safetensors 0600).
 """
 
 from __future__ import annotations
@@ -202,14 +204,22 @@ def _mask_token_text(target_model: str, mask_id: int) -> str | None:
 
 
 def export_drafter(src: str | os.PathLike, out: str | os.PathLike, target_model: str | None = None,
-                   force: bool = False) -> Path:
-    """Write the servable model directory OUT from a checkpoint, output dir or earlier export."""
+                   force: bool = False, allow_target_change: bool = False) -> Path:
+    """Write the servable model directory OUT from a checkpoint, output dir or earlier export. With
+    `target_model`, the target must be the one the drafter was trained on (trainer/identity.py; ExportError
+    naming what differs, before OUT is touched) unless `allow_target_change` and the weights still fit.
+    Every file is written 0644 and OUT 0755: a serving engine running as another user reads it."""
+    from . import identity
     cfg, state, ckpt = read_checkpoint(src)
     target_config = None
     mask_token = None
+    trained, _ = identity.recorded(ckpt)
     if target_model:
         try:
             target_config = json.loads((Path(target_model) / "config.json").read_text())
+            identity.check_drafter_on_target(ckpt, target_model, allow=allow_target_change)
+        except identity.TargetMismatch as e:
+            raise ExportError(str(e)) from None
         except (OSError, ValueError) as e:
             raise ExportError(f"--target-model: {target_model}/config.json: {e}") from e
         mask_token = _mask_token_text(target_model, cfg.mask_token_id)
@@ -230,7 +240,11 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, target_model:
         step = STEP_DIR_RE.match(ckpt.name)
         (tmp / "export.json").write_text(json.dumps(
             {"source": str(ckpt.resolve()), "step": int(step.group(1)) if step else None,
-             "dtype": str(EXPORT_DTYPE).replace("torch.", "")}, indent=2) + "\n")
+             "dtype": str(EXPORT_DTYPE).replace("torch.", ""), identity.RECORD_KEY: trained.to_dict()},
+            indent=2) + "\n")
+        for f in tmp.iterdir():   # safetensors writes 0600; an export is for a serving user
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -246,9 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="the model directory to write")
     ap.add_argument("--target-model", help="check the export against this target; record the mask token text")
     ap.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    ap.add_argument("--allow-target-change", action="store_true",
+                    help="export for a --target-model other than the one the drafter was trained on (e.g. a "
+                         "fine-tuned revision) where its weights still fit")
     a = ap.parse_args(argv)
     try:
-        out = export_drafter(a.source, a.out, a.target_model, a.force)
+        out = export_drafter(a.source, a.out, a.target_model, a.force, a.allow_target_change)
     except ExportError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -77,6 +77,7 @@ class InTrainingEval:
             from .data import load_dataset
             from .evaluate import heldout_prompts
             self.dataset = load_dataset(cfg.eval_data_dir)
+            check_eval_data(cfg.eval_data_dir, cfg.target_model)
             if not heldout_prompts(self.dataset, 1):
                 raise ValueError(f"{cfg.eval_data_dir}: no record has a prompt (tokens before its first "
                                  "supervised one) to generate from")
@@ -112,6 +113,7 @@ class InTrainingEval:
             # with every KV length the generation loop sees (fast.py)
             with target_stage.full_model() as target, sdpa_context(cfg.sdpa_backend, dev.type), \
                     torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else [], device_type=dev.type):
+                check_drafter_fits(dcfg, target.config.to_dict())   # TargetMismatch -> {"error": ...}
                 return evaluate_state(dcfg, state, target, self.dataset, dev, self.dtype, cfg.eval_prompts,
                                       cfg.eval_max_new_tokens, with_block_accuracy=final)
         except Exception as e:  # noqa: BLE001  an eval must not end the run; the leader warns
@@ -121,6 +123,30 @@ class InTrainingEval:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()   # the drafter copy and KV caches: give the memory back to training
+
+
+def check_eval_data(eval_data_dir: str, target_model: str) -> None:
+    """The held-out shards were tokenized with the target's tokenizer (index.json's record, where
+    dflash-prepare wrote one). ValueError without a flag name: the trainer adds --eval-data-dir."""
+    from . import identity
+    from .data import read_index
+    if not target_model:
+        return
+    try:
+        identity.check_data_tokenizer(read_index(eval_data_dir), identity.of_target(target_model), "", eval_data_dir)
+    except identity.TargetMismatch as e:
+        raise ValueError(str(e).removeprefix(": ")) from None
+    except OSError:
+        return   # an unreadable target is reported where it is loaded
+
+
+def check_drafter_fits(dcfg, target_config: dict) -> None:
+    """The drafter being evaluated belongs to the target replica it is evaluated with (the same identity
+    check as dflash-eval's, on the shapes: a loaded model has no files to fingerprint)."""
+    from . import identity
+    trained = identity.from_drafter_config(dcfg.to_dict())
+    identity.check(trained, identity.of_config(target_config), flag="eval", what="the drafter",
+                   compare_drafter=False)
 
 
 def eval_record(step: int, res: dict, final: bool) -> dict:

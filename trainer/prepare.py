@@ -331,11 +331,25 @@ def prepare(
                 f"--input: no sequences with assistant tokens in {', '.join(map(str, inputs))}"
             ) from None
         raise PrepareError(str(e)) from None
+    index = _record_target(out, index, target)
     dt = time.monotonic() - t0
     log(f"{PROG}: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens "
         f"({index['num_supervised_tokens']} supervised), {len(index['shards'])} shard(s) in "
         f"{dt:.1f}s; truncated {stats.truncated}, skipped {stats.skipped_empty} without "
         f"assistant tokens; hash {index['hash'][:16]}")
+    return index
+
+
+def _record_target(out: Path, index: dict, target) -> dict:
+    """index.json gains "target": the tokenizer the shards were made with (trainer/identity.py), which
+    the trainer, dflash-eval and dflash-regenerate compare with their target's. Readers ignore the key."""
+    from trainer.fsutil import atomic_write_text
+    from trainer.identity import RECORD_KEY, record_for_data
+    try:
+        index = {**index, RECORD_KEY: record_for_data(target)}
+    except (OSError, ValueError):
+        return index   # the tokenizer loaded above; a target whose config cannot be read records nothing
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return index
 
 

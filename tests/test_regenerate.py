@@ -231,3 +231,63 @@ def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_d
         tau[name] = res["tau"]
     # measured: human 1.00 (it learnt words the target never says), regenerated 1.39
     assert tau["regenerated"] > tau["human"] + 0.2, tau
+
+
+# ------------------------------------------------------------- issue 29: the captured decode loop
+
+
+def test_the_captured_decoder_writes_the_same_shards_as_generate(tiny_small_dir, tmp_path):
+    """--decoder captured (trainer/fastgen.py: one preallocated KV cache, grouped-query decode attention,
+    CUDA graphs on GPUs; the same loop eagerly on the CPU) writes the bytes of transformers' generate,
+    greedy, with a short last batch and rows stopping at EOS; the decoder is part of the configuration."""
+    common = dict(max_new_tokens=24, shard_size=16, max_records=40, **QUIET)
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "gen", batch_size=8,
+               decoder="generate", **common)
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "cap", batch_size=6,
+               decoder="captured", **common)
+    a, b = files(tmp_path / "gen"), files(tmp_path / "cap")
+    shards = [n for n in a if n.startswith("shard-")]
+    assert len(shards) == 3 and all(a[n] == b[n] for n in shards)
+    assert json.loads(b["index.json"])["regenerated"]["decoder"] == "captured"
+    with pytest.raises(Exception, match="decoder"):     # a resume must not mix the two
+        regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "cap", batch_size=6,
+                   decoder="generate", **common)
+
+
+def test_captured_sampling_does_not_depend_on_the_batch(tiny_small_dir, target):
+    """Sampling noise is keyed by (seed, prompt index, step): a prompt's sample is the same whatever batch
+    it runs in, and it follows softmax(logits / T) (tokens differ from greedy, different keys differ)."""
+    from trainer.fastgen import GraphDecoder
+
+    prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
+    stops = stop_token_ids(target)
+    kw = dict(max_new_tokens=16, temperature=1.5, stop_ids=stops, pad_id=0)
+    six = GraphDecoder(target, "cpu", batch_size=6, **kw).generate(prompts, keys=range(6))
+    two = [c for s in range(0, 6, 2)
+           for c in GraphDecoder(target, "cpu", batch_size=2, **kw).generate(prompts[s:s + 2], range(s, s + 2))]
+    assert all(np.array_equal(x, y) for x, y in zip(six, two))
+    other = GraphDecoder(target, "cpu", batch_size=6, **kw).generate(prompts, keys=range(100, 106))
+    greedy = GraphDecoder(target, "cpu", batch_size=6, **(kw | dict(temperature=0.0))).generate(prompts, range(6))
+    assert any(not np.array_equal(x, y) for x, y in zip(six, other))
+    assert any(not np.array_equal(x, y) for x, y in zip(six, greedy))
+
+
+def test_hash_uniforms_are_uniform():
+    from trainer.fastgen import _hash_uniform
+
+    u = _hash_uniform(torch.arange(64), 4096)
+    assert u.shape == (64, 4096) and 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    # 23-bit values: about n^2 / 2^24 = 4,096 birthday collisions among n = 262,144 draws
+    assert abs(u.numel() - len(torch.unique(u)) - 4096) < 400
+
+
+def test_two_captured_devices_are_two_processes_writing_the_same_shards(tiny_small_dir, tmp_path):
+    """--devices: one worker process per device (each its own replica), shards handed out one at a time;
+    the bytes are those of one device."""
+    common = dict(batch_size=4, max_new_tokens=12, shard_size=5, max_records=20, decoder="captured", **QUIET)
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "one", **common)
+    stats = regenerate(tiny_small_dir / "data", tiny_small_dir / "target", tmp_path / "two",
+                       devices=["cpu", "cpu"], **common)
+    assert stats["shards_generated"] == 4 and stats["tokens_generated"] > 0
+    assert files(tmp_path / "one") == files(tmp_path / "two")

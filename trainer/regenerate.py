@@ -3,7 +3,7 @@
     dflash-regenerate --target-model DIR (--data-dir DIR | --input FILE.jsonl ...) --output-dir DIR
                       [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
                       [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
-                      [--max-records N]
+                      [--max-records N] [--decoder auto|generate|captured]
 
 Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
 supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
@@ -14,7 +14,10 @@ is regenerated: later turns answered a reply the target did not write.
 The target generates each prompt's completion with transformers' `generate` (left padding, attention
 mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or
 top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
-of dflash-prepare) or --max-new-tokens. Output: the shard format of dflash-prepare (trainer/data.py)
+of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
+decode loop instead (trainer/fastgen.py: one preallocated KV cache, the decode step captured as CUDA
+graphs; use a large --batch-size there, e.g. 256 on an 8B target); --devices runs one worker process per
+device, each taking the next unfinished shard. Output: the shard format of dflash-prepare (trainer/data.py)
 with the loss mask on the generated tokens only, and index.json with a "regenerated" key recording
 what wrote it (target, source and its hash, max_new_tokens, temperature, seed, batch size).
 
@@ -116,13 +119,14 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
 
 
 STATIC_PAD = 64   # --static-cache: prompt widths rounded up to this (few distinct compiled shapes)
+DECODERS = ("generate", "captured")
 
 
 class TargetGenerator:
     """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
-                 batch_size: int, static_cache: bool = False):
+                 batch_size: int, static_cache: bool = False, decoder: str = "generate"):
         import torch
 
         from .evaluate import stop_token_ids
@@ -141,6 +145,20 @@ class TargetGenerator:
         # static KV cache: transformers compiles the decode step on GPUs (fixed shapes, CUDA graphs);
         # prompt widths are padded to a multiple of STATIC_PAD so a run sees few cache shapes
         self.static_cache = static_cache
+        # decoder "captured": dflash's own loop (trainer/fastgen.py: one preallocated KV cache, the decode
+        # step captured as CUDA graphs on GPUs); "generate": transformers' generate, as before
+        if decoder not in DECODERS:
+            raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
+        self.decoder = decoder
+        self._fast = None
+
+    def _fast_decoder(self):
+        from .fastgen import GraphDecoder
+
+        if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
+            self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
+                                      self.temperature, self.stop_ids, self.pad_id)
+        return self._fast
 
     def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
         import torch
@@ -187,9 +205,15 @@ class TargetGenerator:
             torch.manual_seed(seed)
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
         out: list = [None] * len(prompts)
+        fast = self._fast_decoder() if self.decoder == "captured" else None
         for s in range(0, len(order), self.batch_size):
             members = order[s:s + self.batch_size]
-            for i, comp in zip(members, self._batch([prompts[i] for i in members])):
+            if fast is not None:   # sampling noise keyed by (shard seed, prompt index): batch-independent
+                comps = fast.generate([prompts[i] for i in members],
+                                      [(seed * 1_000_003 + i) % (1 << 62) for i in members])
+            else:
+                comps = self._batch([prompts[i] for i in members])
+            for i, comp in zip(members, comps):
                 out[i] = comp
             if on_batch is not None:
                 on_batch(len(members), sum(len(out[i]) for i in members))
@@ -292,12 +316,15 @@ def regenerate(
     log: Callable[[str], None] = _log_stderr,
     progress_every: float = 5.0,
     static_cache: bool | None = None,
+    decoder: str | None = None,
 ) -> dict:
     """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
     records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
     static_cache None: on when every device is a GPU (docs/performance.md measures it).
+    decoder None: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
+    Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
 
@@ -322,6 +349,10 @@ def regenerate(
         raise RegenerateError(f"--temperature: must be >= 0, got {temperature}")
     if static_cache is None:
         static_cache = all(d.startswith("cuda") for d in devs)
+    if decoder is None:
+        decoder = "captured" if all(d.startswith("cuda") for d in devs) else "generate"
+    if decoder not in DECODERS:
+        raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -343,6 +374,7 @@ def regenerate(
         "batch_size": int(batch_size),
         "shard_size": int(shard_size),
         "static_cache": bool(static_cache),
+        "decoder": decoder,
     }
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
@@ -368,29 +400,31 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        t_load = time.monotonic()
-        gens = [TargetGenerator(str(target), d, max_new_tokens, temperature, batch_size, static_cache)
-                for d in devs] if todo else []
-        load_s = time.monotonic() - t_load
+        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder)
         lock = threading.Lock()
         eos_hits = [0]
 
-        def run_shard(gen: TargetGenerator, k: int) -> None:
-            chunk = prompts[k * shard_size:(k + 1) * shard_size]
-            comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=lambda n, t: progress.add(n, t))
-            ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
-            masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(len(c), np.int8)])
-                     for p, c in zip(chunk, comps)]
-            entry = write_shard(out / SHARD_PATTERN.format(k), ids, masks)
+        def record(k: int, entry: dict, eos: int) -> None:
             with lock:
-                eos_hits[0] += sum(1 for c in comps if len(c) and int(c[-1]) in gen.stop_ids)
+                eos_hits[0] += eos
                 manifest["done"][str(k)] = entry
                 atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
             progress.add(0, 0, force=True, note=f" (shard {k + 1}/{num_shards} written)")
 
-        t0 = time.monotonic()
-        _run_on_devices(gens, todo, run_shard)
-        secs = time.monotonic() - t0
+        if len(devs) == 1 or not todo:
+            t_load = time.monotonic()
+            gens = [TargetGenerator(str(target), devs[0], *gen_args)] if todo else []
+            load_s = time.monotonic() - t_load
+
+            def run_shard(gen: TargetGenerator, k: int) -> None:
+                record(k, *_generate_shard(gen, out, prompts, shard_size, seed, k, progress.add))
+
+            t0 = time.monotonic()
+            _run_on_devices(gens, todo, run_shard)
+            secs = time.monotonic() - t0
+        else:
+            load_s, secs = _run_in_processes(devs, str(target), gen_args, out, prompts, shard_size, seed,
+                                             todo, record, progress.add)
 
         entries = [manifest["done"][str(k)] for k in range(num_shards)]
         extra = {"regenerated": {k: v for k, v in config.items() if k != "num_records"}}
@@ -406,6 +440,125 @@ def regenerate(
         return stats
     finally:
         os.close(lock_fd)
+
+
+def _generate_shard(gen: TargetGenerator, out: Path, prompts, shard_size: int, seed: int, k: int,
+                    on_batch) -> tuple[dict, int]:
+    """Shard k generated on `gen` and written atomically: (its index entry, rows stopped at an EOS)."""
+    chunk = prompts[k * shard_size:(k + 1) * shard_size]
+    comps = gen.complete(chunk, seed=seed * 1_000_003 + k, on_batch=on_batch)
+    ids = [np.concatenate([p, c]) for p, c in zip(chunk, comps)]
+    masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(len(c), np.int8)])
+             for p, c in zip(chunk, comps)]
+    entry = write_shard(out / SHARD_PATTERN.format(k), ids, masks)
+    return entry, sum(1 for c in comps if len(c) and int(c[-1]) in gen.stop_ids)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a kill -9 of the run takes its workers)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _device_worker(device: str, target: str, gen_args: tuple, out: str, shard_size: int, seed: int,
+                   inbox, outbox) -> None:
+    """One device's process: load the target, then generate and write each shard the parent sends."""
+    _die_with_parent()
+    import traceback
+
+    try:
+        gen = TargetGenerator(target, device, *gen_args)
+        outbox.put(("ready", device))
+        while True:
+            item = inbox.get()
+            if item is None:
+                return
+            k, chunk = item
+            entry, eos = _generate_shard(gen, Path(out), _ShardView(k, shard_size, chunk), shard_size, seed, k,
+                                         lambda n, t: outbox.put(("batch", n, t)))
+            outbox.put(("shard", device, k, entry, eos))
+    except BaseException:  # noqa: BLE001  reported to the parent, which raises it
+        outbox.put(("error", device, traceback.format_exc()))
+
+
+class _ShardView:
+    """The slice [k*S, (k+1)*S) of the whole prompt list, holding only that shard's prompts."""
+
+    def __init__(self, k: int, shard_size: int, chunk: list):
+        self.start, self.chunk = k * shard_size, chunk
+
+    def __getitem__(self, sl: slice) -> list:
+        assert sl.start == self.start
+        return self.chunk
+
+
+def _run_in_processes(devs: list[str], target: str, gen_args: tuple, out: Path, prompts, shard_size: int,
+                      seed: int, todo: list[int], record, on_batch) -> tuple[float, float]:
+    """One spawned process per device (its own replica, CUDA context and graphs, no shared GIL); each
+    is handed the next unfinished shard when it reports the last one written. The parent alone writes
+    the manifest. The first error stops the others and is raised here. Returns (load s, generation s)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in devs]
+    procs = [ctx.Process(target=_device_worker, name=f"regen-{d}", daemon=True,
+                         args=(d, target, gen_args, str(out), shard_size, seed, inboxes[i], outbox))
+             for i, d in enumerate(devs)]
+    pending = list(todo)
+    index = {d: i for i, d in enumerate(devs)}
+
+    def feed(i: int) -> int:
+        """The next shard to device i, or its stop; returns how many devices stopped (0 or 1)."""
+        if pending:
+            k = pending.pop(0)
+            inboxes[i].put((k, prompts[k * shard_size:(k + 1) * shard_size]))
+            return 0
+        inboxes[i].put(None)
+        return 1
+
+    t_load = time.monotonic()
+    for p in procs:
+        p.start()
+    ready, working, t0, load_s = 0, len(devs), None, 0.0
+    try:
+        while working:
+            try:
+                msg = outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{PROG}: worker {dead[0].name} died (exit code {dead[0].exitcode})")
+                continue
+            kind = msg[0]
+            if kind == "batch":
+                on_batch(msg[1], msg[2])
+            elif kind == "ready":
+                ready += 1
+                if t0 is None:          # generation starts with the first replica ready
+                    t0 = time.monotonic()
+                if ready == len(devs):
+                    load_s = time.monotonic() - t_load
+                working -= feed(index[msg[1]])
+            elif kind == "shard":
+                _, d, k, entry, eos = msg
+                record(k, entry, eos)
+                working -= feed(index[d])
+            else:
+                raise RuntimeError(f"{PROG}: the worker on {msg[1]} failed:\n{msg[2]}")
+    finally:
+        for q in inboxes:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return load_s, time.monotonic() - (t0 if t0 is not None else t_load)
 
 
 def _run_on_devices(gens: list[TargetGenerator], todo: list[int], run_shard) -> None:
@@ -492,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--static-cache", choices=["auto", "on", "off"], default="auto",
                     help="static KV cache, its decode step compiled by transformers on GPUs (auto: on when "
                          "every device is a GPU)")
+    ap.add_argument("--decoder", choices=["auto", *DECODERS], default="auto",
+                    help="captured: dflash's own decode loop, one preallocated KV cache and the decode step "
+                         "captured as CUDA graphs on GPUs; generate: transformers' generate (auto: captured "
+                         "when every device is a GPU)")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:
@@ -501,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, seed=args.seed, shard_size=args.shard_size,
             max_records=args.max_records,
-            static_cache={"auto": None, "on": True, "off": False}[args.static_cache])
+            static_cache={"auto": None, "on": True, "off": False}[args.static_cache],
+            decoder=None if args.decoder == "auto" else args.decoder)
     except RegenerateError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

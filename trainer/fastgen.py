@@ -1,0 +1,316 @@
+"""dflash-regenerate's own decode loop: a preallocated KV cache, the decode step captured as CUDA graphs.
+
+`generate` (transformers) spends most of a decode step in Python and launches, and its static-cache
+attention copies every key/value head once per query head (`repeat_kv`: 4-5x the KV bytes of the step).
+This loop keeps the target's own modules (transformers' decoder layers, rotary embedding, norms, LM head)
+and changes only what is around them:
+
+* one KV buffer per layer, ``[batch, kv_heads, capacity, head_dim]``, allocated once and reused by every
+  batch (no allocation, no copy per step); a step's attention reads only the prefix its position needs
+  (capacity in steps of `view_step` positions), not the whole buffer;
+* the attention of a decode step folds the query heads of one KV head into rows of one query
+  (``[B, kv_heads, group, D]`` against ``[B, kv_heads, L, D]``): keys and values are read once, never
+  repeated; the prefill attends with the keys repeated, through SDPA, as transformers' sdpa does;
+* on a GPU the decode step (the forward, greedy argmax or Gumbel-max sampling, the stop test, the output
+  write, the position and slot increments) is one CUDA graph per KV view length, captured once per
+  generator and replayed; the host looks at the stop flags every `check_every` steps only;
+* the prefill runs eagerly in row chunks and computes logits for the last prompt position only.
+
+Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
+the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs
+without graphs. Sampling (temperature > 0) is Gumbel-max over softmax(logits / T) with noise hashed from
+(seed, prompt index, step): a prompt's sample does not depend on its batch, device or the capture.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "dflash_decode"   # registered in transformers' AttentionInterface while this loop runs
+PAD_TO = 64                   # prompt widths rounded up to this (the KV capacity is width + new tokens)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA with a boolean [B, 1, Q, L] mask; a one-token query groups its heads per KV head."""
+    b, h, q, d = query.shape
+    hk = key.shape[1]
+    g = h // hk
+    if q == 1 and g > 1:   # decode: the g query heads of one KV head are g rows of one attention
+        out = F.scaled_dot_product_attention(query.reshape(b, hk, g, d), key, value,
+                                             attn_mask=attention_mask, scale=scaling)
+        out = out.reshape(b, h, 1, d)
+    else:
+        if g > 1:           # transformers' repeat_kv: query head i reads KV head i // g
+            key = key.repeat_interleave(g, dim=1)
+            value = value.repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+
+
+class _KVCache:
+    """Duck-typed transformers cache: `update(k, v, layer_idx)` writes into the preallocated buffers.
+
+    Prefill (`rows` a slice, `prefill` True) writes positions [0, W) of those rows and attends the new
+    keys themselves; a decode step writes position `slot` (a device tensor, so a captured graph advances
+    it) of every row and attends the first `view` positions."""
+
+    is_compileable = False
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, capacity, head_dim)
+        # zeros, not empty: a masked position still enters attention with probability 0, and 0 * NaN is NaN
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.batch, self.capacity = batch, capacity
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.view = capacity
+        self.rows = slice(None)
+        self.prefill = False
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.prefill:
+            w = key_states.shape[2]
+            k[self.rows, :, :w] = key_states
+            v[self.rows, :, :w] = value_states
+            return key_states, value_states
+        k.index_copy_(2, self.slot, key_states)
+        v.index_copy_(2, self.slot, value_states)
+        return k[:, :, :self.view], v[:, :, :self.view]
+
+    # what transformers may ask of a cache it did not build
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+def _i64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLD, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] int64 keys -> [B, vocab] uniforms in (0, 1), a function of (key, column) only (splitmix64;
+    int64 products wrap)."""
+    x = (keys[:, None] * vocab + torch.arange(vocab, device=keys.device) + 1) * _GOLD
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))   # 23 bits: k + 0.5 exact in float32
+
+
+class GraphDecoder:
+    """Batched greedy (or sampled) decoding of left-padded prompts with `model` (a transformers causal LM).
+
+    `generate(prompts, keys)` returns each prompt's generated tokens, the stop token kept; `keys` (one
+    int per prompt) seed its sampling noise. Graphs are captured on CUDA devices when `graphs` is true."""
+
+    def __init__(self, model, device, batch_size: int, max_new_tokens: int, temperature: float,
+                 stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
+                 check_every: int = 16, prefill_tokens: int = 16384):
+        from .target import decoder
+
+        self.model, self.device = model, torch.device(device)
+        self.base = decoder(model)
+        self.head = model.get_output_embeddings()
+        self.cfg = self.base.config
+        self.batch, self.max_new, self.temperature = batch_size, max_new_tokens, float(temperature)
+        self.stop_ids, self.pad_id = list(stop_ids), int(pad_id)
+        self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
+        self.view_step, self.check_every, self.prefill_tokens = view_step, check_every, prefill_tokens
+        params = inspect.signature(self.base.forward).parameters
+        self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
+        self.dtype = next(model.parameters()).dtype
+        self.cache: _KVCache | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.captures = 0
+        # timed=True: the device is synchronised around the prefill and the decode loop of each batch and
+        # their seconds summed here (the benchmark's breakdown; off in dflash-regenerate)
+        self.timed = False
+        self.times = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "batches": 0}
+        _register_attention()
+
+    # ---------------------------------------------------------------- state
+    def _alloc(self, capacity: int) -> None:
+        if self.cache is not None and self.cache.capacity >= capacity:
+            return
+        capacity = -(-capacity // self.view_step) * self.view_step
+        self._graphs.clear()          # captured against the old buffers
+        self._pool = None
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        c, dev, b = self.cfg, self.device, self.batch
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev)
+        z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
+        self.tok, self.pos, self.step, self.keys = z(b), z(b), z(1), z(b)
+        self.done = z(b, dt=torch.bool)
+        self.mask = z(b, capacity, dt=torch.bool)
+        self.out = z(b, self.max_new)
+        self.stop = torch.tensor(self.stop_ids or [-1], dtype=torch.long, device=dev)
+
+    @contextmanager
+    def _attn(self):
+        prev = self.cfg._attn_implementation
+        self.cfg._attn_implementation = ATTN_NAME
+        try:
+            yield
+        finally:
+            self.cfg._attn_implementation = prev
+
+    def _next(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] fp32 logits -> [B] next tokens (greedy, or Gumbel-max at the temperature)."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        u = _hash_uniform(self.keys * (self.max_new + 1) + self.step, logits.shape[-1])
+        return (logits / self.temperature - torch.log(-torch.log(u))).argmax(-1)
+
+    def _emit(self, nxt: torch.Tensor) -> None:
+        """Record the step's tokens (pad once a row has stopped) and advance the in-graph counters."""
+        nxt = torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
+        self.out.index_copy_(1, self.step, nxt[:, None])
+        if self.stop_ids:
+            self.done |= (nxt[:, None] == self.stop[None]).any(-1)
+        self.tok.copy_(nxt)
+        self.step.add_(1)
+
+    def _decode_step(self, view: int) -> None:
+        cache = self.cache
+        cache.view, cache.prefill, cache.rows = view, False, slice(None)
+        self.mask.index_fill_(1, cache.slot, True)
+        h = self.base(input_ids=self.tok[:, None], position_ids=self.pos[:, None],
+                      attention_mask=self.mask[:, None, None, :view], use_cache=True,
+                      **{self.cache_kw: cache}).last_hidden_state
+        self._emit(self._next(self.head(h[:, -1]).float()))
+        self.pos.add_(1)
+        cache.slot.add_(1)
+
+    def _capture(self, view: int) -> torch.cuda.CUDAGraph:
+        state = [t.clone() for t in (self.tok, self.pos, self.step, self.done, self.mask, self.cache.slot)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):     # warm-up: lazy initialisations happen outside the capture
+            self._decode_step(view)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for t, s in zip((self.tok, self.pos, self.step, self.done, self.mask, self.cache.slot), state):
+            t.copy_(s)                    # undo the warm-up's step (its KV write is overwritten later)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._decode_step(view)
+        self.captures += 1
+        return g
+
+    def _clock(self):
+        """clock(key): the seconds since the last call added to times[key] (None: only restart)."""
+        import time
+
+        last = [time.perf_counter()]
+
+        def clock(key):
+            if not self.timed:
+                return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            if key is not None:
+                self.times[key] += now - last[0]
+            last[0] = now
+        clock(None)
+        return clock
+
+    # ---------------------------------------------------------------- one batch
+    @torch.no_grad()
+    def generate(self, prompts: list[np.ndarray], keys) -> list[np.ndarray]:
+        n, b = len(prompts), self.batch
+        assert 1 <= n <= b, (n, b)
+        rows = list(prompts) + [prompts[-1]] * (b - n)       # a short last batch: repeated rows, dropped
+        lens = [len(p) for p in rows]
+        width = -(-max(lens) // PAD_TO) * PAD_TO
+        self._alloc(width + self.max_new)
+        dev, cache = self.device, self.cache
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((b, cache.capacity), dtype=torch.bool)
+        for r, p in enumerate(rows):
+            ids[r, width - len(p):] = torch.as_tensor(np.asarray(p), dtype=torch.long)
+            valid[r, width - len(p):width] = True
+        pos = (valid[:, :width].long().cumsum(-1) - 1).clamp_(min=0)   # generate's position ids
+        ids, pos = ids.to(dev), pos.to(dev)
+        self.mask.copy_(valid.to(dev))
+        self.keys.copy_(torch.as_tensor(list(keys) + [0] * (b - n), dtype=torch.long))
+        self.done.zero_()
+        self.step.zero_()
+        self.out.fill_(self.pad_id)
+
+        clock = self._clock()
+        with self._attn():
+            # prefill, in row chunks of about prefill_tokens positions; logits of the last position only
+            chunk = max(1, self.prefill_tokens // width)
+            causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
+            eye = torch.eye(width, dtype=torch.bool, device=dev)
+            last = torch.empty((b, self.head.weight.shape[0]), dtype=torch.float32, device=dev)
+            cache.prefill = True
+            for r0 in range(0, b, chunk):
+                r1 = min(b, r0 + chunk)
+                m = (causal[None] & self.mask[r0:r1, None, :width]) | eye   # a padding row sees itself
+                cache.rows = slice(r0, r1)
+                h = self.base(input_ids=ids[r0:r1], position_ids=pos[r0:r1], attention_mask=m[:, None],
+                              use_cache=True, **{self.cache_kw: cache}).last_hidden_state
+                last[r0:r1] = self.head(h[:, -1]).float()
+            cache.prefill = False
+            self._emit(self._next(last))
+            self.pos.copy_(pos[:, -1] + 1)
+            cache.slot.fill_(width)
+            clock("prefill_s")
+            steps = 0
+            # decode: one captured graph (or eager step) per token
+            for t in range(1, self.max_new):
+                slot = width + t - 1
+                view = -(-(slot + 1) // self.view_step) * self.view_step
+                if self.graphs:
+                    g = self._graphs.get(view)
+                    if g is None:
+                        clock(None)
+                        g = self._graphs[view] = self._capture(view)
+                        clock("capture_s")
+                    g.replay()
+                else:
+                    self._decode_step(view)
+                steps += 1
+                if self.stop_ids and t % self.check_every == 0 and bool(self.done[:n].all()):
+                    break
+        clock("decode_s")
+        self.times["decode_steps"] += steps
+        self.times["batches"] += 1
+        new = self.out[:n].cpu().numpy()
+        stops = np.isin(new, self.stop_ids) if self.stop_ids else np.zeros(new.shape, bool)
+        result = []
+        for r in range(n):
+            hit = np.nonzero(stops[r])[0]
+            m = int(hit[0]) + 1 if len(hit) else new.shape[1]
+            result.append(new[r, :m].astype(np.int64))
+        return result

@@ -51,14 +51,11 @@ if _why_not():
 def node(tmp_path_factory):
     """The stand-in (fake LXC) with user.cfg granting the documented role to root@pam!ansible and
     the same role without SDN.Use to root@pam!nosdn; an inventory for CT 250."""
-    tmp = tmp_path_factory.mktemp("realnode")
     # The CT is unprivileged: its root (uid 100000, "others" here) must search every directory
-    # down to the bind-mount sources, and the role's preflight checks that. pytest makes its
-    # temp dirs 0700: open them to search (o+x) from /tmp down.
-    for d in [tmp, *tmp.parents]:
-        if d == Path(tempfile.gettempdir()) or d == d.parent:
-            break
-        d.chmod(d.stat().st_mode | 0o001)
+    # down to the bind-mount sources, and the role's preflight checks that. Not under pytest's temp
+    # root: pytest makes it 0700, and another pytest on this host resets it to 0700 at any time.
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-realnode."))
+    tmp.chmod(0o711)
     etc, lxc, state = tmp / "etc", tmp / "lxc", tmp / "state"
     etc.mkdir()
     acl = prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, NETIF)
@@ -111,10 +108,11 @@ def node(tmp_path_factory):
            "api": f"https://127.0.0.1:{port}/api2/json", "ca": str(state / "pve-ssl.pem")}
     proc.terminate()
     proc.wait(5)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
-def play(node, *args, **extra):
-    cmd = ["ansible-playbook", "-i", str(node["tmp"] / "hosts.yml"), str(PLAYBOOK), *args]
+def play(node, *args, playbook=PLAYBOOK, **extra):
+    cmd = ["ansible-playbook", "-i", str(node.get("inventory", node["tmp"] / "hosts.yml")), str(playbook), *args]
     if extra:
         cmd.append("--extra-vars=" + json.dumps(extra))
     r = subprocess.run(cmd, env=node["env"], capture_output=True, text=True, cwd=REPO)
@@ -131,6 +129,20 @@ def api_config(node) -> dict:
     r = requests.get(f"{node['api']}/nodes/pve/lxc/{VMID}/config", verify=node["ca"],
                      headers={"Authorization": "PVEAPIToken=root@pam!ansible=s3cret"})
     return r.json()["data"]
+
+
+def test_0_check_mode_deploy_on_a_fresh_node_says_what_it_would_do_and_exits_0(node):
+    """The README's first step, `deploy.yml --check --diff`, before CT 250 exists (issue 27 item 1):
+    provisioning says it would create it, and the deploy says what it would do in it instead of
+    running `pct exec` (the weights preflight) into a container that is not there."""
+    r = play(node, "--check", "--diff", playbook=REPO / "deploy.yml", dflash_service_target_gpus="cpu",
+             dflash_service_drafter_gpus="cpu")
+    assert r.returncode == 0, r.text[-4000:]
+    assert "would create CT 250 from local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst" in r.text
+    assert "CT 250 does not exist on pve-fake yet (check mode): once provisioning has created it" in r.text
+    assert "would stage the weights into /dev/shm, install the trainer wheel" in r.text
+    assert recap(r)["failed"] == 0 and recap(r)["changed"] >= 1
+    assert not node["conf"].exists()
 
 
 def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_nothing(node):
@@ -228,3 +240,96 @@ def test_8_a_bind_source_under_a_0700_directory_fails_naming_it_and_changes_noth
     locked.chmod(0o701)                     # searchable: the preflight passes and the mounts move
     r = play(node, "--check", dflash_node_models_host_path=str(locked / "models"))
     assert r.returncode == 0, r.text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two stand-in nodes, pve-a and pve-b (an API server each, separate state: two nodes that are
+    not one cluster), reached as inventory hosts node-a and node-b. Both are this machine; what
+    makes a `pct` run land on one or the other is the delegated host itself: its Python (a wrapper
+    that exports that node's PVE_STANDIN_* before exec) is the environment its commands inherit.
+    CT 251 belongs on node-a, CT 252 on node-b."""
+    # not under pytest's temp root: another pytest on this host resets that to 0700 at any time,
+    # and the unprivileged CT's root must search down to the bind-mount sources
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-twonodes."))
+    tmp.chmod(0o711)
+    procs, nodes = [], {}
+    for name in ("a", "b"):
+        etc, state = tmp / name / "etc", tmp / name / "state"
+        etc.mkdir(parents=True)
+        cfg = ["user:root@pam:1:0:::root@pam::", "token:root@pam!ansible:0:1::"]
+        acls = [e for vmid in (251, 252) for e in prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF)]
+        cfg.append("role:DFlashProvision:%s:" % ",".join(prov_filters.dflash_token_role_privs(acls)))
+        cfg += sorted({"acl:1:%s:root@pam!ansible:DFlashProvision:" % e["path"] for e in acls})
+        (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
+        node_env = {"PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(tmp / name / "lxc"),
+                    "PVE_STANDIN_NODE": f"pve-{name}", "PVE_STANDIN_FAKE_LXC": "1"}
+        wrapper = tmp / name / "python"
+        wrapper.write_text("#!/bin/sh\n" + "".join(f"export {k}={v}\n" for k, v in node_env.items())
+                           + f'exec {sys.executable} "$@"\n')
+        wrapper.chmod(0o755)
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, str(PVE_API), "serve", "--port", str(port), "--node",
+                                       f"pve-{name}", "--state-dir", str(state), "--token", "root@pam!ansible=s3cret"],
+                                      env={**os.environ, **node_env}, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        nodes[name] = {"etc": etc, "port": port, "python": str(wrapper), "ca": str(state / "pve-ssl.pem")}
+    for n in nodes.values():
+        for _ in range(100):
+            if Path(n["ca"]).exists():
+                break
+            time.sleep(0.05)
+    (tmp / "models").mkdir()
+    py = sys.executable
+    common = {"dflash_provision_api_host": "127.0.0.1", "dflash_provision_api_user": "root@pam",
+              "dflash_provision_api_token_id": "ansible", "dflash_provision_api_token_secret": "s3cret",
+              "dflash_provision_api_timeout": 30, "dflash_provision_storage": "local-lvm",
+              "dflash_provision_rootfs_gib": 4, "dflash_provision_cores": 2, "dflash_provision_memory_mib": 1024,
+              "dflash_provision_swap_mib": 256, "dflash_provision_shm_size_mib": 256,
+              "dflash_provision_trainer_host_memory_mib": 512, "dflash_provision_netif": NETIF,
+              "dflash_service_timeout_stop_s": 120, "dflash_node_pct_command": [py, str(PVE_API), "pct"],
+              "dflash_node_models_host_path": str(tmp / "models"),
+              "dflash_node_workspace_host_path": str(tmp / "workspace"), "dflash_node_shm_size_mib": 256,
+              "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10}
+
+    def ct(vmid, name):
+        n = nodes[name]
+        return {"ansible_connection": "local", "ansible_python_interpreter": py, "proxmox_vmid": vmid,
+                "proxmox_node": f"node-{name}", "dflash_provision_hostname": f"ct{vmid}",
+                "dflash_provision_api_port": n["port"], "dflash_provision_ca_bundle": n["ca"],
+                "dflash_node_pve_conf_dir": str(n["etc"] / "lxc")}
+    inventory = {"all": {"children": {
+        "proxmox_nodes": {"hosts": {f"node-{k}": {"ansible_connection": "local", "ansible_python_interpreter": v["python"],
+                                                  "proxmox_node_name": f"pve-{k}"} for k, v in nodes.items()}},
+        "dflash_containers": {"hosts": {"ct251": ct(251, "a"), "ct252": ct(252, "b")}, "vars": common}}}}
+    (tmp / "hosts.yml").write_text(json.dumps(inventory))
+    # the controller's own environment points at neither node
+    env = {**os.environ, "PVE_STANDIN_ETC": str(tmp / "nowhere"), "PVE_STANDIN_FAKE_LXC": "1",
+           "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    yield {"tmp": tmp, "env": env, "inventory": tmp / "hosts.yml", "nodes": nodes}
+    for p in procs:
+        p.terminate()
+        p.wait(5)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_9_two_nodes_each_container_is_made_and_configured_on_its_own_node(two_nodes):
+    """Issue 27 item 5: with two proxmox_nodes, CT 252 (proxmox_node: node-b) is created through
+    node pve-b and configured by `pct` on node-b, not looked for or made on the first node."""
+    inv = json.loads(two_nodes["inventory"].read_text())
+    del inv["all"]["children"]["dflash_containers"]["hosts"]["ct252"]["proxmox_node"]
+    unplaced = two_nodes["tmp"] / "unplaced.yml"
+    unplaced.write_text(json.dumps(inv))
+    r = play({**two_nodes, "inventory": unplaced})
+    assert r.returncode != 0
+    assert "ct252 (CT 252): proxmox_nodes has 2 hosts (node-a, node-b): set proxmox_node on this host" in r.text, \
+        r.text[-3000:]
+    assert not list(two_nodes["tmp"].glob("*/etc/lxc/252.conf"))    # CT 252 made nowhere (CT 251 is placed)
+
+    r = play(two_nodes)
+    assert r.returncode == 0, r.text[-4000:]
+    a, b = (two_nodes["nodes"][k]["etc"] / "lxc" for k in ("a", "b"))
+    assert sorted(p.name for p in a.glob("*.conf")) == ["251.conf"]
+    assert sorted(p.name for p in b.glob("*.conf")) == ["252.conf"]
+    assert "size=256M" in (b / "252.conf").read_text()               # node-b's pct configured it

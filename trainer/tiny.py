@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_train < 1 or args.num_heldout < 0:
         print(f"{PROG}: error: --num-train must be >= 1 and --num-heldout >= 0", file=sys.stderr)
         return 2
+    from .runlog import quiet_progress_bars
+    quiet_progress_bars()   # off a terminal, no "Writing model shards" bar on stderr
     try:
         make_tiny(args.outdir, args.seed, args.num_train, args.num_heldout, args.force,
                   args.init_range)

@@ -204,3 +204,39 @@ def test_tensorboard_sink_writes_scalars_per_step(tmp_path):
     assert tags == {"loss", "lr", "acc/pos_01", "acc/pos_03", "stage_s/target", "stage_s/drafter"}
     assert [(s.step, s.value) for s in ev.Scalars("loss")] == [(1, 2.0), (2, 1.0), (3, 0.0)]
     assert open_tensorboard("") is None
+
+
+# ------------------------------------------------------------------------------ issue 30: the last bad inputs
+
+
+def test_help_prints_a_percent_sign_not_a_dict():
+    """--flex-ctx-group's help says '+1-2%'; argparse read '% a' as a format and printed its dict."""
+    text = " ".join(build_parser().format_help().split())
+    assert "measured +1-2% at block 32" in text and "{'" not in text
+
+
+def test_every_missing_gpu_index_is_named():
+    cfg = parse_args(PATHS + ["--target-gpus", "9", "--drafter-gpus", "8"])
+    with pytest.raises(ConfigError) as e:
+        validate_flags(cfg, gpu_count=8)
+    msg = str(e.value)
+    assert "--target-gpus: GPU index(es) [9] do not exist" in msg and "--drafter-gpus: GPU index(es) [8]" in msg
+    assert "\n" not in msg
+
+
+def test_corrupted_shard_of_the_right_size_is_caught_by_check_config_and_at_start(tiny_small_dir, tmp_path, capfd):
+    """A shard changed in place (same size: the cheap checks pass) is found by --check-config, and the
+    real start fails with our one line before any rank starts (no launcher lines, nothing written)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_small_dir / "data", data)
+    shard = sorted(data.glob("shard-*.parquet"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[100:200] = bytes(100)
+    shard.write_bytes(bytes(raw))
+    out = tmp_path / "o"
+    args = tiny_cli(tiny_small_dir, out, "--max-steps", "1") + ["--data-dir", str(data)]
+    for extra in (["--check-config"], []):
+        assert train_main(args + extra) == 2
+        err = capfd.readouterr().err
+        assert err.startswith(f"dflash-train: error: --data-dir: {shard}: sha256 mismatch") and err.count("\n") == 1, err
+    assert not out.exists()

@@ -257,3 +257,24 @@ def test_evaluate_does_not_import_the_training_engine():
     code = "import sys, trainer.evaluate; assert 'trainer.train' not in sys.modules, 'trainer.train imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    (["--max-prompts", "0"], "--max-prompts: must be >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature: must be >= 0"),
+    pytest.param(["--device", "cuda:0"], "--device cuda:0: CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    (["--device", "cuda:99"] if torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+])
+def test_eval_bad_arguments_exit_2_with_one_line(target, tiny_small_dir, tmp_path, capsys, extra, needle):
+    """Issue 30: these ended in tracebacks (or, --max-prompts 0, evaluated one prompt)."""
+    from trainer.evaluate import main as eval_main
+    cfg = drafter_config(target)
+    model = DFlashDrafter(cfg)
+    CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
+    rc = eval_main(["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(tmp_path / "run"),
+                    "--data-dir", str(tiny_small_dir / "heldout"), "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("dflash-eval: error: ") and needle in err, err
+

@@ -230,3 +230,11 @@ def test_readme_route_spec_generate_on_the_export_equals_greedy(exported, tiny_s
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=12, stop_token_ids=[], temperature=0.0)
     ref = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def test_export_is_readable_by_a_serving_user(exported):
+    """Issue 30: safetensors writes 0600; a serving engine running as another user must read the export."""
+    import stat
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes

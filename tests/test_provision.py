@@ -284,6 +284,39 @@ def test_a_node_without_nvidia_uvm_loaded_fails_clearly():
         node_filters.dflash_nvidia_majors("Character devices:\n195 nvidia\n")
 
 
+def test_gpus_pass_through_as_dev_entries_by_default():
+    """PVE >= 8.1 `devN:` entries are looked up at every container start; the `lxc` lines freeze the
+    majors /proc/devices had when the role ran (issue 27 item 3)."""
+    import yaml
+    defaults = yaml.safe_load((REPO / "roles/dflash_node/defaults/main.yml").read_text())
+    assert defaults["dflash_node_gpu_passthrough"] == "dev"
+    prod = yaml.safe_load((REPO / "inventory/production/group_vars/dflash_containers/provision.yml").read_text())
+    assert prod.get("dflash_node_gpu_passthrough", "dev") == "dev"
+
+
+def test_lxc_lines_carry_a_prestart_hook_that_refuses_a_moved_major(tmp_path):
+    hook = REPO / "roles/dflash_node/files/dflash-nvidia-prestart"
+    lines = node_filters.dflash_nvidia_lxc_lines(PROC_DEVICES, [0], hook=str(hook))
+    assert lines[-1] == (f"lxc.hook.pre-start: {hook} 195 237 "
+                         "/dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools")
+    # a stale hook line (other majors) is replaced, as the other GPU lines are
+    stale = lines[-1].replace(" 237 ", " 511 ")
+    assert node_filters.dflash_stale_lines([stale], lines) == [stale]
+
+    def run(proc_devices, *devices):
+        (tmp_path / "devices").write_text(proc_devices)
+        return subprocess.run(["sh", str(hook), "195", "237", *devices], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "LXC_NAME": "200",
+                                   "DFLASH_PROC_DEVICES": str(tmp_path / "devices")})
+    assert run(PROC_DEVICES, "/dev/null").returncode == 0          # /dev/null: a character device that exists
+    moved = run(PROC_DEVICES.replace("237 nvidia-uvm", "236 nvidia-uvm"), "/dev/null")
+    assert moved.returncode == 1
+    assert ("CT 200: the nvidia-uvm major is 236 now, the container config allows 237: "
+            "run playbooks/provision.yml") in moved.stderr
+    gone = run(PROC_DEVICES, "/dev/nvidia-uvm-not-here")
+    assert gone.returncode == 1 and "/dev/nvidia-uvm-not-here is missing on the node" in gone.stderr
+
+
 def test_dev_entries_and_stale_lines():
     assert node_filters.dflash_nvidia_dev_entries([2]) == {
         "dev0": "/dev/nvidia2", "dev1": "/dev/nvidiactl", "dev2": "/dev/nvidia-uvm", "dev3": "/dev/nvidia-uvm-tools"}
@@ -410,7 +443,9 @@ def test_reboot_kills_after_60_s_unless_given_a_timeout(tmp_path):
 
 def test_the_readme_grants_what_the_role_checks_for_the_production_inventory():
     import yaml
-    prod = yaml.safe_load((REPO / "inventory/production/group_vars/dflash_containers/provision.yml").read_text())
+    # the production values: the role's defaults under what the inventory changes
+    prod = {**yaml.safe_load((REPO / "roles/dflash_provision/defaults/main.yml").read_text()),
+            **yaml.safe_load((REPO / "inventory/production/group_vars/dflash_containers/provision.yml").read_text())}
     acl = prov_filters.dflash_token_acl(200, prod["dflash_provision_storage"], prod["dflash_provision_ostemplate"],
                                         prod["dflash_provision_netif"])
     want = [line.split("   #")[0] for line in prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")]

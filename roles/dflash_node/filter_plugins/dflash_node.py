@@ -44,13 +44,20 @@ def dflash_gpu_device_nodes(gpus) -> list:
     return ["/dev/nvidia%d" % int(g) for g in gpus] + NVIDIA_CONTROL_NODES
 
 
-def dflash_nvidia_lxc_lines(proc_devices: str, gpus, cgroup_key: str = "lxc.cgroup2") -> list:
-    """Raw PVE config lines (`key: value`) passing the given GPUs through with cgroup + mount entries."""
+def dflash_nvidia_lxc_lines(proc_devices: str, gpus, cgroup_key: str = "lxc.cgroup2", hook: str = "") -> list:
+    """Raw PVE config lines (`key: value`) passing the given GPUs through with cgroup + mount entries.
+
+    The majors are frozen into the lines; with `hook` (the node's dflash-nvidia-prestart) a
+    pre-start hook refuses every later start at which /proc/devices no longer agrees (a reboot
+    can hand nvidia-uvm another major) or a device node is missing."""
     majors = dflash_nvidia_majors(proc_devices)
     lines = ["%s.devices.allow: c %d:* rwm" % (cgroup_key, majors["nvidia"]),
              "%s.devices.allow: c %d:* rwm" % (cgroup_key, majors["nvidia-uvm"])]
     for node in dflash_gpu_device_nodes(gpus):
         lines.append("lxc.mount.entry: %s %s none bind,optional,create=file" % (node, node.lstrip("/")))
+    if hook:
+        lines.append("lxc.hook.pre-start: %s %d %d %s" % (hook, majors["nvidia"], majors["nvidia-uvm"],
+                                                          " ".join(dflash_gpu_device_nodes(gpus))))
     return lines
 
 
@@ -63,7 +70,7 @@ def dflash_stale_lines(current_raw, desired, majors=None) -> list:
     """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
     majors) that are in the config but no longer wanted."""
     patterns = [r"lxc\.mount\.entry:\s*/dev/nvidia", r"lxc\.mount\.entry:\s*\S+\s+dev/shm\s",
-                r"lxc\.prlimit\.memlock:"]
+                r"lxc\.prlimit\.memlock:", r"lxc\.hook\.pre-start:\s*\S*dflash-nvidia-prestart\s"]
     for major in (majors or {}).values():
         patterns.append(r"lxc\.cgroup2?\.devices\.allow:\s*c\s+%d:" % int(major))
     return [line for line in current_raw

@@ -210,3 +210,39 @@ def test_export_refuses_another_target_and_records_the_identity(tiny_small_dir, 
     again = tmp_path / "again"
     assert export_main([str(out), str(again), "--target-model", str(targets["shallow"])]) == 2
     assert not again.exists()
+
+
+def test_regenerate_refuses_data_of_another_tokenizer(tiny_small_dir, targets, tmp_path, capsys):
+    from trainer.regenerate import main as regen_main
+    data = tmp_path / "data"
+    shutil.copytree(tiny_small_dir / "heldout", data)
+    index = json.loads((data / "index.json").read_text())
+    index[identity.RECORD_KEY] = identity.record_for_data(targets["retok"])
+    (data / "index.json").write_text(json.dumps(index))
+    out = tmp_path / "regen"
+    assert regen_main(["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(data),
+                       "--output-dir", str(out), "--max-new-tokens", "4"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--data-dir: " in line and "another tokenizer than the target's" in line
+    assert not out.exists()
+
+
+def test_in_training_eval_refuses_heldout_data_of_another_tokenizer(tiny_small_dir, targets, tmp_path):
+    from trainer.evaltrain import check_drafter_fits, check_eval_data
+    from trainer.model import DFlashConfig
+    data = tmp_path / "heldout"
+    shutil.copytree(tiny_small_dir / "heldout", data)
+    check_eval_data(str(data), str(tiny_small_dir / "target"))      # no record: nothing to compare
+    index = json.loads((data / "index.json").read_text())
+    index[identity.RECORD_KEY] = identity.record_for_data(targets["retok"])
+    (data / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^\S+heldout was tokenized with another tokenizer"):
+        check_eval_data(str(data), str(tiny_small_dir / "target"))
+    check_eval_data(str(data), str(targets["retok"]))
+    tc = json.loads((tiny_small_dir / "target" / "config.json").read_text())
+    from transformers import Qwen3Config
+    dcfg = DFlashConfig.from_target(Qwen3Config(**{k: v for k, v in tc.items() if k != "model_type"}),
+                                    num_draft_layers=2, block_size=8, mask_token_id=3)
+    check_drafter_fits(dcfg, tc)
+    with pytest.raises(identity.TargetMismatch, match="target has 6 layers"):
+        check_drafter_fits(dcfg, dict(tc, num_hidden_layers=6))

@@ -128,16 +128,13 @@ class InTrainingEval:
 def check_eval_data(eval_data_dir: str, target_model: str) -> None:
     """The held-out shards were tokenized with the target's tokenizer (index.json's record, where
     dflash-prepare wrote one). ValueError without a flag name: the trainer adds --eval-data-dir."""
-    from . import identity
-    from .data import read_index
+    from .identity import TargetMismatch, check_data_dir_tokenizer
     if not target_model:
         return
     try:
-        identity.check_data_tokenizer(read_index(eval_data_dir), identity.of_target(target_model), "", eval_data_dir)
-    except identity.TargetMismatch as e:
+        check_data_dir_tokenizer(eval_data_dir, target_model, "")
+    except TargetMismatch as e:
         raise ValueError(str(e).removeprefix(": ")) from None
-    except OSError:
-        return   # an unreadable target is reported where it is loaded
 
 
 def check_drafter_fits(dcfg, target_config: dict) -> None:

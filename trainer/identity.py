@@ -369,3 +369,14 @@ def check_drafter_on_target(src: str | os.PathLike, target: str | os.PathLike | 
     trained, _ = recorded(src)
     current = of_config(target) if isinstance(target, dict) else of_target(target)
     return check(trained, current, flag=flag, what=what, allow=allow, compare_drafter=False)
+
+
+def check_data_dir_tokenizer(data_dir: str | os.PathLike, target_model: str | os.PathLike, flag: str) -> None:
+    """check_data_tokenizer on `data_dir`'s index.json (an unreadable index or target is left to the caller's
+    own checks: they name it better)."""
+    try:
+        index = json.loads((Path(data_dir) / "index.json").read_text(encoding="utf-8"))
+        target = of_target(target_model)
+    except (OSError, ValueError):
+        return
+    check_data_tokenizer(index, target, flag, data_dir)

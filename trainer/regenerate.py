@@ -336,7 +336,10 @@ def regenerate(
     src = str(data_dir) if data_dir is not None else ", ".join(map(str, inputs))
     try:
         check_model_dir(str(target))
-    except ConfigError as e:
+        if data_dir is not None:   # the prompts were tokenized by the target's tokenizer (trainer/identity.py)
+            from .identity import check_data_dir_tokenizer
+            check_data_dir_tokenizer(data_dir, target, "--data-dir")
+    except (ConfigError, ValueError) as e:   # identity.TargetMismatch is a ValueError
         raise RegenerateError(str(e)) from None
     devs = list(devices or [device])
     for d in devs:

@@ -4,14 +4,20 @@
 # the benchmark smoke test, rendering/syntax/lint of the Ansible side, the Proxmox API stand-in,
 # and the real-container scenarios (molecule default + multinode + provision, the fault-injection suite).
 #
-# With no arguments the suite runs in two lanes at once, because the container scenarios spend most
-# of their time waiting (boots, apt, health polls) while the trainer tests want a core:
-#   lane A  -m "standin and not faults"   the molecule scenarios, output live;
-#   lane B  -m "not standin"              everything without a container, output to a log shown
-#                                          when it ends;
-# then the fault-injection suite (-m faults) alone, since its watchdog and restart timings are the
-# ones a loaded machine could skew. The two lanes share nothing: lane B's tests use temporary
-# directories and free ports, never the stand-in's containers, ports or caches.
+# With no arguments the suite runs as lanes side by side, because the container scenarios spend most
+# of their time waiting (boots, apt, pip, systemd restarts, watchdog and RestartSec windows, health
+# polls) while the trainer tests want a core:
+#   lane B            -m "not standin"   everything without a container, one pytest;
+#   lane A            the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
+#                     tiny model) built once, then every container test in a pytest of its own, all at
+#                     once: each molecule scenario (-m "standin and not faults", one process per test)
+#                     and the fault-injection suite (-m faults, its own CT 201). They share nothing but
+#                     the caches: each has its own containers, node sshd port and state directory
+#                     (tests/test_standin_vmids.py checks the VMIDs and ports).
+# Every lane writes a log, shown whole when it ends, and its slowest tests (--durations); the summary
+# at the end gives each lane's wall time. The fault suite's evidence (one JSON per case) goes to
+# $DFLASH_FAULTS_EVIDENCE (default: a directory of this run), and its report to faults-report.md there
+# (tests/faults/report.py; docs/reliability.md is rendered the same way).
 # Extra arguments run one plain pytest instead, e.g. `tests/run.sh -m "not standin"` or
 # `tests/run.sh -m faults`.
 set -euo pipefail
@@ -23,7 +29,8 @@ echo "run: host setup took $(( $(date +%s) - start ))s"
 export PATH="$REPO/.venv/bin:$PATH"
 # torch on 2 shared cores: one intra-op thread per process keeps the threaded pipeline tests fast
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-PYTEST=("$REPO/.venv/bin/python" -m pytest -ra --durations=15)
+PY="$REPO/.venv/bin/python"
+PYTEST=("$PY" -m pytest -ra --durations=15)
 
 if (( $# )); then
     set +e
@@ -34,28 +41,77 @@ if (( $# )); then
     exit $rc
 fi
 
-logb="$(mktemp /tmp/dflash-lane-b.XXXXXX.log)"
-tmpb="$(mktemp -d /tmp/dflash-lane-b.XXXXXX)"   # lane B's own pytest temp root, removed when it ends
-"${PYTEST[@]}" -p no:cacheprovider --basetemp="$tmpb" -m "not standin" > "$logb" 2>&1 &
-lane_b=$!
-trap 'kill $lane_b 2>/dev/null || true' EXIT
-set +e
-"${PYTEST[@]}" -m "standin and not faults"
-rc_a=$?
-echo "run: lane A (containers) exit $rc_a after $(( $(date +%s) - start ))s"
-wait $lane_b
-rc_b=$?
-set -e
-trap - EXIT
-echo "================ lane B (no containers): $logb ================"
-cat "$logb"
-echo "run: lane B exit $rc_b after $(( $(date +%s) - start ))s"
-rm -rf "$tmpb" "$logb"
-set +e
-"${PYTEST[@]}" -m faults
-rc_f=$?
-set -e
-echo "run: lanes A/B/faults exit $rc_a/$rc_b/$rc_f after $(( $(date +%s) - start ))s in all"
-for rc in $rc_a $rc_b $rc_f; do
-    if (( rc != 0 )); then exit "$rc"; fi
+work="$(mktemp -d /tmp/dflash-run.XXXXXX)"      # logs and each pytest's own temp root
+export DFLASH_FAULTS_EVIDENCE="${DFLASH_FAULTS_EVIDENCE:-$work/faults-evidence}"
+declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=()
+cleanup() { local p; for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+# lane NAME ARGS...: a pytest of its own (own temp root, no cache writes), output to NAME's log
+lane() {
+    local name="$1"; shift
+    LOGS[$name]="$work/$name.log"
+    T0[$name]=$(date +%s)
+    "${PYTEST[@]}" -p no:cacheprovider --basetemp="$work/tmp-$name" "$@" > "${LOGS[$name]}" 2>&1 &
+    PIDS[$name]=$!
+    echo "run: lane $name started (pid ${PIDS[$name]}): pytest $*"
+}
+
+lane B -m "not standin"
+
+# Lane A's test ids, collected while the caches build (collection imports every test module).
+"$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" > "$work/collect.txt" 2>&1 &
+collect_pid=$!
+# Lane A: the caches every stand-in copies, built once before the scenarios start side by side
+# (two first builds at once would both debootstrap, and race on the rename).
+if [[ $EUID -eq 0 ]] && command -v debootstrap >/dev/null && command -v lxc-start >/dev/null; then
+    t=$(date +%s)
+    tests/standin/build-rootfs.sh --bare >/dev/null
+    tests/standin/standin.sh wheelhouse >/dev/null
+    tests/standin/standin.sh tiny >/dev/null
+    echo "run: stand-in caches (rootfs, bare rootfs, wheelhouse, tiny model) ready in $(( $(date +%s) - t ))s"
+fi
+lane F -m faults
+# One process per molecule scenario test: the collected ids, so a new scenario runs without an edit here.
+set +e; wait "$collect_pid"; rc_collect=$?; set -e
+mapfile -t scenarios < <(grep '::' "$work/collect.txt" || true)
+if (( rc_collect != 0 )) || (( ${#scenarios[@]} == 0 )); then
+    echo "run: collecting the container tests failed (exit $rc_collect); one lane A runs them all"
+    cat "$work/collect.txt"
+    lane A -m "standin and not faults"
+else
+    i=0
+    for id in "${scenarios[@]}"; do
+        i=$((i + 1))
+        lane "A$i" "$id"
+    done
+fi
+
+# Each lane's log, whole, when it ends (in the order they end).
+while (( ${#PIDS[@]} )); do
+    for name in "${!PIDS[@]}"; do
+        pid=${PIDS[$name]}
+        kill -0 "$pid" 2>/dev/null && continue
+        set +e; wait "$pid"; RCS[$name]=$?; set -e
+        TOOK[$name]=$(( $(date +%s) - T0[$name] ))
+        unset "PIDS[$name]"
+        echo "================ lane $name: exit ${RCS[$name]} after ${TOOK[$name]}s ================"
+        cat "${LOGS[$name]}"
+    done
+    (( ${#PIDS[@]} )) && sleep 2
 done
+trap - EXIT
+
+if compgen -G "$DFLASH_FAULTS_EVIDENCE/*.json" >/dev/null; then
+    "$PY" tests/faults/report.py "$DFLASH_FAULTS_EVIDENCE" --out "$DFLASH_FAULTS_EVIDENCE/faults-report.md" \
+        || echo "run: tests/faults/report.py failed"
+fi
+echo "================ summary ================"
+overall=0
+for name in $(printf '%s\n' "${!RCS[@]}" | sort); do
+    echo "run: lane $name exit ${RCS[$name]} in ${TOOK[$name]}s: $(tail -1 "${LOGS[$name]}" | tr -d '=' | sed 's/^ *//')"
+    (( RCS[$name] == 0 )) || overall=${RCS[$name]}
+done
+echo "run: all lanes done after $(( $(date +%s) - start ))s in all (host setup included)"
+rm -rf "$work/tmp-"*
+exit "$overall"

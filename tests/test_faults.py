@@ -61,6 +61,14 @@ if _why_not():
 
 # ------------------------------------------------------------------------------------ fixtures
 
+def _commit() -> str:
+    """The commit under test, for the report (tests/faults/report.py); "" outside a git checkout."""
+    import subprocess
+    r = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short=12", "HEAD"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory):
     """CT 201 up, deploy.yml applied, the job healthy; removed at the end of the module."""
@@ -73,8 +81,12 @@ def standin(tmp_path_factory):
         assert r.rc == 0, f"deploy.yml failed:\n{r.tail(80)}"
     s.restore()
     EVIDENCE.mkdir(parents=True, exist_ok=True)
-    (EVIDENCE / "00-setup.json").write_text(json.dumps({"setup_s": round(time.time() - t0, 1)}, indent=1))
+    run = {"setup_s": round(time.time() - t0, 1), "started_at": t0, "commit": _commit(), "cpus": os.cpu_count(),
+           "loadavg_at_start": os.getloadavg()[0]}
+    (EVIDENCE / "00-setup.json").write_text(json.dumps(run, indent=1))
     yield s
+    run.update(ended_at=time.time(), loadavg_at_end=os.getloadavg()[0])
+    (EVIDENCE / "00-setup.json").write_text(json.dumps(run, indent=1))
     if os.environ.get("DFLASH_FAULTS_KEEP") != "1":
         s.down()
 
@@ -117,6 +129,9 @@ def _lines(text: str, *needles: str) -> list[str]:
 # ------------------------------------------------------------------------------------ 1 SIGKILL
 
 def test_01_sigkill_mid_run_resumes_from_newest_checkpoint(job):
+    """SIGKILL of the trainer mid-run: systemd restarts it, it resumes from the newest complete
+    checkpoint, the data position continues, no sample is trained twice or skipped past the
+    checkpoint."""
     ct, ev = job, job.evidence
     st = wait(lambda: _past_checkpoint(ct, 3, 6), 120, "3-6 steps past a checkpoint", interval=0.3)
     pid, restarts = ct.main_pid(), ct.n_restarts()
@@ -164,6 +179,8 @@ def test_01_sigkill_mid_run_resumes_from_newest_checkpoint(job):
 # ------------------------------------------------------------------------ 2 SIGKILL in a save
 
 def test_02_sigkill_during_checkpoint_write_keeps_previous(job):
+    """SIGKILL during a checkpoint write: the previous checkpoint stays loadable and is the one
+    resumed; the half-written one never looks complete."""
     ct, ev = job, job.evidence
     stopped = ct.stop()
     # Hold each checkpoint 25 s between its last fsync and its rename (< WatchdogSec 30 s).
@@ -209,6 +226,8 @@ def test_02_sigkill_during_checkpoint_write_keeps_previous(job):
 # ------------------------------------------------------------------------------- 3 clean stop
 
 def test_03_systemctl_stop_checkpoints_and_ends_inactive(job):
+    """`systemctl stop dflash`: a checkpoint within TimeoutStopSec, exit 0, the unit inactive, not
+    failed."""
     ct, ev = job, job.evidence
     st0 = ct.status()
     timeout_stop = parse_systemd_seconds(ct.unit("TimeoutStopUSec")["TimeoutStopUSec"])
@@ -237,6 +256,9 @@ def test_03_systemctl_stop_checkpoints_and_ends_inactive(job):
 # ------------------------------------------------------------------------------- 4 crash loop
 
 def test_04_crash_loop_stops_at_start_limit_and_restart_yml_reports_it(job):
+    """Crash loop (corrupted config.json in the staged model): bad input is not restarted; a failing
+    load stops at the start limit; restart.yml fails with the unit state and the log tail; no
+    checkpoint touched."""
     ct, ev = job, job.evidence
     stopped = ct.stop()
     before = ct.checkpoints()
@@ -336,6 +358,9 @@ DEPLOY_FAULTS = {
 
 @pytest.mark.parametrize("fault", list(DEPLOY_FAULTS))
 def test_05_failed_deploy_leaves_the_job_running(job, fault):
+    """deploy.yml with a fault (a shard missing, /dev/shm too small, an unknown flag, a bad value, a
+    wrong type): fails in the named task with the reason, changes nothing, the running job keeps
+    training."""
     ct, ev = job, job.evidence
     setup, needles, task = DEPLOY_FAULTS[fault]
     files = f"sha256sum {RUN_SH} {ENV_FILE} {UNIT_FILE} | cut -c1-16"
@@ -369,6 +394,8 @@ def test_05_failed_deploy_leaves_the_job_running(job, fault):
 # ----------------------------------------------------------------------------------- 6 reboot
 
 def test_06_container_reboot_restages_weights_and_resumes(job):
+    """Container reboot (`pct reboot 201`): the trainer checkpoints on the shutdown, the weights are
+    re-staged into the empty /dev/shm before it starts, it resumes from that checkpoint."""
     ct, ev = job, job.evidence
     st0 = ct.status()
     init0 = ct.init_pid()
@@ -407,6 +434,8 @@ def test_06_container_reboot_restages_weights_and_resumes(job):
 
 @pytest.mark.parametrize("leave_bytes", [200 * 1024, 0], ids=["checkpoint-does-not-fit", "no-space-at-all"])
 def test_07_disk_full_clear_error_older_checkpoints_intact(job, leave_bytes):
+    """Disk full (a checkpoint does not fit / no space at all): a clear error, older checkpoints
+    intact and loadable, no half-written directory."""
     ct, ev = job, job.evidence
     full = f"{SCRATCH}/full"
     stopped = ct.stop()
@@ -457,6 +486,8 @@ def test_07_disk_full_clear_error_older_checkpoints_intact(job, leave_bytes):
 
 @pytest.mark.parametrize("damage", ["bytes-flipped", "not-parquet"])
 def test_08_malformed_data_shard_clear_error_naming_it(job, damage):
+    """Malformed data shard (bytes changed / not parquet): exit 2 with one line naming the shard, no
+    restart, checkpoints untouched."""
     ct, ev = job, job.evidence
     bad = f"{SCRATCH}/data-bad"
     shard = f"{bad}/shard-00001.parquet"
@@ -500,6 +531,8 @@ def test_08_malformed_data_shard_clear_error_naming_it(job, damage):
 # ------------------------------------------------------------------------------- 9 NaN storm
 
 def test_09_nan_storm_fails_after_max_nan_skips_keeping_last_good_checkpoint(job):
+    """NaN storm: the run fails after --max-nan-skips consecutive skipped steps with the reason in
+    status.json; no checkpoint during the storm; systemd's restart resumes from the last good one."""
     ct, ev = job, job.evidence
     stopped = ct.stop()
     s0 = stopped["step"]
@@ -544,6 +577,8 @@ def test_09_nan_storm_fails_after_max_nan_skips_keeping_last_good_checkpoint(job
 # --------------------------------------------------------------------------- 10 hung trainer
 
 def test_10_hung_trainer_is_killed_by_the_watchdog_and_restarted(job):
+    """Hung trainer (alive, no progress): the systemd watchdog kills it (SIGABRT) and it restarts
+    and resumes."""
     ct, ev = job, job.evidence
     stopped = ct.stop()
     hang_at = stopped["step"] + 3

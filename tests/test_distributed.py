@@ -214,3 +214,41 @@ def test_resume_onto_a_different_number_of_drafter_ranks(tiny_small_dir, tmp_pat
     a, b = losses(two), losses(one)
     for step in (3, 4):
         assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step}"
+
+
+# ------------------------------------------------------------------------------- node rank order
+
+@pytest.mark.slow
+def test_global_ranks_follow_node_rank_whatever_the_nodes_are_called(tiny_small_dir, tmp_path):
+    """Two supervisors on one host, both named "localhost" (the endpoint's name and this host's fqdn), node 1
+    started first. c10d's rendezvous numbered nodes by sorting (address, pid), so node 1 became node 0 and
+    its drafter global rank 0: the leader's status.json landed in node 1's file. With the static rendezvous
+    the node ranks are the ones given: node 0's first drafter leads and node 1 writes no status.json."""
+    import socket
+    if socket.getfqdn() != "localhost":
+        pytest.skip(f"this host's fqdn is {socket.getfqdn()!r}, not localhost: the names would not tie")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    args = [*tiny_args(tiny_small_dir, out, "--epochs", "1", "--max-steps", "2", "--seed", "0"),
+            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"localhost:{port}", "--dist-timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
+                              "--status-file", str(tmp_path / "node1" / "status.json"),
+                              "--log-dir", str(tmp_path / "node1")],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out0, _ = node0.communicate(timeout=300)
+        out1, _ = node1.communicate(timeout=60)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert node0.returncode == 0 and node1.returncode == 0, (out0[-2000:], out1[-2000:])
+    assert _status(out)["phase"] == "done"
+    assert not (tmp_path / "node1" / "status.json").exists(), "node 1 held the leader"

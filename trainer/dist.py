@@ -107,15 +107,48 @@ class Topology:
         return "; ".join(parts)
 
 
-class Groups:
-    """Process groups of the job; built once, on every rank, in the same order."""
+# The host-side phases every rank enters at the same step (the startup load and warmup, checkpoints, tau
+# evals) may outlast --dist-timeout; the gloo groups that hold the ranks together through them wait this long.
+HOST_PHASE_TIMEOUT_S = 3 * 3600.0
 
-    def __init__(self, topo: Topology, timeout: datetime.timedelta):
+
+class Groups:
+    """Process groups of the job; built once, on every rank, in the same order.
+
+    `transport` ("pair", the default, or "world"): hidden states travel on a communicator per (target,
+    drafter) pair, or on the world group's. With eager NCCL init (init_rank passes device_id) the world
+    group serialises every point-to-point op of a rank on its one stream, so a target's send to one
+    drafter waits behind its send to another (docs/distributed.md; streamcheck's timed replay measures
+    the cost). `host_backend`: the backend of the host-side groups (gloo; the op replay passes None)."""
+
+    def __init__(self, topo: Topology, timeout: datetime.timedelta, transport: str = "pair",
+                 host_backend: str | None = "gloo"):
         import torch.distributed as dist
+        self.rank = topo.rank
+        host_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
         self.world = dist.group.WORLD
-        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.control = dist.new_group(backend=host_backend, timeout=host_timeout)
         self.drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
-        self.dctl = dist.new_group(topo.drafter_ranks, backend="gloo", timeout=timeout)
+        self.dctl = dist.new_group(topo.drafter_ranks, backend=host_backend, timeout=host_timeout)
+        self.pairs: dict[tuple[int, int], object] = {}    # (target rank, drafter rank) -> its group
+        if transport != "world" and topo.world > 1:
+            for t in topo.target_ranks:        # every rank creates every group, in this order
+                for d in topo.drafter_ranks:
+                    if t != d:
+                        self.pairs[(t, d)] = dist.new_group([t, d], timeout=timeout)
+
+    def link(self, peer: int):
+        """The group this rank's point-to-point ops with `peer` (a target or drafter rank) go through."""
+        return self.pairs.get((self.rank, peer)) or self.pairs.get((peer, self.rank)) or self.world
+
+    def named(self) -> dict:
+        """Every group by the name oprecord and streamcheck use."""
+        out = {"WORLD": self.world, "control": self.control, "drafters": self.drafters, "dctl": self.dctl}
+        out.update({f"pair:{t}-{d}": g for (t, d), g in self.pairs.items()})
+        return out
+
+    def pair_members(self) -> dict[str, list[int]]:
+        return {f"pair:{t}-{d}": [t, d] for t, d in self.pairs}
 
 
 def in_launched_rank() -> bool:
@@ -144,8 +177,14 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     host = socket.gethostname()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (role, host))
-    topo = Topology(rank, world, local_rank, role, host, [r for r, _ in everyone], [h for _, h in everyone])
+    dist.all_gather_object(everyone, (role, host, cfg.node_rank))
+    topo = Topology(rank, world, local_rank, role, host, [r for r, _, _ in everyone], [h for _, h, _ in everyone])
+    nodes = [n for _, _, n in everyone]
+    if nodes != sorted(nodes) or nodes[0] != 0:
+        raise ValueError(f"--node-rank: global ranks are not in node-rank order (node of each rank: {nodes}); the "
+                         "launcher numbered the nodes some other way (torchrun's c10d rendezvous sorts them by "
+                         "address): start every node with `python -m trainer ... --node-rank N`, or torchrun "
+                         "--rdzv-backend static --node-rank N")
     if not topo.roles[0].drafter:
         raise ValueError("--drafter-gpus: the first node (node rank 0) must have at least one drafter GPU "
                          "(its first drafter rank writes status.json and the checkpoints)")
@@ -154,7 +193,7 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     if world > 1 and any(x.target and x.drafter for x in topo.roles):
         raise ValueError("--target-gpus/--drafter-gpus: a GPU may hold both roles only when it is the job's "
                          "only GPU (world size 1)")
-    groups = Groups(topo, timeout)
+    groups = Groups(topo, timeout, cfg.transport)
     from . import oprecord
     oprecord.install_from_env(topo, groups)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)
     return topo, groups
@@ -328,11 +367,13 @@ def launch(argv: list[str], cfg) -> int:
     if "shutdown_timeout" in known:
         extra["shutdown_timeout"] = int(cfg.stop_timeout)
     lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
-                      rdzv_backend="c10d", rdzv_endpoint=endpoint, max_restarts=0, monitor_interval=0.5,
-                      # node rank 0 hosts the rendezvous store: torch's guess (the endpoint is one of this
-                      # machine's addresses) fails in a container whose hostname resolves to loopback
-                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout),
-                                    "is_host": cfg.node_rank == 0} if multi else {},
+                      # several nodes: the static rendezvous, whose node ranks are the --node-rank each node was
+                      # given (c10d's dynamic one ignores it and numbers the nodes by sorting their addresses,
+                      # which could make a target node's first rank global rank 0); node rank 0 hosts the
+                      # store at the endpoint. One node: c10d on a free loopback port.
+                      rdzv_backend="static" if multi else "c10d", rdzv_endpoint=endpoint, max_restarts=0,
+                      monitor_interval=0.5,
+                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout)} if multi else {},
                       # the workers' store is node 0's too: at the endpoint's address, not at whatever
                       # this host's name resolves to (a container's name may be loopback on every node)
                       local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,

@@ -31,7 +31,7 @@ from pathlib import Path
 from .streamcheck import Program
 
 ENV = "DFLASH_RECORD_OPS"
-NCCL_GROUPS = ("WORLD", "drafters")       # the groups that are NCCL on GPUs; the others are gloo everywhere
+NCCL_GROUPS = ("WORLD", "drafters")       # NCCL on GPUs (and every "pair:t-d"); the others are gloo everywhere
 FSDP_AG = "fsdp_all_gather"               # FSDP2's all-gather stream
 
 RECORDER: "Recorder | None" = None
@@ -101,7 +101,7 @@ class RecWork:
 
 class Recorder:
     def __init__(self, rank: int, role: str, groups: dict, members: dict[str, list[int]], out_dir: str):
-        self.rank, self.out_dir = rank, Path(out_dir)
+        self.rank, self.out_dir = rank, (Path(out_dir) if out_dir else None)
         self.program = Program(rank, role, "shared", members)
         self.by_pg = {id(pg): name for name, pg in groups.items() if pg is not None}
         self.names = {getattr(pg, "group_name", None): name for name, pg in groups.items() if pg is not None}
@@ -153,8 +153,8 @@ class Recorder:
     def p2p(self, kind: str, peer: int, group, work):
         g = self.group(group)
         peer = int(peer)
-        if g != "WORLD":
-            raise RuntimeError(f"oprecord: point-to-point on group {g!r} is not modelled (global ranks assumed)")
+        if g != "WORLD" and not g.startswith("pair:"):
+            raise RuntimeError(f"oprecord: point-to-point on group {g!r} is not modelled")
         stream = self.stream_name()
         lab = self._take_label(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}")
         if kind == "send":
@@ -165,7 +165,7 @@ class Recorder:
 
     def coll(self, name: str, group, work, async_op: bool, functional: bool = False):
         g = self.group(group)
-        nccl = g in NCCL_GROUPS
+        nccl = g in NCCL_GROUPS or g.startswith("pair:")
         lab = self._take_label(f"{name} on {g}")
         if not nccl:
             op = self.program.collective(None, g, name, lab, queue=f"gloo:{g}")
@@ -187,7 +187,9 @@ class Recorder:
         self.program.wait_event(FSDP_AG, dep)
 
     # -- output ------------------------------------------------------------------------------------
-    def write(self) -> Path:
+    def write(self) -> Path | None:
+        if self.out_dir is None:
+            return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"ops-rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
@@ -272,7 +274,8 @@ def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], o
     rec._undo.append(lambda: setattr(_fsdp_state.FSDPState, "_root_pre_forward", old_rpf))
 
     RECORDER = rec
-    atexit.register(rec.write)
+    if out_dir:
+        atexit.register(rec.write)
     return rec
 
 
@@ -282,11 +285,14 @@ def install_from_env(topo, groups) -> Recorder | None:
     if not out:
         return None
     members = {"WORLD": list(range(topo.world)), "control": list(range(topo.world)),
-               "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks)}
-    role = ("target+drafter" if topo.is_target and topo.is_drafter
-            else "target %d" % topo.target_index if topo.is_target else "drafter %d" % topo.drafter_index)
-    return install(topo.rank, role, {"WORLD": groups.world, "control": groups.control,
-                                     "drafters": groups.drafters, "dctl": groups.dctl}, members, out)
+               "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks), **groups.pair_members()}
+    return install(topo.rank, role_name(topo), groups.named(), members, out)
+
+
+def role_name(topo) -> str:
+    if topo.is_target and topo.is_drafter:
+        return "target+drafter"
+    return f"target {topo.target_index}" if topo.is_target else f"drafter {topo.drafter_index}"
 
 
 # -- hooks our own code calls (no-ops unless recording) ---------------------------------------------------

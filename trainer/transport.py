@@ -112,10 +112,11 @@ class Slot:
 
 
 class Sender:
-    """Target side: posts sends of packed slots to drafter ranks on a communication stream."""
+    """Target side: posts sends of packed slots to drafter ranks on a communication stream. `link(peer)`
+    gives the process group of the pair (dist.Groups.link); None: the default group."""
 
-    def __init__(self, device: torch.device, group=None):
-        self.device, self.group = device, group
+    def __init__(self, device: torch.device, link=None):
+        self.device, self.link = device, link or (lambda peer: None)
         self.stream = new_stream(device)
         self.sent = 0
 
@@ -125,7 +126,7 @@ class Sender:
             if self.stream is not None:
                 self.stream.wait_event(slot.ready)
             oprecord.label(f"send slot {slot.index} ({label}) to rank {dst_rank}")
-            work = dist.isend(slot.flat[:numel], dst_rank, group=self.group)
+            work = dist.isend(slot.flat[:numel], dst_rank, group=self.link(dst_rank))
         slot.work = work
         self.sent += 1
 
@@ -152,8 +153,8 @@ class Receiver:
     """Drafter side: `depth` packed buffers on this rank's device, irecvs posted ahead in plan order."""
 
     def __init__(self, device: torch.device, capacity: int, dtype: torch.dtype, depth: int, k: int, hidden: int,
-                 group=None):
-        self.device, self.k, self.hidden, self.group = device, k, hidden, group
+                 link=None):
+        self.device, self.k, self.hidden, self.link = device, k, hidden, link or (lambda peer: None)
         self.bufs = [torch.empty(capacity, device=device, dtype=dtype) for _ in range(depth)]
         self.free = deque(range(depth))
         self.posted: deque[Posted] = deque()
@@ -168,7 +169,7 @@ class Receiver:
         numel = packed_numel(rows, final_rows, self.k, self.hidden)
         with device_ctx(self.device), stream_ctx(stream):   # ordered after the last reader of this buffer
             oprecord.label(f"recv mb {seq} into buf {b} from rank {src_rank}")
-            work = dist.irecv(self.bufs[b][:numel], src_rank, group=self.group)
+            work = dist.irecv(self.bufs[b][:numel], src_rank, group=self.link(src_rank))
         self.posted.append(Posted(seq, b, work, rows, final_rows))
 
     def take(self, seq: int, stream=None):

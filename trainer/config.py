@@ -30,7 +30,7 @@ from typing import Any
 # choices of the speed options (trainer/fast.py, trainer/pipeline.py); kept here so config stays torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
-TRANSPORTS = ("auto", "peer", "pinned")
+TRANSPORTS = ("pair", "world")   # dist.Groups: a communicator per (target, drafter) pair, or the world's
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
 # --fp8: torchao float8 training recipes for the drafter's linear layers (trainer/drafter.py)
 FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -151,8 +151,10 @@ class TrainConfig:
     sdpa_backend: str = opt("auto", "attention kernel of the target forward (auto: flash on GPUs, never cuDNN, "
                                     "whose per-shape plan cache grows host memory; any: PyTorch chooses)",
                             choices=SDPA_BACKENDS)
-    transport: str = opt("auto", "target->drafter copies: GPU peer-to-peer or through pinned host memory "
-                                 "(auto: peer where the GPUs allow it)", choices=TRANSPORTS)
+    transport: str = opt("pair", "the communicator hidden states travel on from target to drafter ranks: pair = "
+                                 "one per (target, drafter) pair, so a target's sends to different drafters never "
+                                 "queue behind each other; world = the world group's one communicator, where NCCL "
+                                 "runs a rank's sends in post order (docs/distributed.md)", choices=TRANSPORTS)
     pad_multiple: int = opt(64, "pad each target batch's length up to a multiple of this (bounds the number "
                                 "of distinct batch shapes; 1 = no rounding)", ge=1)
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")

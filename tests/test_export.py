@@ -174,7 +174,7 @@ def test_export_refuses_what_cannot_serve(tiny_small_dir, tmp_path, capsys):
     # a target of another depth
     cfg12 = DFlashConfig.from_dict(dict(cfg.to_dict(), target_num_hidden_layers=12))
     CheckpointManager(tmp_path / "c").save(1, model.state_dict(), cfg12.to_dict(), {})
-    with pytest.raises(ExportError, match="num_hidden_layers is 8"):
+    with pytest.raises(ExportError, match="target has 8 layers, the drafter was trained on 12"):
         export_drafter(tmp_path / "c", tmp_path / "ec", target_model=str(tiny_small_dir / "target"))
     assert not (tmp_path / "ea").exists() and not (tmp_path / "ec").exists()
     with pytest.raises(ExportError, match="neither a checkpoint"):

@@ -143,8 +143,8 @@ class TrainConfig:
     flex_kernel_options: str = opt("", "FlexAttention kernel options for the drafter, KEY=INT,... (e.g. "
                                        "BLOCK_M=64,BLOCK_N=64,num_warps=4; empty: PyTorch's defaults)",
                                    metavar="K=V,...")
-    slots_per_worker: int = opt(3, "copies in flight per target worker", ge=1)
-    queue_depth: int = opt(2, "delivered batches waiting per drafter replica", ge=1)
+    slots_per_worker: int = opt(3, "packed slots per target rank (hidden-state sends in flight)", ge=1)
+    queue_depth: int = opt(2, "receive buffers per drafter rank (micro-batches received ahead)", ge=1)
     attention: str = opt("auto", "drafter attention kernel", choices=ATTENTION_CHOICES)
     compile: str = opt("auto", "regional torch.compile of the target's and/or the drafter's layers and loss "
                                "(auto: all on GPUs, none on the CPU)", choices=COMPILE_CHOICES)
@@ -158,8 +158,8 @@ class TrainConfig:
     pad_multiple: int = opt(64, "pad each target batch's length up to a multiple of this (bounds the number "
                                 "of distinct batch shapes; 1 = no rounding)", ge=1)
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
-    cpu_target_workers: int = opt(1, "CPU runs: target worker threads", ge=1)
-    cpu_drafter_replicas: int = opt(1, "CPU runs: drafter replicas", ge=1)
+    cpu_target_workers: int = opt(1, "CPU runs: target ranks (processes)", ge=1)
+    cpu_drafter_replicas: int = opt(1, "CPU runs: drafter ranks (processes; the drafter is sharded over them)", ge=1)
     # ---- torch.distributed (trainer/dist.py; one process per GPU) ----
     nnodes: int = opt(1, "nodes in the job (each runs `python -m trainer` with its own --target-gpus/--drafter-gpus)",
                       group=DIST, ge=1)

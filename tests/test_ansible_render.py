@@ -254,3 +254,44 @@ def test_argument_specs_reject_unknown_flags_wrong_types_and_choices_up_front(tm
         assert r.returncode == 0, r.stdout[-3000:]
     else:
         assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]
+
+
+def test_run_sh_stop_timeout_is_the_units_minus_the_margin(rendered):
+    """One stop budget (issue 28 item 2): TimeoutStopSec 900 in the unit, --stop-timeout 840 in run.sh."""
+    assert unit_settings(rendered / "dflash.service")["TimeoutStopSec"] == ["900"]
+    assert "--stop-timeout 840" in (rendered / "run.sh").read_text()
+
+
+STOP_CHECK = """
+- name: The deploy's up-front flag check
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Validate
+      ansible.builtin.include_role:
+        name: dflash_service
+        tasks_from: validate
+"""
+
+
+@pytest.mark.parametrize("extra,error", [
+    ({"dflash_service_timeout_stop_s": 120}, None),                                   # derived: 60 s
+    ({"dflash_service_timeout_stop_s": 120, "dflash_service_trainer_flags": {"stop_timeout": 840}},
+     "stop_timeout 840.0 s does not fit in TimeoutStopSec=120 s (dflash_service_timeout_stop_s): systemd kills "
+     "the unit at TimeoutStopSec, so the trainer's stop timeout must be at most 60 s"),
+    ({"dflash_service_timeout_stop_s": 50}, "stop_timeout -10.0 s does not fit in TimeoutStopSec=50 s"),
+])
+def test_an_inconsistent_stop_timeout_pair_is_refused_up_front(tmp_path, extra, error):
+    import json
+    (tmp_path / "check.yml").write_text(STOP_CHECK)
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", ANSIBLE_NOCOLOR="1")
+    extra = {"dflash_service_target_gpus": "cpu", "dflash_service_drafter_gpus": "cpu",
+             "dflash_service_target_model": str(tmp_path), "dflash_service_data_dir": str(tmp_path), **extra}
+    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(tmp_path / "check.yml"),
+                        "-e", json.dumps(extra)], capture_output=True, text=True, env=env, cwd=REPO)
+    text = " ".join((r.stdout + r.stderr).split())
+    if error is None:
+        assert "does not fit" not in text, text[-2000:]      # (the trainer's own check may still refuse the empty data dir)
+    else:
+        assert r.returncode != 0 and error in text, text[-3000:]

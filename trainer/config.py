@@ -169,7 +169,7 @@ class TrainConfig:
     dist_timeout: float = opt(600.0, "seconds a blocked collective or send waits before the job fails", group=DIST,
                               gt=0)
     stop_timeout: float = opt(840.0, "after SIGTERM, seconds the ranks get to reach a step and checkpoint before "
-                                     "SIGKILL (keep below the unit's TimeoutStopSec)", group=DIST, gt=0)
+                                     "SIGKILL; dflash.service passes its TimeoutStopSec minus a margin (role dflash_service)", group=DIST, gt=0)
     check_config: bool = opt(False, "validate everything cheap (flags, files, shard headers), load nothing, exit")
     save_final: bool = opt(True, "checkpoint at the end of the run (the benchmark turns it off)", cli=False)
 

@@ -226,7 +226,7 @@ def test_every_missing_gpu_index_is_named():
 
 def test_corrupted_shard_of_the_right_size_is_caught_by_check_config_and_at_start(tiny_small_dir, tmp_path, capfd):
     """A shard changed in place (same size: the cheap checks pass) is found by --check-config, and the
-    real start fails with our one line before any rank starts (no launcher lines, nothing written)."""
+    real start fails with our one line before any rank starts (no launcher lines); status.json says why."""
     data = tmp_path / "data"
     shutil.copytree(tiny_small_dir / "data", data)
     shard = sorted(data.glob("shard-*.parquet"))[-1]
@@ -239,4 +239,8 @@ def test_corrupted_shard_of_the_right_size_is_caught_by_check_config_and_at_star
         assert train_main(args + extra) == 2
         err = capfd.readouterr().err
         assert err.startswith(f"dflash-train: error: --data-dir: {shard}: sha256 mismatch") and err.count("\n") == 1, err
-    assert not out.exists()
+        if extra:
+            assert not out.exists(), "--check-config writes nothing"
+    assert [p.name for p in out.iterdir()] == ["status.json"]
+    st = json.loads((out / "status.json").read_text())
+    assert st["phase"] == "failed" and f"{shard}: sha256 mismatch" in st["error"]

@@ -487,7 +487,12 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     for flag, d in (("--data-dir", cfg.data_dir), ("--eval-data-dir", cfg.eval_data_dir)):
         if not d:
             continue
-        index = check_data(flag, d, read_shards)
+        try:
+            index = check_data(flag, d, read_shards)
+        except ConfigError as e:
+            if read_shards and not cfg.check_config:   # the supervisor, before any rank: say why in status.json
+                _record_start_failure(cfg, str(e))
+            raise
         if flag == "--data-dir":
             facts["data_index"] = index
         try:
@@ -526,6 +531,24 @@ def check_data(flag: str, data_dir: str, read_shards: bool) -> dict:
     except OSError as e:
         raise ConfigError(f"{flag}: {data_dir}: cannot read a shard: {e}") from None
     return index
+
+
+def _record_start_failure(cfg: TrainConfig, error: str) -> None:
+    """A bad shard found before any rank starts goes into status.json as a rank would put it (phase
+    failed, the error), so dflash-status and the deploy's health handler say why the unit failed.
+    Best effort: the stderr line is the report."""
+    import time
+    from .status import atomic_write_json, read_status
+    path = cfg.status_file or str(Path(cfg.output_dir) / "status.json")
+    try:
+        st = read_status(path)
+    except Exception:  # noqa: BLE001  missing or unreadable: a fresh record
+        st = {}
+    st.update(phase="failed", error=error, updated_at=time.time(), pid=os.getpid())
+    try:
+        atomic_write_json(path, st)
+    except OSError:
+        pass
 
 
 def check_resume_target(cfg: TrainConfig, target) -> list[str]:

@@ -139,3 +139,41 @@ def test_two_nodes_on_one_host_train_one_job_with_a_shared_output_dir(tiny_small
     assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert (ckpt / "model.safetensors").is_file()
     assert "ranks: rank 0 drafter" in out0
+
+
+SHARED_CHECK = """
+- name: The service role's shared-output check
+  hosts: dflash_containers
+  gather_facts: false
+  tasks:
+    - name: Shared output
+      ansible.builtin.include_role:
+        name: dflash_service
+        tasks_from: shared_output
+"""
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_multinode_deploy_is_refused_when_the_nodes_do_not_share_the_output_dir(tmp_path, shared):
+    """Issue 27: two nodes are one job over TCP; node 0 writes the checkpoints every node resumes from,
+    so the output directory must be one directory for all of them."""
+    import json
+    import subprocess
+    dirs = [tmp_path / "out0", tmp_path / ("out0" if shared else "out1")]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    hosts = {f"n{i}": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                       "dflash_service_output_dir": str(d)} for i, d in enumerate(dirs)}
+    (tmp_path / "hosts.yml").write_text(json.dumps({"all": {"children": {"dflash_containers": {"hosts": hosts}}}}))
+    (tmp_path / "check.yml").write_text(SHARED_CHECK)
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+               ANSIBLE_NOCOLOR="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
+                        str(tmp_path / "check.yml")], capture_output=True, text=True, env=env, cwd=REPO)
+    text = " ".join((r.stdout + r.stderr).split())
+    if shared:
+        assert r.returncode == 0, text[-3000:]
+    else:
+        assert r.returncode != 0, text[-3000:]
+        assert f"node 1 of the job (n1) does not see node 0's {dirs[1]} (no such file)" in text, text[-3000:]
+        assert "a multi-node job needs it shared" in text

@@ -50,4 +50,4 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
 fi
 "$VENV/bin/ansible-galaxy" collection list community.proxmox >/dev/null 2>&1 \
     || "$VENV/bin/ansible-galaxy" collection install community.proxmox ansible.posix
-log "ok: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), $("$VENV/bin/ansible" --version | head -1))"
+log "ok: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), $("$VENV/bin/ansible" --version | sed -n 1p))"

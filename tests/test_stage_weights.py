@@ -104,3 +104,24 @@ def test_a_source_file_the_containers_root_cannot_read_fails_the_preflight_namin
         assert not (top / "shm").exists()                      # nothing copied
     finally:
         shutil.rmtree(top)
+
+
+def test_a_copy_the_containers_memory_cgroup_cannot_hold_is_refused_before_copying(tmp_path):
+    """Issue 27: free room on /dev/shm is not enough; its pages are charged to the container's memory
+    cgroup, which also holds the running trainer. A directory tree stands for /sys/fs/cgroup: the
+    container's limit is an ancestor of the staging service's cgroup."""
+    src = model(tmp_path / "store" / "M", 2)
+    ct = tmp_path / "cg" / "ct"
+    svc = ct / "system.slice" / "dflash-stage-weights.service"
+    svc.mkdir(parents=True)
+    for d, limit, current in ((ct, 64 << 20, 63 << 20), (ct / "system.slice", "max", 0), (svc, "max", 0)):
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc))
+    assert rc == 2
+    assert "not enough memory in the container's cgroup" in out["msg"] and f"memory.current leaves 0.00 GiB ({1 << 20} bytes)" in out["msg"]
+    assert not (tmp_path / "shm" / "M").exists()
+    (ct / "memory.current").write_text(f"{32 << 20}\n")
+    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc))
+    assert rc == 0, out
+    assert out["cgroup_headroom_bytes"] == 32 << 20

@@ -94,16 +94,16 @@ def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     traced heap at the peak of the last 100 steps within 256 KB of the first 100 (220 tiny steps)."""
     import tracemalloc
 
-    from trainer.train import Trainer
+    from trainer.report import Reporter
 
-    orig = Trainer._memory
+    orig = Reporter.memory
 
     def memory(self):
         d = orig(self)
         d["py_heap"] = tracemalloc.get_traced_memory()[0]
         return d
 
-    monkeypatch.setattr(Trainer, "_memory", memory)
+    monkeypatch.setattr(Reporter, "memory", memory)
     out = tmp_path / "bench.json"
     tracemalloc.start()
     try:

@@ -214,7 +214,7 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
     import numpy as np
     from trainer.config import parse_args
     from trainer.plan import plan_micro_batch
-    from trainer.train import warmup_batches
+    from trainer.warmup import warmup_batches
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),
             "--max-seq-len", str(max_len), "--block-size", "16", "--max-anchors", "512",
             "--drafter-chunk-rows", str(chunk)]

@@ -345,7 +345,7 @@ def timed_window(t) -> list[int]:
 
 def bench_target(ctx: Ctx, t) -> dict:
     """Forward + capture + pack on the target stage, slots recycled; no drafter, nothing sent."""
-    items = [t.make_item(s) for s in timed_window(t)]
+    items = [t.feed.make_item(s) for s in timed_window(t)]
     n = len(items) - 1
     st = t.target
     devices = [st.device]
@@ -379,7 +379,7 @@ def bench_target(ctx: Ctx, t) -> dict:
 
 def bench_drafter(ctx: Ctx, t) -> dict:
     """The drafter stage fed from hidden states already on its device: micro-steps + optimizer steps."""
-    items = [t.make_item(s) for s in timed_window(t)]
+    items = [t.feed.make_item(s) for s in timed_window(t)]
     n = len(items) - 1
     d = t.drafter
     devices = [d.device]
@@ -401,7 +401,7 @@ def bench_drafter(ctx: Ctx, t) -> dict:
             for j, (it, taps, final) in enumerate(chunk):
                 d.micro_step(it, taps, final, 0.03, 1.0 / per_step, last=j == len(chunk) - 1)
             t.optimizer_step()
-        t.pending.clear()
+        t.report.pending.clear()
 
     steps(bufs[:1])
     sync_all(devices)
@@ -452,7 +452,7 @@ def _rank_entry(spec_path: str) -> None:
                + (" drafter" if t.topo.is_drafter else ""), "memory": mem_snapshot([t.device])}
         if t.topo.leader:
             out["pipeline"] = _pipeline_figures(t)
-            out["split"] = t.split_table(1.0)
+            out["split"] = t.report.split_table(1.0)
         Path(spec_path).with_name(f"rank-{t.topo.rank}.json").write_text(json.dumps(out, default=str))
     rc = train_rank(cfg, factory, spec["dataset"], on_done=on_done)
     if rc:
@@ -463,11 +463,11 @@ def _timed_window(t) -> dict:
     """The pipeline's timed window: every step but the first (it fills the pipeline); tokens from the
     step log, time from CUDA events at both ends on GPUs (the host loop runs ahead of the GPU, so host
     timestamps would flatter the rate), else the host clock."""
-    logs = t.step_log.entries()
+    logs = t.report.step_log.entries()
     first = 1 if len(logs) > 2 else 0
     (ta, sa, ka), (tb, sb, kb) = logs[first], logs[-1]
     wall, timed = tb - ta, "host clock"
-    evs = dict(t.step_events.entries())
+    evs = dict(t.report.step_events.entries())
     if t.device.type == "cuda" and sa in evs and sb in evs:
         wall, timed = evs[sa].elapsed_time(evs[sb]) / 1000.0, "cuda events"
     return {"t0": ta, "t1": tb, "tok_s": (kb - ka) / wall, "steps_timed": sb - sa, "wall_s": wall,
@@ -480,7 +480,7 @@ def _pipeline_figures(t) -> dict:
     prof = t.profiler.snapshot()
     return {"tok_s": w["tok_s"], "steps_timed": w["steps_timed"], "wall_s": wall, "timed_with": w["timed_with"],
             "stage_busy_fraction": {k: v["total_s"] / max(wall, 1e-9) for k, v in prof.items()},
-            "ranks": t.rank_rates(wall), "world_size": t.topo.world}
+            "ranks": t.report.rank_rates(wall), "world_size": t.topo.world}
 
 
 def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
@@ -556,8 +556,8 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
                 "transport": "same rank (world size 1)" if t.topo.world == 1 else "NCCL point-to-point",
                 "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
-                "memory_flatness": memory_flatness(t.mem_log.entries()),
-                "memory_per_step": t.mem_log.entries()}  # the first and the last 100 steps
+                "memory_flatness": memory_flatness(t.report.mem_log.entries()),
+                "memory_per_step": t.report.mem_log.entries()}  # the first and the last 100 steps
     finally:
         _dispose(t)
 

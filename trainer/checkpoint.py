@@ -12,6 +12,10 @@ by construction. Files (docs/contracts.md "Checkpoints"):
 
 Keep-K pruning happens only after a successful save. A failed save (e.g. a full disk) removes its
 temp dir, leaves earlier checkpoints untouched and raises :class:`CheckpointError`.
+
+The job's side (:class:`Checkpointer`): rank 0 finds, begins and publishes a checkpoint, the drafter
+ranks write and load their shards of model and optimizer with DCP together; each decision of rank 0
+reaches every rank through :func:`leader_decides`, so all raise or none does.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import safetensors.torch
 
 from .fsutil import fsync_dir, fsync_path
+from .status import pid_alive
 from .identity import RECORD_KEY, for_checkpoint as identity_for_checkpoint
 
 log = logging.getLogger(__name__)
@@ -126,18 +131,6 @@ def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     # safetensors reports IO errors as text, e.g. "... No space left on device (os error 28)"
     return text
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _rmtree(path: Path) -> None:
@@ -467,7 +460,7 @@ class CheckpointManager:
             if not m or not p.is_dir():
                 continue
             pid = int(m.group(2))
-            if pid != me and _pid_alive(pid):
+            if pid != me and pid_alive(pid):
                 continue
             step = int(m.group(1))
             final = self.output_dir / step_dir_name(step)
@@ -481,3 +474,132 @@ class CheckpointManager:
         if removed:
             fsync_dir(self.output_dir)
         return removed
+
+
+# ------------------------------------------------------------------------------ the job's protocol
+
+def leader_decides(leader: bool, group, decide, error: type[Exception] = CheckpointError) -> Any:
+    """Rank 0 decides, every rank of `group` learns the answer: the leader runs `decide()`, its result
+    (or the text of the `error` it raised) is broadcast, and an error is raised on every rank alike, so
+    no rank goes on to a collective the others have left."""
+    import torch.distributed as dist
+    box: list = [None]
+    if leader:
+        try:
+            box[0] = {"value": decide()}
+        except error as e:
+            box[0] = {"error": str(e)}
+    dist.broadcast_object_list(box, src=0, group=group)
+    if "error" in box[0]:
+        raise error(box[0]["error"])
+    return box[0]["value"]
+
+
+def consolidated_state(model: torch.nn.Module, device: torch.device, leader: bool) -> dict[str, torch.Tensor]:
+    """The whole fp32 drafter, on the leader's CPU (empty elsewhere): every drafter rank together
+    (FSDP all-gathers each parameter). What model.safetensors holds and what the tau eval loads."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    full = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if leader:
+            full[n] = t.detach().float().cpu()
+        del t
+    return full
+
+
+class Checkpointer:
+    """A rank's side of the job's checkpoints. Rank 0 finds, writes and publishes them (CheckpointManager);
+    drafter ranks write and load their shards of model and optimizer with DCP, together."""
+
+    def __init__(self, output_dir: Path, keep: int, topo, groups):
+        self.out = Path(output_dir)
+        self.topo, self.groups = topo, groups
+        self.manager = CheckpointManager(self.out, keep)
+        self.last: str | None = None           # the newest checkpoint of this run (saved or resumed from)
+        self.resumed_from: str | None = None
+
+    def resume(self, allowed: bool, model, opt, batches_per_step: int) -> dict | None:
+        """Rank 0 finds the newest checkpoint and tells every rank where the run stands; drafter ranks
+        (model given) load the sharded model and optimizer state with DCP (any number of drafter ranks).
+        Returns the training state to continue from (None: a fresh start)."""
+        from .errors import TrainingFailed
+
+        def find():
+            latest = self.manager.latest()
+            if latest is not None and not allowed:
+                raise TrainingFailed(f"--no-resume: {self.out} holds {latest.name}; refusing to overwrite")
+            if latest is None:
+                return None
+            tstate = torch.load(latest / STATE_FILE, map_location="cpu", weights_only=False)
+            return {"path": str(latest), "step": int(tstate["step"]), "tokens_seen": tstate.get("tokens_seen", 0),
+                    "nan_skips": tstate.get("nan_skips", 0), "warmup_steps": tstate.get("warmup_steps"),
+                    "rng": tstate.get("rng_by_rank") or [tstate.get("rng")],
+                    "batches_per_step": tstate.get("batches_per_step"), "seq_next": tstate.get("seq_next")}
+        r = leader_decides(self.topo.leader, self.groups.control, find, TrainingFailed)
+        if r is None:
+            return None
+        path = Path(r["path"])
+        if r["seq_next"] is not None and r["seq_next"] != r["step"] * batches_per_step:
+            log.warning("resuming from %s with %d micro-batches per step (it was trained with %d): the data "
+                        "position is step x the new size, so some batches are skipped or repeated",
+                        path, batches_per_step, r.get("batches_per_step"))
+        if model is not None:
+            self._load_drafter_state(path, model, opt)
+            rngs = r["rng"] or []
+            mine = self.topo.drafter_index
+            if mine < len(rngs) and rngs[mine] is not None:
+                restore_rng_state(rngs[mine])
+        self.resumed_from = self.last = str(path)
+        return r
+
+    def _load_drafter_state(self, path: Path, model, opt):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                             set_state_dict)
+        if (path / "dcp").is_dir():
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(path / "dcp"), process_group=self.groups.dctl)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:   # a checkpoint of the single-process trainer: weights only, fresh optimizer moments
+            full = safetensors.torch.load_file(str(path / MODEL_FILE))
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+            log.warning("%s has no sharded optimizer state (dcp/): weights resumed, AdamW moments start fresh", path)
+
+    def save(self, step: int, reason: str, model, opt, device: torch.device, model_config: Mapping,
+             train_state: dict, meta: dict) -> str:
+        """Drafter ranks, together: DCP writes every rank's shard of model and optimizer into the temp dir;
+        rank 0 adds the consolidated fp32 model.safetensors, config.json, training_state.pt (train_state
+        plus every drafter rank's RNG state) and meta.json and publishes the directory atomically."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from .errors import root_cause
+        topo, g = self.topo, self.groups.dctl
+        t0 = time.perf_counter()
+        full = consolidated_state(model, device, topo.leader)
+        rngs = [None] * len(topo.drafter_ranks) if topo.leader else None
+        dist.gather_object(capture_rng_state(), rngs, dst=0, group=g)
+        tmp = Path(leader_decides(topo.leader, g, lambda: str(self.manager.begin(step))))
+        try:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"), process_group=g)
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP raises on every rank when one fails
+            if topo.leader:
+                self.manager.abort(tmp)
+            why = root_cause(e)
+            free = shutil.disk_usage(self.out).free
+            if "Errno" not in why and free < 2 * sum(t.numel() * 4 for t in full.values()) + (1 << 20):
+                # torch.save's zip writer reports a full disk as "unexpected pos ...": say what it is
+                why = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({free} bytes free; {why})"
+            raise CheckpointError(f"checkpoint step {step} not saved to {self.out / step_dir_name(step)}: "
+                                  f"{why} (earlier checkpoints left intact)") from e
+        commit = lambda: str(self.manager.commit(tmp, step, full, model_config,  # noqa: E731
+                                                 dict(train_state, rng_by_rank=rngs), meta=meta))
+        self.last = leader_decides(topo.leader, g, commit)
+        log.info("checkpoint %s (%s) in %.1fs", self.last, reason, time.perf_counter() - t0)
+        return self.last
+

@@ -13,17 +13,69 @@ reduce dtype) with gradient sync off, and the last backward of the step reduce-s
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .config import parse_kernel_options
+from .errors import TrainingFailed
 from .fast import compile_layers, wants
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
 from .transport import device_ctx, new_event, new_stream, stream_ctx
 
 log = logging.getLogger("trainer.drafter")
+
+
+def resolve_mask_token(target_dir: str, vocab_size: int, override: int | None) -> int:
+    """The token id of the drafter's masked block slots: --mask-token-id, else the target tokenizer's mask
+    token, else the Qwen3 mask id."""
+    if override is not None:
+        if not 0 <= override < vocab_size:
+            raise ValueError(f"--mask-token-id: {override} outside the vocabulary ({vocab_size})")
+        return override
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+        for name in ("<|mask|>", "<|MASK|>", "<mask>"):
+            tid = tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != tok.unk_token_id and 0 <= tid < vocab_size:
+                return tid
+    except Exception as e:  # a model without tokenizer files still trains
+        log.warning("no tokenizer in %s (%s); using the Qwen3 mask id", target_dir, e)
+    return 151669 if vocab_size > 151669 else vocab_size - 1
+
+
+def load_embed_head(path: str, device: torch.device, dtype: torch.dtype):
+    """A drafter rank needs only the target's embedding and LM head: read those two tensors from the
+    safetensors files (tied embeddings: the head is the embedding) instead of loading 27B weights."""
+    from safetensors import safe_open
+    d = Path(path)
+    index = d / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
+    embed = head = None
+    for fn in files:
+        with safe_open(str(d / fn), framework="pt") as f:
+            for k in f.keys():
+                if embed is None and k.endswith("embed_tokens.weight") and "mtp" not in k and "visual" not in k:
+                    embed = f.get_tensor(k)
+                elif head is None and k.endswith("lm_head.weight"):
+                    head = f.get_tensor(k)
+    if embed is None:
+        raise TrainingFailed(f"--target-model: no embed_tokens weight in {d}")
+    head = embed if head is None else head
+    return embed.to(device, dtype), head.to(device, dtype)
+
+
+def target_embed_head(model, path: str, device: torch.device, dtype: torch.dtype):
+    """The target's embedding and LM head: from the target where this rank holds it, else from its files."""
+    if model is None:
+        return load_embed_head(path, device, dtype)
+    return (model.get_input_embeddings().weight.detach().to(device, dtype),
+            model.get_output_embeddings().weight.detach().to(device, dtype))
 
 
 def np_seed(*parts: int) -> int:
@@ -51,6 +103,20 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+def build_stage(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dtype, group, embed: torch.Tensor,
+                head: torch.Tensor, attention: str) -> tuple["DrafterStage", torch.optim.Optimizer]:
+    """This drafter rank's stage (its shard of the drafter over the drafter ranks' `group`) and optimizer."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .optim import build_optimizer
+    module = build_drafter(dcfg, cfg, device, dtype, DeviceMesh.from_group(group, device.type))
+    stage = DrafterStage(module, device, embed, head, cfg, dcfg, attention)
+    nparams = sum(p.numel() for p in module.parameters())
+    log.info("drafter: %.1fM parameters, FSDP2 over %d drafter rank(s); this rank holds its shard on %s",
+             nparams / 1e6, group.size(), device)
+    return stage, build_optimizer(module, cfg.lr, cfg.weight_decay)
 
 
 def to_float8(model: DFlashDrafter, recipe: str) -> int:

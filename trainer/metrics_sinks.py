@@ -1,10 +1,11 @@
-"""Where the per-step training metrics go besides metrics.jsonl: TensorBoard event files.
+"""Where the per-step training metrics go besides metrics.jsonl: W&B and TensorBoard event files.
 
 Many GPU hosts cannot reach W&B; TensorBoard files are plain files in ``--tensorboard-dir`` that an
-operator copies or tunnels to (README "Plots"). The training loop hands one dict of scalars per
-optimizer step to :meth:`TensorBoardSink.write`; nested dicts and lists become tag paths
-(``acc/pos_01``), None and non-numbers are skipped. A sink never fails the run: after the first
-write error it logs a warning and goes quiet, like the status file.
+operator copies or tunnels to (README "Plots"). Both are sinks with one interface, ``write(step,
+scalars)`` and ``close()``: the training loop hands one dict of scalars per optimizer step; nested
+dicts and lists become tag paths (``acc/pos_01``) by :func:`flatten_scalars`, the same tags in both,
+None and non-numbers are skipped. A TensorBoard sink never fails the run: after the first write
+error it logs a warning and goes quiet, like the status file.
 """
 
 from __future__ import annotations
@@ -91,3 +92,28 @@ def open_tensorboard(log_dir: str, run_id: str = "") -> TensorBoardSink | None:
     sink = TensorBoardSink(log_dir, run_id)
     log.info("TensorBoard events in %s", sink.path)
     return sink
+
+
+class WandbSink:
+    """A W&B run, with the tags TensorBoard gets (flatten_scalars)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        self.run.log(dict(flatten_scalars(scalars)), step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_wandb(mode: str, project: str, config: dict, run_id: str, out_dir: str) -> WandbSink | None:
+    """The sink for ``--wandb-mode`` (None when disabled)."""
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        from .errors import TrainingFailed
+        raise TrainingFailed(f"--wandb-mode {mode}: the wandb package is not installed")
+    return WandbSink(wandb.init(project=project, mode=mode, config=config, id=run_id, dir=out_dir))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model import dflash_loss, lm_head_chunk
+from trainer.loss import dflash_loss, lm_head_chunk
 from trainer.plan import FLEX_BLOCK, flex_block_sparsity, loss_layout, plan_micro_batch
 from trainer.__main__ import main as train_main
 

@@ -16,7 +16,8 @@ from trainer.checkpoint import CheckpointManager
 from trainer.data import load_dataset
 from trainer.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
                               main as eval_main)
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
+from trainer.loss import dflash_loss
+from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 from trainer.modeling_dflash import dflash_generate, verify_block
 
 BLOCK = 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer import fast
-from trainer.model import dflash_loss, lm_head_chunk
+from trainer.loss import dflash_loss, lm_head_chunk
 from trainer.metrics import HeadTailLog, MetricsFile, Profiler
 
 
@@ -52,7 +52,7 @@ def test_compiled_loss_covers_every_chunk_shape_with_one_graph():
     """Loss chunks and their unique soft rows vary in size (balanced chunks, tails): the compiled chunk
     function is dynamic in its row counts from the first call, so one graph covers them all and the
     warmup does not need to hit each tail size (frozen, an uncovered shape would run eagerly)."""
-    from trainer import model as M
+    from trainer import loss as M
     M._compiled_chunk = None
     g = torch.Generator().manual_seed(0)
     hidden, vocab = 16, 101

@@ -16,7 +16,8 @@ import torch
 
 from trainer.__main__ import main as train_main
 from trainer.config import parse_args, validate
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights, tap_layers
+from trainer.loss import dflash_loss
+from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
 from trainer.plan import plan_micro_batch
 
 ORIGINAL = ("--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "

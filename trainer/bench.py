@@ -343,6 +343,18 @@ def timed_window(t) -> list[int]:
     return [0] + list(range(bps, bps * t.cfg.max_steps))
 
 
+def timed_after_warm(run, warm: list, timed: list, devices) -> tuple[float, dict]:
+    """run(warm) untimed, then run(timed) between device syncs: (its wall seconds, the compile counters
+    before it)."""
+    run(warm)
+    sync_all(devices)
+    c0 = compile_counters()
+    t0 = time.perf_counter()
+    run(timed)
+    sync_all(devices)
+    return time.perf_counter() - t0, c0
+
+
 def bench_target(ctx: Ctx, t) -> dict:
     """Forward + capture + pack on the target stage, slots recycled; no drafter, nothing sent."""
     items = [t.feed.make_item(s) for s in timed_window(t)]
@@ -356,13 +368,7 @@ def bench_target(ctx: Ctx, t) -> dict:
             slot = st.next_slot()
             st.forward_pack(it, slot)
 
-    run(items[:1])  # one untimed item
-    sync_all(devices)
-    c0 = compile_counters()
-    t0 = time.perf_counter()
-    run(items[1:])
-    sync_all(devices)
-    wall = time.perf_counter() - t0
+    wall, c0 = timed_after_warm(run, items[:1], items[1:], devices)
     prof = None
     if ctx.args.profile and st.device.type == "cuda":
         prof = kernel_profile(lambda: run(items[1:3]), st.device)
@@ -403,13 +409,7 @@ def bench_drafter(ctx: Ctx, t) -> dict:
             t.optimizer_step()
         t.report.pending.clear()
 
-    steps(bufs[:1])
-    sync_all(devices)
-    c0 = compile_counters()
-    t0 = time.perf_counter()
-    steps(bufs[1:])
-    sync_all(devices)
-    wall = time.perf_counter() - t0
+    wall, c0 = timed_after_warm(steps, bufs[:1], bufs[1:], devices)
     prof = None
     if ctx.args.profile and d.device.type == "cuda":
         it, taps, final = bufs[0]
@@ -699,10 +699,7 @@ def check_flex_on_gpu(device) -> dict:
                 from .fast import compile_layers
                 compile_layers(m.layers, dynamic=True)
             t = lambda a: torch.from_numpy(a).to(dev)
-            meta = M.PackedMeta(t(c.ctx_seq), t(c.ctx_pos), t(c.q_seq), t(c.q_anchor), t(c.q_pos), 16,
-                                t(c.kv_num_blocks), t(c.kv_indices), t(c.full_kv_num_blocks),
-                                t(c.full_kv_indices), **({k: t(getattr(c, k)) for k in
-                                                          ("kv_ctx", "kv_ctx_seq", "q_copy_seq")} if ctx_group else {}))
+            meta = M.PackedMeta.from_chunk({k: t(v) for k, v in c.arrays().items()}, 16)
             saved = M._compiled_flex
             if not compiled:
                 from torch.nn.attention.flex_attention import flex_attention

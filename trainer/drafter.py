@@ -23,7 +23,10 @@ import torch
 from .config import parse_kernel_options
 from .errors import TrainingFailed
 from .fast import compile_layers, wants
-from .model import DFlashConfig, DFlashDrafter, PackedMeta, dflash_loss, init_drafter_weights
+from .loss import dflash_loss
+from .metrics import StepLayout
+from .model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from . import oprecord
 from .transport import device_ctx, new_event, new_stream, stream_ctx
 
 log = logging.getLogger("trainer.drafter")
@@ -144,6 +147,11 @@ def to_float8(model: DFlashDrafter, recipe: str) -> int:
     return len(names)
 
 
+def fsdp_units(model) -> list:
+    """The FSDP2 units of the drafter in forward order: the root, then each layer (build_drafter)."""
+    return [m for m in model.modules() if hasattr(m, "unshard")]   # FSDPModule (or the op replay's stand-in)
+
+
 class DrafterStage:
     """Owns: the FSDP2 module, one compute stream, the metric vector, the step's host counters."""
 
@@ -156,15 +164,25 @@ class DrafterStage:
         self.fp32_logits = getattr(cfg, "fp32_logits", True)
         self.gen = torch.Generator(device=device)
         bs = dcfg.block_size
-        self.metric = torch.zeros(1 + bs, device=device, dtype=torch.float32)  # loss, correct per slot
+        self.layout = StepLayout(bs)
+        self.metric = torch.zeros(self.layout.acc_size, device=device, dtype=torch.float32)  # loss, correct per slot
         self.poison = False
         self.tokens = 0
         self.pos_counts = np.zeros(bs, np.int64)
 
     def begin_step(self):
-        """Before the step's first forward: no gradient sync, parameters kept unsharded between calls."""
+        """Before the step's first receive: no gradient sync, parameters kept unsharded between calls, and
+        every FSDP unit's all-gather issued now, on this stage's stream (the forward waits for it).
+        Issued by FSDP at the first forward instead, the all-gather would wait for that forward's receive
+        (FSDP's all-gather streams wait on the current stream), while another drafter's receive can sit
+        behind this drafter's next one on a target's communicator: a wait cycle on the GPUs that gloo never
+        shows (docs/distributed.md; tests/test_streamcheck.py finds it in the order FSDP issues).
+        --fsdp-prefetch forward restores FSDP's order, for the checker's tests and measurements."""
         self.model.set_requires_gradient_sync(False)
         self.model.set_reshard_after_backward(False)
+        if getattr(self.cfg, "fsdp_prefetch", "step") == "step":
+            for unit in fsdp_units(self.model):
+                unit.unshard(async_op=True)
 
     def _final_backward(self, last: bool):
         if last:   # this backward reduce-scatters the step's gradients and reshards the parameters
@@ -193,10 +211,7 @@ class DrafterStage:
                 self.gen.manual_seed(np_seed(cfg.seed, item.seq_no + 1))
             for i, (c, h) in enumerate(chunks):
                 dev = {k: v.to(self.device, non_blocking=True) for k, v in h.items()}
-                meta = PackedMeta(dev["ctx_seq"], dev["ctx_pos"], dev["q_seq"], dev["q_anchor"], dev["q_pos"],
-                                  bs, dev.get("kv_num_blocks"), dev.get("kv_indices"),
-                                  dev.get("full_kv_num_blocks"), dev.get("full_kv_indices"), dev.get("kv_ctx"),
-                                  dev.get("kv_ctx_seq"), dev.get("q_copy_seq"))
+                meta = PackedMeta.from_chunk(dev, bs)
                 x = taps[c.c0:c.c1]
                 if noise_amp > 0 and cfg.noise_type != "none":
                     if cfg.noise_type == "uniform":
@@ -219,10 +234,11 @@ class DrafterStage:
                 self._final_backward(last and i == len(chunks) - 1)
                 loss.backward()
                 valid = (dev["row_weight"] > 0).float()
-                self.metric[0] += loss.detach() / loss_scale
-                self.metric[1:] += (correct * valid).view(-1, bs).sum(0)
+                self.metric[self.layout.loss] += loss.detach() / loss_scale
+                self.metric[self.layout.correct] += (correct * valid).view(-1, bs).sum(0)
             if not chunks and last:
                 self._empty_backward()
+            oprecord.compute(self.stream, f"drafter fwd+bwd mb {item.seq_no}")   # no-op unless recording
             e1.record()
         return e0, e1
 
@@ -237,6 +253,13 @@ class DrafterStage:
         hidden = self.model(x, self.embed[zeros(bs)], meta, backend="sdpa")
         self._final_backward(True)
         (hidden.float().sum() * 0.0).backward()
+
+    def step_vector(self) -> torch.Tensor:
+        """This rank's numbers of the step as the drafter ranks sum them (StepLayout.summed); on this
+        stage's stream."""
+        counts = torch.tensor([float(self.tokens), *self.pos_counts.tolist()], dtype=torch.float32,
+                              pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        return self.layout.summed(self.metric, counts)
 
     def reset_counters(self):
         self.metric.zero_()

@@ -5,7 +5,7 @@
   ``forward`` is compiled: forward hooks (the target's tap capture) stay eager around it. What it buys
   is fusion of the memory-bound parts between the GEMMs: RMSNorm (six eager passes in fp32 -> one),
   rotary embedding, SiLU x up, residual adds.
-- The drafter's LM-head loss uses the same per-chunk function compiled (see model.lm_head_chunk):
+- The drafter's LM-head loss uses the same per-chunk function compiled (see loss.lm_head_chunk):
   the ~20 elementwise passes over the fp32 [chunk, vocab] logits become a few fused kernels.
 - ``--sdpa-backend`` picks the target's attention kernels. auto (on GPUs) leaves out cuDNN's: its compiled
   plans sit in a per-thread cache keyed on exact shapes with no limit (about 1.7 MB of host memory per

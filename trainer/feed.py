@@ -43,30 +43,10 @@ class WorkItem:
 
 
 def to_host_tensors(plan: MicroPlan, pin: bool) -> list[dict]:
-    """Chunk metadata as host tensors (pinned when a GPU will read them)."""
+    """Each chunk's arrays (plan.CHUNK_ARRAYS) as host tensors, pinned when a GPU will read them."""
     out = []
     for c in plan.chunks:
-        d = {
-            "ctx_seq": torch.from_numpy(c.ctx_seq), "ctx_pos": torch.from_numpy(c.ctx_pos),
-            "q_seq": torch.from_numpy(c.q_seq), "q_anchor": torch.from_numpy(c.q_anchor),
-            "q_pos": torch.from_numpy(c.q_pos), "block_tokens": torch.from_numpy(c.block_tokens),
-            "labels": torch.from_numpy(c.labels), "row_weight": torch.from_numpy(c.row_weight),
-        }
-        if c.loss_rows is not None:
-            d["loss_rows"] = torch.from_numpy(c.loss_rows)
-        if c.soft_unique is not None:
-            d["soft_unique"] = torch.from_numpy(c.soft_unique)
-            d["soft_local"] = torch.from_numpy(c.soft_local)
-        if c.kv_num_blocks is not None:
-            d["kv_num_blocks"] = torch.from_numpy(c.kv_num_blocks)
-            d["kv_indices"] = torch.from_numpy(c.kv_indices)
-        if c.full_kv_num_blocks is not None:
-            d["full_kv_num_blocks"] = torch.from_numpy(c.full_kv_num_blocks)
-            d["full_kv_indices"] = torch.from_numpy(c.full_kv_indices)
-        if c.kv_ctx is not None:
-            d["kv_ctx"] = torch.from_numpy(c.kv_ctx)
-            d["kv_ctx_seq"] = torch.from_numpy(c.kv_ctx_seq)
-            d["q_copy_seq"] = torch.from_numpy(c.q_copy_seq)
+        d = {k: torch.from_numpy(v) for k, v in c.arrays().items()}
         if pin:
             d = {k: v.pin_memory() for k, v in d.items()}
         out.append(d)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .runlog import format_table
 
@@ -113,13 +114,48 @@ class Profiler:
             self.t0 = time.perf_counter()
 
 
+class StepLayout:
+    """The per-step metric vector of the drafter ranks, one layout for the three places that touch it.
+    A drafter rank accumulates [loss, correct per block slot] on its stream (DrafterStage.metric, `acc`)
+    and counts [tokens, supervised rows per block slot] on the host (`counts`); summed() lays both out as
+    the drafter ranks all-reduce them, [loss, tokens, correct per slot, rows per slot]; host() puts the
+    optimizer's skipped flag and grad norm after the loss, the vector copied to the host; record() reads
+    that copy (one metrics.jsonl record)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.acc_size = 1 + block_size
+        self.loss, self.correct = 0, slice(1, 1 + block_size)   # in `acc`
+
+    def summed(self, acc, counts):
+        return torch.cat([acc[:1], counts[:1], acc[1:], counts[1:]])
+
+    def host(self, summed, skipped, grad_norm):
+        return torch.cat([summed[:1], skipped.float().reshape(1), grad_norm.float().reshape(1).to(summed.device),
+                          summed[1:]])
+
+    def record(self, step: int, lr: float, values: list[float]) -> dict:
+        bs = self.block_size
+        loss, skipped, gnorm, tokens = values[0], values[1] > 0, values[2], values[3]
+        correct = values[4:4 + bs]
+        counts = values[4 + bs:4 + 2 * bs]
+        acc = [c / n if n else None for c, n in zip(correct, counts)]
+        return {"step": step, "loss": loss if math.isfinite(loss) else None, "skipped": skipped,
+                "grad_norm": gnorm if math.isfinite(gnorm) else None, "lr": lr, "tokens": int(tokens),
+                "acc": acc[1:]}
+
+
 @dataclass
 class StepMetrics:
     """One optimizer step's numbers, still on their way to the host (read when `event` has fired)."""
     step: int
-    host: object          # pinned [loss, skipped, grad norm, tokens, correct per slot, rows per slot]
+    host: object          # pinned, in layout.host() order
     event: object
     lr: float
+    layout: StepLayout
+
+    def record(self) -> dict:
+        return self.layout.record(self.step, self.lr, self.host.tolist())
 
 
 class MetricsFile:
@@ -180,11 +216,3 @@ class MetricsFile:
         except OSError as e:
             log.warning("could not close %s: %s", self.path, e)
 
-
-def step_record(m: StepMetrics, values: list[float], block_size: int) -> dict:
-    loss, skipped, gnorm, tokens = values[0], values[1] > 0, values[2], values[3]
-    correct = values[4:4 + block_size]
-    counts = values[4 + block_size:4 + 2 * block_size]
-    acc = [c / n if n else None for c, n in zip(correct, counts)]
-    return {"step": m.step, "loss": loss if math.isfinite(loss) else None, "skipped": skipped,
-            "grad_norm": gnorm if math.isfinite(gnorm) else None, "lr": m.lr, "tokens": int(tokens), "acc": acc[1:]}

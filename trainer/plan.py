@@ -15,6 +15,15 @@ FLEX_BLOCK = 128  # FlexAttention's tile; ctx is padded to a multiple of it
 LOSS_CHUNK_ROWS = 4096  # LM-head rows per loss chunk (bounds the fp32 [rows, vocab] logits)
 
 
+# The per-chunk arrays the drafter's device gets, by ChunkPlan field name: one list that the feed (pinned
+# host copies), the drafter stage (device copies) and model.PackedMeta (the attention's, checked there)
+# read. The optional ones are None in a chunk that does not use them and are then not sent.
+ATTENTION_ARRAYS = ("ctx_seq", "ctx_pos", "q_seq", "q_anchor", "q_pos", "kv_num_blocks", "kv_indices",
+                    "full_kv_num_blocks", "full_kv_indices", "kv_ctx", "kv_ctx_seq", "q_copy_seq")
+LOSS_ARRAYS = ("block_tokens", "labels", "row_weight", "loss_rows", "soft_unique", "soft_local")
+CHUNK_ARRAYS = ATTENTION_ARRAYS + LOSS_ARRAYS
+
+
 @dataclass
 class ChunkPlan:
     """One drafter forward/backward: whole sequences, ctx rows [c0, c1) of the packed buffer."""
@@ -43,6 +52,10 @@ class ChunkPlan:
     loss_bounds: tuple = ()                # per loss chunk (s, e, u0, u1): loss_rows[s:e], soft_unique[u0:u1]
     soft_unique: np.ndarray | None = None  # [U] int64 rows of the final-hidden buffer, per loss chunk unique
     soft_local: np.ndarray | None = None   # [N] int64 index into its loss chunk's soft_unique slice
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """This chunk's CHUNK_ARRAYS, the ones it has."""
+        return {k: v for k in CHUNK_ARRAYS if (v := getattr(self, k)) is not None}
 
     @property
     def num_blocks(self) -> int:

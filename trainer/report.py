@@ -23,7 +23,7 @@ from .errors import TrainingFailed
 from .evaltrain import eval_scalars, eval_status
 from .feed import Feed
 from .fsutil import atomic_write_text
-from .metrics import HeadTailLog, MetricsFile, Profiler, StepMetrics, step_record
+from .metrics import HeadTailLog, MetricsFile, Profiler, StepMetrics
 from .metrics_sinks import open_tensorboard, open_wandb
 from .runlog import Progress, format_table
 from .status import Notifier, StatusWriter
@@ -132,7 +132,7 @@ class Reporter:
         if self.progress is not None:
             self.progress.close()
 
-    def drain(self, block_size: int, last_ckpt: str | None, block: bool = False):
+    def drain(self, last_ckpt: str | None, block: bool = False):
         """Step metrics whose event has fired (all, waiting, with block) into metrics.jsonl and the sinks;
         too many non-finite steps in a row fail the run."""
         lines = []
@@ -140,7 +140,7 @@ class Reporter:
             m = self.pending.popleft()
             if block:
                 m.event.synchronize()
-            rec = step_record(m, m.host.tolist(), block_size)
+            rec = m.record()
             if rec["skipped"]:
                 self.nan_skips += 1
                 self.nan_streak += 1

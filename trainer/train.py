@@ -152,7 +152,7 @@ class Trainer:
         if topo.is_target:
             self.target = TargetStage(model, dev, self.dcfg.target_layer_ids, cfg.use_soft_labels, rows,
                                       cfg.slots_per_worker, self.dtype, sdpa_backend=cfg.sdpa_backend)
-            self.sender = Sender(dev, self.groups.world)
+            self.sender = Sender(dev, self.groups.link)
             if wants(cfg.compile, "target"):
                 n = compile_layers(decoder(self.target.model).layers)
                 log.info("--compile %s: %d target layers compiled (regional; compiles during warmup)", cfg.compile, n)
@@ -162,7 +162,7 @@ class Trainer:
                                                  "flex" if self.feed.flex else "sdpa")
             if not topo.is_target:   # receive buffers; a rank holding both roles reads its own slots
                 cap = (rows * k * hidden) + (rows * hidden if cfg.use_soft_labels else 0)
-                self.receiver = Receiver(dev, cap, self.dtype, cfg.queue_depth, k, hidden, self.groups.world)
+                self.receiver = Receiver(dev, cap, self.dtype, cfg.queue_depth, k, hidden, self.groups.link)
         del model
 
     def _build_schedule(self):
@@ -290,16 +290,12 @@ class Trainer:
         with device_ctx(self.device), stream_ctx(d.stream):
             e0, e1 = new_event(self.device, True), new_event(self.device, True)
             e0.record()
-            bs = self.dcfg.block_size
-            counts = torch.tensor([float(d.tokens), *d.pos_counts.tolist()], dtype=torch.float32,
-                                  pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-            vec = torch.cat([d.metric[:1], counts[:1], d.metric[1:], counts[1:]])
+            vec = d.step_vector()   # metrics.StepLayout: [loss, tokens, correct per slot, rows per slot]
             dist.all_reduce(vec, group=self.groups.drafters)
             loss = vec[0]
             lr = lr_at(self.step, cfg.lr, self.warmup_steps, self.total_steps)
             gnorm, bad = guarded_step(d.model, self.opt, lr, cfg.grad_clip, loss)
-            out = torch.cat([loss.reshape(1), bad.float().reshape(1), gnorm.float().reshape(1).to(self.device),
-                             vec[1:2], vec[2:2 + bs], vec[2 + bs:2 + 2 * bs]])
+            out = d.layout.host(vec, bad, gnorm)
             host = torch.empty(out.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
             host.copy_(out, non_blocking=True)
             ev = new_event(self.device)
@@ -308,10 +304,10 @@ class Trainer:
             self.profiler.add_events("optimizer", e0, e1)
         self.report.step_events.append((self.step + 1, e1))   # GPU timestamps of step ends (rates over many steps)
         d.reset_counters()
-        self.report.pending.append(StepMetrics(self.step + 1, host, ev, lr))
+        self.report.pending.append(StepMetrics(self.step + 1, host, ev, lr, d.layout))
 
     def _drain_metrics(self, block: bool = False):
-        self.report.drain(self.dcfg.block_size, self.ckpt.last, block)
+        self.report.drain(self.ckpt.last, block)
 
     # --------------------------------------------------------------------------------------- run
     def warmup(self):

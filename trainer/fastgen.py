@@ -35,14 +35,28 @@ ATTN_NAME = "dflash_decode"   # registered in transformers' AttentionInterface w
 PAD_TO = 64                   # prompt widths rounded up to this (the KV capacity is width + new tokens)
 
 
+DECODE_KERNELS = ("sdpa", "matmul")
+_decode_kernel = ["sdpa"]     # set by GraphDecoder around its forwards (a switch to measure both)
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA with a boolean [B, 1, Q, L] mask; a one-token query groups its heads per KV head."""
+    """Attention with a [B, 1, Q, L] mask (bool, True = attend, or additive); a one-token query groups
+    its heads per KV head. Decode kernel "sdpa": PyTorch's SDPA; "matmul": two batched matmuls and an
+    fp32 softmax (K and V read once each either way)."""
     b, h, q, d = query.shape
     hk = key.shape[1]
     g = h // hk
     if q == 1 and g > 1:   # decode: the g query heads of one KV head are g rows of one attention
-        out = F.scaled_dot_product_attention(query.reshape(b, hk, g, d), key, value,
-                                             attn_mask=attention_mask, scale=scaling)
+        qg = query.reshape(b, hk, g, d)
+        if _decode_kernel[0] == "matmul":
+            s = torch.matmul(qg, key.transpose(-1, -2)).float() * (scaling or d ** -0.5)
+            if attention_mask.dtype == torch.bool:
+                s = s.masked_fill(~attention_mask, float("-inf"))
+            else:
+                s = s + attention_mask
+            out = torch.matmul(torch.softmax(s, dim=-1).to(value.dtype), value)
+        else:
+            out = F.scaled_dot_product_attention(qg, key, value, attn_mask=attention_mask, scale=scaling)
         out = out.reshape(b, h, 1, d)
     else:
         if g > 1:           # transformers' repeat_kv: query head i reads KV head i // g
@@ -127,7 +141,8 @@ class GraphDecoder:
 
     def __init__(self, model, device, batch_size: int, max_new_tokens: int, temperature: float,
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
-                 check_every: int = 16, prefill_tokens: int = 16384):
+                 check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
+                 float_mask: bool = True):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -138,6 +153,10 @@ class GraphDecoder:
         self.stop_ids, self.pad_id = list(stop_ids), int(pad_id)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
         self.view_step, self.check_every, self.prefill_tokens = view_step, check_every, prefill_tokens
+        # decode_kernel: the decode attention (DECODE_KERNELS); float_mask: the step's boolean mask turned
+        # into one additive mask per step, not one conversion per layer inside SDPA
+        assert decode_kernel in DECODE_KERNELS, decode_kernel
+        self.decode_kernel, self.float_mask = decode_kernel, float_mask
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
@@ -174,12 +193,14 @@ class GraphDecoder:
 
     @contextmanager
     def _attn(self):
-        prev = self.cfg._attn_implementation
+        prev, prev_kernel = self.cfg._attn_implementation, _decode_kernel[0]
         self.cfg._attn_implementation = ATTN_NAME
+        _decode_kernel[0] = self.decode_kernel
         try:
             yield
         finally:
             self.cfg._attn_implementation = prev
+            _decode_kernel[0] = prev_kernel
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits -> [B] next tokens (greedy, or Gumbel-max at the temperature)."""
@@ -201,8 +222,11 @@ class GraphDecoder:
         cache = self.cache
         cache.view, cache.prefill, cache.rows = view, False, slice(None)
         self.mask.index_fill_(1, cache.slot, True)
+        mask = self.mask[:, None, None, :view]
+        if self.float_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         h = self.base(input_ids=self.tok[:, None], position_ids=self.pos[:, None],
-                      attention_mask=self.mask[:, None, None, :view], use_cache=True,
+                      attention_mask=mask, use_cache=True,
                       **{self.cache_kw: cache}).last_hidden_state
         self._emit(self._next(self.head(h[:, -1]).float()))
         self.pos.add_(1)
@@ -294,7 +318,7 @@ class GraphDecoder:
                 if self.graphs:
                     g = self._graphs.get(view)
                     if g is None:
-                        clock(None)
+                        clock("decode_s")
                         g = self._graphs[view] = self._capture(view)
                         clock("capture_s")
                     g.replay()

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.bench import SHAPES, gpu_name, make_target_factory  # noqa: E402
+from trainer.bench import SHAPES, gpu_name, kernel_profile, make_target_factory  # noqa: E402
 from trainer.regenerate import TargetGenerator  # noqa: E402
 from trainer.runlog import format_table  # noqa: E402
 
@@ -73,6 +73,92 @@ def fast_breakdown(gen) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()}
 
 
+VARIANTS = {"sdpa-bool": ("sdpa", False), "sdpa": ("sdpa", True), "matmul": ("matmul", True)}
+
+
+def set_variant(gen, name):
+    f = gen._fast_decoder()
+    f.decode_kernel, f.float_mask = VARIANTS[name]
+    return f
+
+
+def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
+    """ms per captured decode step for each variant and batch (same prompts per batch), a kernel-class
+    profile of one eager decode step per variant at the first batch, then the mixed workload with the
+    fastest variant at --headline-batch."""
+    L, new = a.ratio_prompt_len, a.step_new_tokens
+    res["steps"], res["profiles"] = [], {}
+    names = a.step_variants.split(",")
+    for bs in batches:
+        warm, batch = prompts_of(rng, bs, L, L, vocab), prompts_of(rng, bs, L, L, vocab)
+        for name in names:
+            try:
+                g = make_gen(target, dev, bs, new, "captured")
+                f = set_variant(g, name)
+                g.complete(warm, 0)
+                fast_breakdown(g)
+                f.timed = True
+                done, secs = timed(lambda: g.complete(batch, 0))
+                row = {"variant": name, "batch_size": bs, "prompt_len": L, "new_tokens": new,
+                       "tokens_per_s": round(sum(len(c) for c in done) / secs, 1)} | fast_breakdown(g)
+                row["decode_ms_per_step"] = round(1000 * row["decode_s"] / max(1, row["decode_steps"]), 2)
+                if bs == batches[0]:     # one eager decode step, kernels by class (none listed on the CPU)
+                    f.graphs = False
+                    f.max_new = 64
+                    f._alloc(-(-L // 64) * 64 + 64 + 2 * f.view_step)   # room for two more steps
+                    f.out = torch.zeros((bs, 80), dtype=torch.long, device=dev)   # room for the profiled steps
+                    f.generate(batch, range(bs))   # leaves the cache 64 tokens past the prompt
+                    view = -(-(int(f.cache.slot) + 2) // f.view_step) * f.view_step
+
+                    def one():
+                        with f._attn():
+                            f._decode_step(view)
+                    one()
+                    if cuda:
+                        prof = kernel_profile(one, dev, top=15) | {"batch_size": bs, "view": view}
+                        res["profiles"][name] = prof
+                        row["profile_gpu_ms"] = round(prof["gpu_ms"], 2)
+                        row["profile_by_class_ms"] = {k: round(v, 2) for k, v in prof["by_class_ms"].items()}
+                    else:
+                        one()
+            except Exception as e:  # noqa: BLE001
+                row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
+            res["steps"].append(row)
+            print("step:", json.dumps(row), flush=True)
+            g = f = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            save()
+    ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
+    best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
+    res["best_variant"] = best
+    if a.headline_batch:
+        bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
+        try:
+            g = make_gen(target, dev, bs, a.new_tokens, "captured")
+            f = set_variant(g, best)
+            f.timed = True
+            mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
+            done, secs = timed(lambda: g.complete(mixed, 0))
+            toks = sum(len(c) for c in done)
+            row = {"variant": best, "batch_size": bs, "prompts": n, "min_len": a.min_len, "max_len": a.max_len,
+                   "prompt_tokens": int(sum(len(q) for q in mixed)), "new_tokens": a.new_tokens,
+                   "generated": toks, "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1)} | \
+                fast_breakdown(g)
+        except Exception as e:  # noqa: BLE001
+            row = {"variant": best, "batch_size": bs, "error": repr(e)[:500]}
+        res["headline"].append(row)
+        print("headline:", json.dumps(row), flush=True)
+        save()
+    print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
+                       [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
+                         r.get("profile_gpu_ms")] for r in res["steps"]]))
+    for name, p in res["profiles"].items():
+        print(name, {k: round(v, 2) for k, v in p["by_class_ms"].items()})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -86,6 +172,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--skip-ratio", action="store_true")
+    p.add_argument("--skip-parity", action="store_true")
+    p.add_argument("--step-variants", default="",
+                   help="only the decode step: comma list of sdpa-bool (the first run's code), sdpa, matmul; "
+                        "each timed at each of --batches on --ratio-prompt-len prompts with --step-new-tokens, "
+                        "plus a kernel-class profile of one eager step; then --headline-best runs the mixed "
+                        "workload with the fastest")
+    p.add_argument("--step-new-tokens", type=int, default=128)
+    p.add_argument("--headline-batch", type=int, default=0, help="with --step-variants: the mixed workload at "
+                                                                 "this batch with the fastest variant")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()   # the CPU: a smoke run of the script (--shape tiny)
@@ -109,6 +204,9 @@ def main(argv=None) -> int:
     meta["init_s"] = round(time.perf_counter() - t0, 1)
     vocab = min(target.config.vocab_size, 150000)
     rng = np.random.default_rng(0)
+
+    if a.step_variants:
+        return step_variants(a, res, save, target, dev, rng, vocab, batches, cuda)
 
     # 1. parity: graphs vs the same loop eagerly; agreement with generate
     ps = prompts_of(rng, 8, 100, 200, vocab)

@@ -291,3 +291,20 @@ def test_two_captured_devices_are_two_processes_writing_the_same_shards(tiny_sma
                        devices=["cpu", "cpu"], **common)
     assert stats["shards_generated"] == 4 and stats["tokens_generated"] > 0
     assert files(tmp_path / "one") == files(tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_fused_small_ops_give_the_same_tokens(target, tiny_small_dir):
+    """GraphDecoder(fuse=True): the decode step's RMSNorm, rotary and SiLU gate compiled (inductor) give the
+    eager loop's tokens (fp32), and the target's classes are restored afterwards."""
+    import transformers.models.qwen3.modeling_qwen3 as mq
+
+    from trainer.fastgen import GraphDecoder
+
+    before = (mq.Qwen3RMSNorm.forward, mq.apply_rotary_pos_emb, mq.Qwen3MLP.forward)
+    prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)
+    kw = dict(batch_size=4, max_new_tokens=12, temperature=0.0, stop_ids=[], pad_id=0)
+    ref = GraphDecoder(target, "cpu", **kw).generate(prompts, range(4))
+    fused = GraphDecoder(target, "cpu", fuse=True, **kw).generate(prompts, range(4))
+    assert all(np.array_equal(a, b) for a, b in zip(ref, fused))
+    assert (mq.Qwen3RMSNorm.forward, mq.apply_rotary_pos_emb, mq.Qwen3MLP.forward) == before

@@ -73,12 +73,13 @@ def fast_breakdown(gen) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()}
 
 
-VARIANTS = {"sdpa-bool": ("sdpa", False), "sdpa": ("sdpa", True), "matmul": ("matmul", True)}
+VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), "matmul": ("matmul", True, False),
+            "fused": ("sdpa", True, True)}   # fused: norms, rotary, SiLU gate compiled (fastgen.fused_small_ops)
 
 
 def set_variant(gen, name):
     f = gen._fast_decoder()
-    f.decode_kernel, f.float_mask = VARIANTS[name]
+    f.decode_kernel, f.float_mask, f.fuse = VARIANTS[name]
     return f
 
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-ratio", action="store_true")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--step-variants", default="",
-                   help="only the decode step: comma list of sdpa-bool (the first run's code), sdpa, matmul; "
+                   help="only the decode step: comma list of sdpa-bool (the first run's code), sdpa, matmul, fused; "
                         "each timed at each of --batches on --ratio-prompt-len prompts with --step-new-tokens, "
                         "plus a kernel-class profile of one eager step; then --headline-best runs the mixed "
                         "workload with the fastest")

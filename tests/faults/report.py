@@ -53,7 +53,8 @@ def _j(lines, *needles) -> str:
     """The first journal line holding one of needles, without its timestamp and host."""
     for line in lines or []:
         if any(n in line for n in needles):
-            return re.sub(r"^\S+ \S+ \S+ ", "", str(line)).strip()
+            line = re.sub(r"^.*?\]: ", "", str(line))                          # journal: date host unit[pid]:
+            return re.sub(r"^\d{4}-\d\d-\d\dT\S+Z\s+\w+\s+", "", line).strip()  # the trainer's own stamp
     return ""
 
 
@@ -76,7 +77,7 @@ def _plain(ev: dict) -> str:
 def _observed(case: str, ev: dict) -> str:
     g = ev.get
     if case.startswith("test_01"):
-        rep = g("replayed_steps") or {}
+        rep = {int(k): v for k, v in (g("replayed_steps") or {}).items()}
         return (f"killed pid {g('killed_pid')} at step {g('status_at_kill')} (checkpoints {g('checkpoints_at_kill')}); "
                 f"restarts {g('n_restarts')}; resumed from {_name(g('resumed_from'))}, seq_next "
                 f"{(g('checkpoint') or {}).get('seq_next')}; steps {sorted(rep)} trained again with the same tokens "
@@ -146,8 +147,9 @@ def render(evidence: Path) -> str:
         rows.append(f"| {n} | `{case}` | {doc.replace('|', '/')} | {cell} | `pytest -m faults -k {key}` |")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run["started_at"])) if "started_at" in run else "?"
     took = f", {run['ended_at'] - run['started_at']:.0f} s in all" if "ended_at" in run else ""
+    load = [f"{run[k]:.1f}" if isinstance(run.get(k), (int, float)) else "?" for k in ("loadavg_at_start", "loadavg_at_end")]
     head = (f"Run of {when} at commit `{run.get('commit') or '?'}` on {run.get('cpus', '?')} CPUs (1-minute load "
-            f"{run.get('loadavg_at_start', '?')} at the start, {run.get('loadavg_at_end', '?')} at the end): "
+            f"{load[0]} at the start, {load[1]} at the end): "
             f"**{passed} passed, {failed} failed, {missing} not run** of {len(cases)}; stand-in and first deploy "
             f"{run.get('setup_s', '?')} s{took}. Durations are the case's own (restoring a healthy job before it "
             f"not included).")

@@ -7,7 +7,7 @@
 # With no arguments the suite runs as lanes side by side, because the container scenarios spend most
 # of their time waiting (boots, apt, pip, systemd restarts, watchdog and RestartSec windows, health
 # polls) while the trainer tests want a core:
-#   lane B            -m "not standin"   everything without a container, one pytest;
+#   lanes B1 B2 P     -m "not standin"   everything without a container, in three pytests (below);
 #   lane A            the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
 #                     tiny model) built once, then every container test in a pytest of its own, all at
 #                     once: each molecule scenario (-m "standin and not faults", one process per test)
@@ -57,7 +57,20 @@ lane() {
     echo "run: lane $name started (pid ${PIDS[$name]}): pytest $*"
 }
 
-lane B -m "not standin"
+# Lane B, no containers, in three pytests that share nothing (own temp roots, free ports):
+#   P   -m "provision and not standin"  the provision playbook against the Proxmox API stand-in (it boots
+#                                        LXC containers behind the API and mostly waits on them);
+#   B1  the two files whose trainer runs take the most CPU (about half of lane B's time);
+#   B2  everything else without a container (a new test file lands here).
+HEAVY=()
+for f in tests/test_trainer.py tests/test_regenerate.py; do [[ -f "$f" ]] && HEAVY+=("$f"); done
+lane P -m "provision and not standin"
+if (( ${#HEAVY[@]} )); then
+    lane B1 -m "not standin and not provision" "${HEAVY[@]}"
+    lane B2 -m "not standin and not provision" "${HEAVY[@]/#/--ignore=}"
+else
+    lane B2 -m "not standin and not provision"
+fi
 
 # Lane A's test ids, collected while the caches build (collection imports every test module).
 "$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" > "$work/collect.txt" 2>&1 &

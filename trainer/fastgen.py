@@ -353,6 +353,12 @@ class GraphDecoder:
     # ---------------------------------------------------------------- one batch
     @torch.no_grad()
     def generate(self, prompts: list[np.ndarray], keys) -> list[np.ndarray]:
+        if self.device.type == "cuda":   # graphs are captured on the current device's streams: make it ours
+            with torch.cuda.device(self.device):
+                return self._generate(prompts, keys)
+        return self._generate(prompts, keys)
+
+    def _generate(self, prompts: list[np.ndarray], keys) -> list[np.ndarray]:
         n, b = len(prompts), self.batch
         assert 1 <= n <= b, (n, b)
         rows = list(prompts) + [prompts[-1]] * (b - n)       # a short last batch: repeated rows, dropped

@@ -475,6 +475,10 @@ def _device_worker(device: str, target: str, gen_args: tuple, out: str, shard_si
     import traceback
 
     try:
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)   # this process's one GPU (graph captures use the current device)
         gen = TargetGenerator(target, device, *gen_args)
         outbox.put(("ready", device))
         while True:

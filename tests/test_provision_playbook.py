@@ -191,6 +191,20 @@ def test_5_a_shape_update_keeps_the_mac(node):
     assert dict(p.split("=") for p in cfg["net0"].split(","))["hwaddr"] == mac
 
 
+def test_5b_a_features_change_pve_holds_pending_is_applied_by_a_restart(node):
+    """PVE writes a `features` change to a running container into [pve:pending] (applied at its next
+    start); the roles restart it, so the change is made, not left pending for ever (issue 27)."""
+    node["pct_log"].write_text("")
+    r = play(node, dflash_provision_features=["nesting=0"])
+    assert r.returncode == 0, r.text[-3000:]
+    assert "changes PVE applies only at its next start (features)" in r.text, r.text[-3000:]
+    assert "[pve:pending]" not in node["conf"].read_text()
+    assert api_config(node)["features"] == "nesting=0"
+    assert ["reboot", str(VMID), "--timeout", "240"] in [json.loads(x) for x in node["pct_log"].read_text().splitlines()]
+    r = play(node)                                   # back to nesting=1, the same way
+    assert r.returncode == 0 and api_config(node)["features"] == "nesting=1", r.text[-3000:]
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)

@@ -287,6 +287,34 @@ def parse_conf(text: str) -> tuple[dict, list, str]:
     return _with_desc(keys, desc), raw, ""
 
 
+# As pve-container: a change to a running container that cannot be applied live is written to the
+# config's [pve:pending] section and applied at the next start (GUI: shown in red). `features` is one.
+PENDING_ON_RUNNING = {"features"}
+PENDING = "[pve:pending]"
+
+
+def split_pending(rest: str) -> tuple[dict, str]:
+    """The [pve:pending] section out of the text after the main section -> ({key: value}, the rest)."""
+    out, pending, section = [], {}, None
+    for line in rest.splitlines(keepends=True):
+        if line.strip().startswith("["):
+            section = line.strip()
+        if section == PENDING:
+            k, _, v = line.strip().partition(":")
+            if v and not line.strip().startswith("["):
+                pending[k.strip()] = v.strip()
+            continue
+        out.append(line)
+    return pending, "".join(out).lstrip("\n")
+
+
+def join_pending(pending: dict, rest: str) -> str:
+    if not pending:
+        return rest
+    section = PENDING + "\n" + "".join(f"{k}: {v}\n" for k, v in sorted(pending.items()))
+    return section + ("\n" + rest if rest else "")
+
+
 def _with_desc(keys: dict, desc: list) -> dict:
     if desc:
         keys["description"] = "\n".join(desc)
@@ -842,7 +870,15 @@ class Node:
                 raise ApiError(500, f"CT is locked ({keys['lock']})")
             for k in filter(None, str(params.get("delete", "")).split(",")):
                 keys.pop(k.strip(), None)
-            keys.update(self.normalise(vmid, params, "local"))
+            values = self.normalise(vmid, params, "local")
+            if self.lxc.state(vmid) == "running":
+                later = {k: v for k, v in values.items() if k in PENDING_ON_RUNNING and str(keys.get(k)) != str(v)}
+                if later:
+                    pending, rest = split_pending(rest)
+                    pending.update(later)
+                    rest = join_pending(pending, rest)
+                    values = {k: v for k, v in values.items() if k not in later}
+            keys.update(values)
             self.write(vmid, keys, raw, rest)
             self.lxc.write_config(vmid, self.lxc_config(vmid))   # applies at the next start
 
@@ -857,6 +893,15 @@ class Node:
             os.unlink(self.conf_path(vmid))
         return self.task("vzdestroy", vmid, user, work)
 
+    def apply_pending(self, vmid: int) -> None:
+        """What a start does first: the [pve:pending] values become the config."""
+        with self.lock:
+            keys, raw, rest = self.read(vmid)
+            pending, rest = split_pending(rest)
+            if pending:
+                keys.update(pending)
+                self.write(vmid, keys, raw, rest)
+
     def start(self, vmid: int, user: str) -> str:
         keys, _, _ = self.read(vmid)
         if keys.get("lock"):
@@ -865,6 +910,7 @@ class Node:
         def work(log):
             if self.lxc.state(vmid) == "running":
                 raise RuntimeError(f"CT {vmid} already running")
+            self.apply_pending(vmid)
             self.lxc.write_config(vmid, self.lxc_config(vmid))
             self.lxc.start(vmid, log)
         return self.task("vzstart", vmid, user, work)
@@ -890,6 +936,7 @@ class Node:
                 return
             log(f"shutting down CT {vmid} (killed after {60 if timeout is None else timeout} s)")
             self.lxc.stop(vmid, 60 if timeout is None else timeout, True, log)
+            self.apply_pending(vmid)
             self.lxc.write_config(vmid, self.lxc_config(vmid))
             self.lxc.start(vmid, log)
         return self.task("vzreboot", vmid, user, work)

@@ -66,11 +66,13 @@ def dflash_nvidia_dev_entries(gpus, start: int = 0) -> dict:
     return {"dev%d" % (start + i): node for i, node in enumerate(dflash_gpu_device_nodes(gpus))}
 
 
-def dflash_stale_lines(current_raw, desired, majors=None) -> list:
+def dflash_stale_lines(current_raw, desired, majors=None, own_cpuset=False) -> list:
     """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
-    majors) that are in the config but no longer wanted."""
+    majors; the cpuset line when the role sets one) that are in the config but no longer wanted."""
     patterns = [r"lxc\.mount\.entry:\s*/dev/nvidia", r"lxc\.mount\.entry:\s*\S+\s+dev/shm\s",
                 r"lxc\.prlimit\.memlock:", r"lxc\.hook\.pre-start:\s*\S*dflash-nvidia-prestart\s"]
+    if own_cpuset:
+        patterns.append(r"lxc\.cgroup2?\.cpuset\.cpus:")
     for major in (majors or {}).values():
         patterns.append(r"lxc\.cgroup2?\.devices\.allow:\s*c\s+%d:" % int(major))
     return [line for line in current_raw
@@ -92,6 +94,20 @@ def dflash_pct_config(text: str) -> dict:
         else:
             keys[k.strip()] = v.strip()
     return {"keys": keys, "raw": raw}
+
+
+def dflash_pct_pending(text: str) -> list:
+    """The keys of a PVE container config's [pve:pending] section: changes PVE made to a running
+    container that it applies only at the next start (a `features` change, for one)."""
+    keys, inside = [], False
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("["):
+            inside = s == "[pve:pending]"
+            continue
+        if inside and s and not s.startswith("#"):
+            keys.append(s.partition(":")[0].strip())
+    return keys
 
 
 def dflash_conf_edit(text: str, add, remove) -> str:
@@ -141,6 +157,7 @@ class FilterModule:
             "dflash_nvidia_lxc_lines": dflash_nvidia_lxc_lines,
             "dflash_nvidia_dev_entries": dflash_nvidia_dev_entries,
             "dflash_pct_config": dflash_pct_config,
+            "dflash_pct_pending": dflash_pct_pending,
             "dflash_stale_lines": dflash_stale_lines,
             "dflash_same_opts": dflash_same_opts,
             "dflash_conf_edit": dflash_conf_edit,

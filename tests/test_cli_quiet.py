@@ -54,3 +54,22 @@ def test_a_normal_run_prints_only_our_lines(tmp_path):
     assert "training complete: 2 steps" in r.stdout, r.stdout[-2000:]
     foreign = [ln for ln in r.stdout.splitlines() if not re.match(r"\d{4}-\d\d-\d\dT[\d:.]+Z [A-Z]+ +trainer", ln)]
     assert not foreign, foreign
+
+
+def test_a_refused_start_says_why_in_status_json_of_an_existing_output_dir(tmp_path):
+    """Bad input at start is one line on stderr and exit 2; in a job's output dir status.json says failed
+    with the same reason (the fault suite's corrupt shard: since shards are hashed before any rank starts,
+    dflash-status showed the previous run's `done`). A mistyped output dir is not created."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "status.json").write_text('{"phase": "done", "step": 7}')
+    args = ["--target-model", str(tmp_path / "no-such-model"), "--data-dir", str(tmp_path), "--target-gpus", "cpu",
+            "--drafter-gpus", "cpu"]
+    r = _run("dflash-train", *args, "--output-dir", str(out), timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("dflash-train: error: --target-model")
+    import json
+    st = json.loads((out / "status.json").read_text())
+    assert st["phase"] == "failed" and st["error"] == r.stderr.strip().removeprefix("dflash-train: error: ")
+    assert st["step"] == 7
+    r = _run("dflash-train", *args, "--output-dir", str(tmp_path / "typo" / "out"), timeout=120)
+    assert r.returncode == 2 and not (tmp_path / "typo").exists()

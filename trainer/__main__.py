@@ -16,6 +16,7 @@ def main(argv=None) -> int:
 
     prog = "dflash-train"
     argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = None
     try:
         cfg = parse_args(argv, prog=prog)
         if cfg.check_config:
@@ -24,12 +25,36 @@ def main(argv=None) -> int:
             validate(cfg)  # before anything heavy loads; ranks validate again in setup
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        if cfg is not None and not cfg.check_config:
+            record_bad_input(cfg.status_file, f"{e}")
         return 2
     if in_launched_rank():
         from .train import train_rank
         return train_rank(cfg)
     from .dist import launch
     return launch(argv, cfg)
+
+
+def record_bad_input(status_file: str, error: str) -> None:
+    """A start refused as bad input says why in status.json too, as a rank's refusal does, so the operator's
+    view (dflash-status, the role's health check) names it instead of showing the previous run's phase.
+    Only into an output dir that exists (a job's): a mistyped path creates nothing; silent on failure."""
+    import os
+    import time
+    from pathlib import Path
+
+    from .status import atomic_write_json, read_status
+    if not Path(status_file).parent.is_dir():
+        return
+    try:
+        st = read_status(status_file)
+    except Exception:  # noqa: BLE001  missing or unreadable: a fresh record
+        st = {}
+    st.update(phase="failed", error=error, updated_at=time.time(), pid=os.getpid())
+    try:
+        atomic_write_json(status_file, st)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

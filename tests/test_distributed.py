@@ -252,3 +252,23 @@ def test_global_ranks_follow_node_rank_whatever_the_nodes_are_called(tiny_small_
     assert node0.returncode == 0 and node1.returncode == 0, (out0[-2000:], out1[-2000:])
     assert _status(out)["phase"] == "done"
     assert not (tmp_path / "node1" / "status.json").exists(), "node 1 held the leader"
+
+
+# ------------------------------------------------------------------------------- the logged loss
+
+def test_the_logged_loss_is_the_mean_per_supervised_token_whatever_the_grad_accum(tiny_small_dir, tmp_path):
+    """With a learning rate too small to move the weights, one step of 4 micro-batches logs the same loss
+    as the weighted mean of 4 steps of one: sum(w * CE) / sum(w). The loss used to be summed over the
+    step's micro-batches (about 4x at --grad-accum 4, 3 x 4 at 3 drafter ranks), so every layout, grad
+    accum and resume onto another number of drafter ranks logged another scale."""
+    extra = ["--max-steps", "4", "--lr", "1e-30", "--noise-start", "0", "--noise-end", "0"]
+    one, four = tmp_path / "ga1", tmp_path / "ga4"
+    assert train_main(tiny_args(tiny_small_dir, one, *extra, "--grad-accum", "1")) == 0
+    assert train_main(tiny_args(tiny_small_dir, four, *extra, "--grad-accum", "4", "--max-steps", "1")) == 0
+    recs1 = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()][:4]
+    rec4 = json.loads((four / "metrics.jsonl").read_text().splitlines()[0])
+    mean = sum(r["loss"] * r["loss_weight"] for r in recs1) / sum(r["loss_weight"] for r in recs1)
+    assert rec4["loss"] == pytest.approx(mean, rel=1e-5)
+    assert rec4["loss_weight"] == pytest.approx(sum(r["loss_weight"] for r in recs1), rel=1e-6)
+    # a per-token mean of the untrained drafter: about ln(vocab), nowhere near 4x of it
+    assert all(abs(r["loss"] - rec4["loss"]) < 0.5 * rec4["loss"] for r in recs1)

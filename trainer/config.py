@@ -155,6 +155,10 @@ class TrainConfig:
                                  "one per (target, drafter) pair, so a target's sends to different drafters never "
                                  "queue behind each other; world = the world group's one communicator, where NCCL "
                                  "runs a rank's sends in post order (docs/distributed.md)", choices=TRANSPORTS)
+    fsdp_prefetch: str = opt("step", "when a drafter rank all-gathers its FSDP shards: step = at the start of each "
+                                     "step, before any receive (the order that cannot hang on NCCL); forward = at "
+                                     "the first forward, FSDP's own order, which can (kept for the checker's "
+                                     "tests; docs/distributed.md)", choices=("step", "forward"))
     pad_multiple: int = opt(64, "pad each target batch's length up to a multiple of this (bounds the number "
                                 "of distinct batch shapes; 1 = no rounding)", ge=1)
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")

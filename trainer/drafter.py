@@ -168,6 +168,7 @@ class DrafterStage:
         self.metric = torch.zeros(self.layout.acc_size, device=device, dtype=torch.float32)  # loss, correct per slot
         self.poison = False
         self.tokens = 0
+        self.weight = 0.0          # the step's sum of loss weights (the logged loss is per unit of weight)
         self.pos_counts = np.zeros(bs, np.int64)
 
     def begin_step(self):
@@ -181,8 +182,10 @@ class DrafterStage:
         self.model.set_requires_gradient_sync(False)
         self.model.set_reshard_after_backward(False)
         if getattr(self.cfg, "fsdp_prefetch", "step") == "step":
-            for unit in fsdp_units(self.model):
-                unit.unshard(async_op=True)
+            # on this stage's stream: after the previous optimizer step wrote the shards it copies in
+            with device_ctx(self.device), stream_ctx(self.stream):
+                for unit in fsdp_units(self.model):
+                    unit.unshard(async_op=True)
 
     def _final_backward(self, last: bool):
         if last:   # this backward reduce-scatters the step's gradients and reshards the parameters
@@ -199,6 +202,7 @@ class DrafterStage:
         cfg, bs = self.cfg, self.dcfg.block_size
         plan = item.plan
         self.tokens += plan.num_tokens
+        self.weight += float(plan.weight_total)
         self.pos_counts += plan.pos_counts
         with device_ctx(self.device), stream_ctx(self.stream):
             e0, e1 = new_event(self.device, True), new_event(self.device, True)
@@ -231,14 +235,17 @@ class DrafterStage:
                                             fp32_logits=self.fp32_logits)
                 if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
                     loss = loss * float("nan")
+                if i == len(chunks) - 1:   # (no-op unless recording) the work, then the last backward's collectives
+                    oprecord.compute(self.stream, f"drafter fwd+bwd mb {item.seq_no}")
                 self._final_backward(last and i == len(chunks) - 1)
                 loss.backward()
                 valid = (dev["row_weight"] > 0).float()
-                self.metric[self.layout.loss] += loss.detach() / loss_scale
+                self.metric[self.layout.loss] += loss.detach() * norm      # this chunk's sum of w * CE
                 self.metric[self.layout.correct] += (correct * valid).view(-1, bs).sum(0)
-            if not chunks and last:
-                self._empty_backward()
-            oprecord.compute(self.stream, f"drafter fwd+bwd mb {item.seq_no}")   # no-op unless recording
+            if not chunks:
+                oprecord.compute(self.stream, f"drafter fwd+bwd mb {item.seq_no}")
+                if last:
+                    self._empty_backward()
             e1.record()
         return e0, e1
 
@@ -257,11 +264,12 @@ class DrafterStage:
     def step_vector(self) -> torch.Tensor:
         """This rank's numbers of the step as the drafter ranks sum them (StepLayout.summed); on this
         stage's stream."""
-        counts = torch.tensor([float(self.tokens), *self.pos_counts.tolist()], dtype=torch.float32,
+        counts = torch.tensor([float(self.tokens), self.weight, *self.pos_counts.tolist()], dtype=torch.float32,
                               pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         return self.layout.summed(self.metric, counts)
 
     def reset_counters(self):
         self.metric.zero_()
         self.tokens = 0
+        self.weight = 0.0
         self.pos_counts = np.zeros_like(self.pos_counts)

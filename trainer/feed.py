@@ -174,24 +174,31 @@ class Feed:
             raise RuntimeError(f"prefetch order broken: expected micro-batch {seq}, got {a.seq}")
         return item
 
-    def post_receives(self, r, stream, step: int, until: int | None = None):
-        """Post irecvs (Receiver r) for this step's upcoming drafter micro-batches, in order, as far as free
-        buffers allow; with `until`, block on the prefetcher until that micro-batch is posted."""
+    def post_receives(self, r, stream, step: int) -> None:
+        """Post irecvs (Receiver r) for this step's drafter micro-batches, in sequence order, as far as free
+        buffers allow, waiting for the prefetch thread where an item is not built yet. So the order of the
+        ops this rank issues is a function of the plan alone, never of how far the prefetch thread got: the
+        order streamcheck checks is the only one the code can issue. Only this step's: a stop agreed after
+        this step must leave no receive posted."""
         di = self.topo.drafter_index
-        while r.can_post():
-            posted = {p.seq for p in r.posted}
-            # only this step's: a stop agreed after this step must leave no receive posted
-            todo = [(a, it) for a, it in self.lookahead
-                    if a.drafter == di and a.step == step and a.seq not in posted]
-            if not todo:
-                need = until is not None and until not in posted
-                if not self.pull(block=need) and not need:
-                    return
+        for a in self.dispatch.step(step):
+            if a.drafter != di or a.seq <= r.last_posted:
                 continue
-            a, item = todo[0]
+            if not r.can_post():
+                return
+            item = self.peek(a.seq)
             rows = int(item.plan.num_ctx_rows)
             nf = int(item.final_gather.shape[0]) if item.final_gather is not None else 0
             r.post(a.seq, self.topo.target_ranks[a.target], rows, nf, stream)
+
+    def peek(self, seq: int):
+        """The work item of `seq` (this rank's), left in the lookahead; waits for the prefetch thread."""
+        while True:
+            for a, item in self.lookahead:
+                if a.seq == seq:
+                    return item
+            if not self.pull(block=True) and (self.thread is None or not self.thread.is_alive()) and self.q.empty():
+                raise TrainingFailed(f"prefetch thread ended before micro-batch {seq}")
 
     def stop(self):
         """The prefetch thread stops at its next put."""

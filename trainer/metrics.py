@@ -116,11 +116,13 @@ class Profiler:
 
 class StepLayout:
     """The per-step metric vector of the drafter ranks, one layout for the three places that touch it.
-    A drafter rank accumulates [loss, correct per block slot] on its stream (DrafterStage.metric, `acc`)
-    and counts [tokens, supervised rows per block slot] on the host (`counts`); summed() lays both out as
-    the drafter ranks all-reduce them, [loss, tokens, correct per slot, rows per slot]; host() puts the
-    optimizer's skipped flag and grad norm after the loss, the vector copied to the host; record() reads
-    that copy (one metrics.jsonl record)."""
+    A drafter rank accumulates [sum of w * CE, correct per block slot] on its stream (DrafterStage.metric,
+    `acc`) and counts [tokens, sum of loss weights w, supervised rows per block slot] on the host
+    (`counts`); summed() lays both out as the drafter ranks all-reduce them, [w * CE, tokens, w, correct
+    per slot, rows per slot]; host() puts the optimizer's skipped flag and grad norm after the first, the
+    vector copied to the host; record() reads that copy (one metrics.jsonl record). The logged loss is
+    sum(w * CE) / sum(w) over the step: the mean per supervised block token (weighted by the position
+    decay, as the recipe's loss), the same figure for any layout, grad accum or number of drafter ranks."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -128,7 +130,7 @@ class StepLayout:
         self.loss, self.correct = 0, slice(1, 1 + block_size)   # in `acc`
 
     def summed(self, acc, counts):
-        return torch.cat([acc[:1], counts[:1], acc[1:], counts[1:]])
+        return torch.cat([acc[:1], counts[:2], acc[1:], counts[2:]])
 
     def host(self, summed, skipped, grad_norm):
         return torch.cat([summed[:1], skipped.float().reshape(1), grad_norm.float().reshape(1).to(summed.device),
@@ -136,13 +138,14 @@ class StepLayout:
 
     def record(self, step: int, lr: float, values: list[float]) -> dict:
         bs = self.block_size
-        loss, skipped, gnorm, tokens = values[0], values[1] > 0, values[2], values[3]
-        correct = values[4:4 + bs]
-        counts = values[4 + bs:4 + 2 * bs]
+        wce, skipped, gnorm, tokens, weight = values[0], values[1] > 0, values[2], values[3], values[4]
+        correct = values[5:5 + bs]
+        counts = values[5 + bs:5 + 2 * bs]
         acc = [c / n if n else None for c, n in zip(correct, counts)]
+        loss = wce / weight if weight > 0 else float("nan")
         return {"step": step, "loss": loss if math.isfinite(loss) else None, "skipped": skipped,
                 "grad_norm": gnorm if math.isfinite(gnorm) else None, "lr": lr, "tokens": int(tokens),
-                "acc": acc[1:]}
+                "loss_weight": weight, "acc": acc[1:]}
 
 
 @dataclass

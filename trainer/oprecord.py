@@ -84,19 +84,38 @@ class RecEvent:
         return 0.0
 
 
-class RecWork:
+def _work_base():
+    import torch.distributed as dist
+    return dist.distributed_c10d.Work
+
+
+class RecWork(_work_base()):
     """A torch.distributed Work whose wait() is logged (a stream dependency for NCCL groups, a host wait
-    for gloo ones) before the real (gloo) wait."""
+    for gloo ones) before the real (gloo) wait. A Work subclass: FSDP2 waits on an all-gather's work only
+    when it is one (isinstance), and a wrapper that is not would skip the wait (and the recorded edge)."""
 
     def __init__(self, rec: "Recorder", work, op: int, nccl: bool):
+        super().__init__()
         self._rec, self._work, self._op, self._nccl = rec, work, op, nccl
 
     def wait(self, *a, **k):
         self._rec.waited(self._op, self._nccl)
         return self._work.wait(*a, **k) if self._work is not None else True
 
+    def is_completed(self):
+        return self._work.is_completed() if self._work is not None else True
+
+    def is_success(self):
+        return self._work.is_success() if self._work is not None else True
+
+    def result(self):
+        return self._work.result() if self._work is not None else []
+
+    def get_future(self):
+        return self._work.get_future()
+
     def __getattr__(self, name):
-        return getattr(self._work, name)
+        return getattr(self.__dict__["_work"], name)
 
 
 class Recorder:
@@ -309,7 +328,13 @@ def label(text: str) -> None:
         RECORDER.label(text)
 
 
-def compute(stream_obj, text: str) -> None:
-    """A marker for the work a stage just queued on `stream_obj` (for readable cycles)."""
+def mark(text: str) -> None:
+    """A boundary in the host program (the loop marks each step), for comparing programs step by step."""
     if RECORDER is not None:
-        RECORDER.program.compute(RECORDER.stream_name(stream_obj), text)
+        RECORDER.program.mark(text)
+
+
+def compute(stream_obj, text: str, dur: float = 0.0) -> None:
+    """A marker for the work a stage just queued on `stream_obj` (readable cycles; `dur` for a timed replay)."""
+    if RECORDER is not None:
+        RECORDER.program.compute(RECORDER.stream_name(stream_obj), text, dur)

@@ -70,7 +70,7 @@ class Program:
     # -- device ops ---------------------------------------------------------------------------------
     def _add(self, queue: str, kind: str, label: str, deps: Iterable[int] = (), key=None, dur=0.0,
              coll: str = "") -> int:
-        deps = [d for d in deps if d is not None] + self._pending_deps.pop(queue, [])
+        deps = list(dict.fromkeys([d for d in deps if d is not None] + self._pending_deps.pop(queue, [])))
         op = Op(len(self.ops), self.rank, queue, kind, label, deps, key, dur, coll)
         self.ops.append(op)
         self._tail[queue] = op.id
@@ -128,6 +128,20 @@ class Program:
     def host_wait(self, op: int | None) -> None:
         if op is not None:
             self.actions.append(("wait", op))
+
+    def mark(self, text: str) -> None:
+        """A boundary in the host program (a step's start); the replay ignores it."""
+        self.actions.append(("mark", text))
+
+    def marks(self) -> dict[str, int]:
+        """Each mark's text -> the number of ops issued before it."""
+        out, n = {}, 0
+        for kind, x in self.actions:
+            if kind == "issue":
+                n += 1
+            elif kind == "mark":
+                out[x] = n
+        return out
 
     def host_collective(self, group: str, name: str, label: str = "") -> int:
         """A blocking gloo collective: issued on the group's gloo queue, the host waits for it."""
@@ -238,6 +252,9 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
         p = by_rank[r]
         while pc[r] < len(p.actions):
             kind, i = p.actions[pc[r]]
+            if kind == "mark":
+                pc[r] += 1
+                continue
             gid = (r, i)
             if kind == "wait":
                 if gid not in complete:
@@ -399,6 +416,32 @@ def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, grou
     return lines or ["no progress (no cycle found): " + "; ".join(_stuck(by_rank, pc).values())]
 
 
+def window(p: Program, start: str, end: str) -> list[tuple]:
+    """What `p`'s host did between two marks, in a form two programs can be compared in: each op as
+    (queue, kind, label, collective, its dependencies as offsets back from itself, or "before" for an op
+    issued before `start`, its comm key without the running counter), each host wait likewise."""
+    marks = p.marks()
+    if start not in marks or end not in marks:
+        raise KeyError(f"rank {p.rank}: no mark {start!r} or {end!r}")
+    lo = marks[start]                       # op ids are issue order: ops before `start` have ids < lo
+    rel = lambda d, me: "before" if d < lo else str(me - d)   # noqa: E731
+    out, inside = [], False
+    for kind, x in p.actions:
+        if kind == "mark":
+            if x in (start, end):
+                inside = x == start
+            continue
+        if not inside:
+            continue
+        if kind == "wait":
+            out.append(("host waits", rel(x, lo)))
+            continue
+        o = p.ops[x]
+        key = None if o.key is None else (o.key[:2] if o.kind == "coll" else o.key[:-1])
+        out.append((o.queue, o.kind, o.label, o.coll, tuple(sorted(rel(d, o.id) for d in set(o.deps))), key))
+    return out
+
+
 def load_programs(paths) -> list[Program]:
     return [Program.from_json(json.loads(open(p).read())) for p in paths]
 
@@ -423,7 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("dir")
     c.add_argument("--p2p", choices=("shared", "pair"), default=None,
                    help="replay point-to-point on the group's communicator (eager init) or one per pair")
+    pl = sub.add_parser("plan", help="replay the trainer's loop over a DispatchPlan (trainer/opreplay.py) and check it")
+    pl.add_argument("--layouts", default="1+1,1+2,2+2,5+3,2+6,4+4x2",
+                    help="comma-separated: T+D on one node, or a name from opreplay.LAYOUTS (4+4x2: two nodes)")
+    pl.add_argument("--settings", default="orig,b16", help="bench settings (orig: the seed recipe)")
+    pl.add_argument("--steps", type=int, default=1000)
+    pl.add_argument("--transport", default="pair", help="comma-separated --transport values to compare")
+    pl.add_argument("--fsdp-prefetch", default="step", help="comma-separated --fsdp-prefetch values to compare")
+    pl.add_argument("--random", type=int, default=0, help="also this many randomized plans (layout, recipe, seed)")
+    pl.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.cmd == "plan":
+        return plan_main(args)
     if args.cmd == "check":
         from pathlib import Path
         files = sorted(Path(args.dir).glob("ops-rank*.json"))
@@ -437,6 +491,94 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(progs)} ranks, {sum(len(p.ops) for p in progs)} ops: {res.explain()}")
         return 0 if res.ok else 1
     return 2
+
+
+def timing(res: Result, programs: list[Program]) -> dict:
+    """A timed replay's figures. busiest_rank_s: the largest sum of one rank's compute durations (the slower
+    stage, if nothing ever waited); step_bound_s: the sum over steps of the busiest drafter rank's compute
+    in that step (the best any schedule with a per-step optimizer barrier can do). efficiency =
+    busiest / makespan; pipeline_efficiency = step bound / makespan (what the op order itself costs)."""
+    busy = {p.rank: sum(o.dur for o in p.ops if o.kind == "compute") for p in programs}
+    worst = max(busy.values(), default=0.0)
+    per_step: dict[int, float] = {}
+    for p in programs:
+        if "drafter" not in p.role:
+            continue
+        bounds = sorted((n, int(t.split()[1])) for t, n in p.marks().items() if t.startswith("step "))
+        for k, (lo, step) in enumerate(bounds):
+            hi = bounds[k + 1][0] if k + 1 < len(bounds) else len(p.ops)
+            d = sum(o.dur for o in p.ops[lo:hi] if o.kind == "compute" and o.label.startswith("drafter"))
+            per_step[step] = max(per_step.get(step, 0.0), d)
+    bound = sum(per_step.values())
+    ok = res.ok and res.makespan > 0
+    return {"makespan_s": round(res.makespan, 3), "busiest_rank_s": round(worst, 3), "step_bound_s": round(bound, 3),
+            "efficiency": round(worst / res.makespan, 4) if ok else None,
+            "pipeline_efficiency": round(bound / res.makespan, 4) if ok and bound else None}
+
+
+def run_plan(layout: str, setting: str, steps: int, **over) -> dict:
+    """Replay `steps` steps of `layout` at `setting` (opreplay) and check them; the result as a record."""
+    import time
+    from .opreplay import plan_programs
+    t0 = time.perf_counter()
+    progs = plan_programs(layout, setting, steps=steps, **over)
+    t1 = time.perf_counter()
+    res = simulate(progs)
+    rec = {"layout": layout, "setting": setting, "steps": steps, **over, "ranks": len(progs),
+           "ops": sum(len(p.ops) for p in progs), "hang": not res.ok, "cycle": res.cycle[:16],
+           "replay_s": round(t1 - t0, 1), "check_s": round(time.perf_counter() - t1, 1)}
+    if res.ok:
+        rec.update(timing(res, progs))
+    else:
+        rec["first_hang_step"] = _first_stuck_step(progs, res)
+    return rec
+
+
+def _first_stuck_step(programs: list[Program], res: Result) -> int | None:
+    """The earliest step (from the loop's marks) with an op that never completed."""
+    best = None
+    for p in programs:
+        marks = sorted((n, text) for text, n in p.marks().items() if text.startswith("step "))
+        done = {i for (r, i) in res.times if r == p.rank}
+        stuck = next((o.id for o in p.ops if o.id not in done), None)
+        if stuck is None:
+            continue
+        step = max((int(t.split()[1]) for n, t in marks if n <= stuck), default=0)
+        best = step if best is None else min(best, step)
+    return best
+
+
+def plan_main(args) -> int:
+    import itertools
+    import random
+    import sys
+    results = []
+    combos = list(itertools.product(args.layouts.split(","), args.settings.split(","), args.transport.split(","),
+                                    args.fsdp_prefetch.split(",")))
+    rng = random.Random(0)
+    for i in range(args.random):
+        t, d = rng.randint(1, 6), rng.randint(1, 6)
+        combos.append((f"{t}+{d}", rng.choice(["orig", "b16"]), rng.choice(args.transport.split(",")),
+                       rng.choice(args.fsdp_prefetch.split(",")),
+                       dict(seed=rng.randint(0, 10 ** 6), grad_accum=rng.randint(1, 6),
+                            queue_depth=rng.randint(1, 3), slots_per_worker=rng.randint(1, 4))))
+    for c in combos:
+        layout, setting, transport, prefetch = c[:4]
+        extra = c[4] if len(c) > 4 else {}
+        steps = args.steps if not extra else max(50, args.steps // 5)
+        rec = run_plan(layout, setting, steps, transport=transport, fsdp_prefetch=prefetch, **extra)
+        results.append(rec)
+        eff = (f"efficiency {rec['efficiency']:.3f} (of the step-barrier bound {rec['pipeline_efficiency']:.3f})"
+               if rec.get("efficiency") and rec.get("pipeline_efficiency") else "")
+        what = f"HANG (first at step {rec['first_hang_step']})" if rec["hang"] else "no hang"
+        print(f"{layout:>6} {setting:>4} {transport:>5} {prefetch:>7} {steps:5d} steps"
+              f"{' ' + str(extra) if extra else ''}: {what} {eff} ({rec['replay_s']}s + {rec['check_s']}s)",
+              flush=True)
+    if args.out:
+        import json
+        from pathlib import Path
+        Path(args.out).write_text(json.dumps({"results": results}, indent=1) + "\n")
+    return 1 if any(r["hang"] for r in results) else 0
 
 
 def with_p2p(p: Program, mode: str) -> Program:

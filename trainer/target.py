@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from .fast import sdpa_context
+from . import oprecord
 from .transport import Sender, Slot, device_ctx, new_event, new_stream, packed_numel, stream_ctx, unpack
 
 log = logging.getLogger("trainer.target")
@@ -116,6 +117,7 @@ class TargetStage:
                     decoder(self.model)(input_ids=ids, use_cache=False)
             finally:
                 self._cur = None
+            oprecord.compute(self.stream, f"target fwd+pack mb {item.seq_no}")   # no-op unless recording
             ev["done"].record()
             slot.ready = new_event(dev)
             slot.ready.record()

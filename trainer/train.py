@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, oprecord
 from .checkpoint import CheckpointError, Checkpointer, consolidated_state
 from .config import TrainConfig, validate
 from .data import DataError, DataPosition
@@ -250,7 +250,7 @@ class Trainer:
             self.drafter.begin_step()
         for a in work:
             if a.drafter == di and a.target != ti:
-                self.feed.post_receives(self.receiver, self.drafter.stream, self.step, until=a.seq)
+                self.feed.post_receives(self.receiver, self.drafter.stream, self.step)
             item = self.feed.next(a.seq)
             slot = None
             if a.target == ti:
@@ -290,7 +290,7 @@ class Trainer:
         with device_ctx(self.device), stream_ctx(d.stream):
             e0, e1 = new_event(self.device, True), new_event(self.device, True)
             e0.record()
-            vec = d.step_vector()   # metrics.StepLayout: [loss, tokens, correct per slot, rows per slot]
+            vec = d.step_vector()   # metrics.StepLayout: [w * CE, tokens, w, correct per slot, rows per slot]
             dist.all_reduce(vec, group=self.groups.drafters)
             loss = vec[0]
             lr = lr_at(self.step, cfg.lr, self.warmup_steps, self.total_steps)
@@ -329,6 +329,7 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 self.faults.before_step(self.step, self.drafter)
+                oprecord.mark(f"step {self.step}")   # streamcheck's step boundary (no-op unless recording)
                 epoch, _ = self.feed.position(self.step * self.batches_per_step)
                 self.train_step()
                 self.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.step))  # known on every rank

@@ -158,6 +158,7 @@ class Receiver:
         self.bufs = [torch.empty(capacity, device=device, dtype=dtype) for _ in range(depth)]
         self.free = deque(range(depth))
         self.posted: deque[Posted] = deque()
+        self.last_posted = -1          # the newest micro-batch posted (they are posted in sequence order)
         self.received = 0
 
     def can_post(self) -> bool:
@@ -171,6 +172,7 @@ class Receiver:
             oprecord.label(f"recv mb {seq} into buf {b} from rank {src_rank}")
             work = dist.irecv(self.bufs[b][:numel], src_rank, group=self.link(src_rank))
         self.posted.append(Posted(seq, b, work, rows, final_rows))
+        self.last_posted = seq
 
     def take(self, seq: int, stream=None):
         """The packed tensors of `seq` (the next posted one), with the compute stream ordered after the

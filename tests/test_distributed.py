@@ -272,3 +272,78 @@ def test_the_logged_loss_is_the_mean_per_supervised_token_whatever_the_grad_accu
     assert rec4["loss_weight"] == pytest.approx(sum(r["loss_weight"] for r in recs1), rel=1e-6)
     # a per-token mean of the untrained drafter: about ln(vocab), nowhere near 4x of it
     assert all(abs(r["loss"] - rec4["loss"]) < 0.5 * rec4["loss"] for r in recs1)
+
+
+# ----------------------------------------------------------- host phases longer than --dist-timeout
+
+@pytest.mark.slow
+def test_a_checkpoint_longer_than_the_dist_timeout_does_not_fail_the_job(tiny_small_dir, tmp_path):
+    """The leader's checkpoint is held 12 s (fault injection) with --dist-timeout 4: the target rank must
+    not sit in a send that times out meanwhile. Every rank waits for the checkpoint at the step it is
+    taken (a host-side barrier on the gloo control group, whose timeout is HOST_PHASE_TIMEOUT_S)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               DFLASH_FAULT_SLOW_CHECKPOINT="12")
+    argv = tiny_args(tiny_small_dir, out, "--max-steps", "5", "--save-interval", "2", "--dist-timeout", "4",
+                     *THREE_RANKS)
+    r = subprocess.run([sys.executable, "-m", "trainer", *argv], env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = _status(out)
+    assert st["phase"] == "done" and st["step"] == 5
+    assert (out / "step-00000002").is_dir() and (out / "step-00000004").is_dir()
+
+
+# ------------------------------------------------------------------------------- a dead rank
+
+@pytest.mark.slow
+def test_a_dead_rank_on_one_node_ends_the_job_on_the_other_within_a_minute(tiny_small_dir, tmp_path):
+    """Two nodes (two supervisors on loopback, 3 ranks each); a target rank of node 1 is SIGKILLed at step 2.
+    Node 1's launcher sees its rank die; node 0's sees nothing, and its ranks learn of the death from their
+    next op with the peer. With NCCL, destroy_process_group then waits for the ops that involve the dead
+    peer (until the NCCL timeout, 10 minutes): this test makes it block likewise (a sitecustomize on the
+    ranks' path). The job must still end on both nodes within 60 s of the death: a failing rank aborts
+    its process groups and exits."""
+    import socket
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import time\n"
+        "import torch.distributed as dist\n"
+        "def _stuck(*a, **k):   # NCCL: waits for ops the dead peer never completes\n"
+        "    time.sleep(10 ** 6)\n"
+        "dist.destroy_process_group = _stuck\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{hook}:{Path(__file__).parent.parent}",
+               DFLASH_FAULT_DIE_AT_STEP="2", DFLASH_FAULT_DIE_RANK="4")
+    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--stop-timeout", "300"),
+            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "600"]
+    node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
+                              "--status-file", str(tmp_path / "node1" / "status.json"),
+                              "--log-dir", str(tmp_path / "node1")],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        died = None
+        deadline = time.time() + 300
+        while any(p.poll() is None for p in (node0, node1)) and time.time() < deadline:
+            if died is None and any("killing itself" in f.read_text(errors="replace")
+                                    for f in (tmp_path / "node1").glob("*rank4.log")):
+                died = time.time()          # rank 4 logs this line, then SIGKILLs itself
+            if died is not None and time.time() - died > 90:
+                break
+            time.sleep(0.2)
+        assert died is not None, "rank 4 never reached its death"
+        assert node0.poll() is not None and node1.poll() is not None, \
+            f"still running {time.time() - died:.0f}s after the death: node0 {node0.poll()}, node1 {node1.poll()}"
+        assert time.time() - died < 60
+        assert node0.returncode != 0 and node1.returncode != 0
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()

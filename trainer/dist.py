@@ -151,6 +151,20 @@ class Groups:
         return {f"pair:{t}-{d}": [t, d] for t, d in self.pairs}
 
 
+def abort_groups() -> None:
+    """A failing rank's way out: abort every process group instead of destroying it. With a dead peer,
+    destroy_process_group waits for NCCL ops that will never complete (until the NCCL timeout, 10 minutes
+    by default), while the rank's exit is what tells the launcher, and through it every node, that the job
+    is over. Aborting frees the communicators at once."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # noqa: BLE001  (a backend without abort: the process exits anyway)
+        log.debug("abort of the process groups: %s", e)
+
+
 def in_launched_rank() -> bool:
     """True inside a process started by torchrun / elastic_launch (it sets RANK etc.)."""
     return all(k in os.environ for k in RANK_ENV)

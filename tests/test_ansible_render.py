@@ -5,6 +5,7 @@ template module on localhost), from inventory/production, so what is asserted he
 deploy.yml would install on CT 200.
 """
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -104,6 +105,14 @@ def test_run_sh_sets_the_allocator_before_the_trainer_starts(rendered):
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in text
     assert text.index("PYTORCH_CUDA_ALLOC_CONF") < text.index("exec ")
     assert 'export DFLASH_PROFILE_INTERVAL="${DFLASH_PROFILE_INTERVAL:-60}"' in text
+
+
+def test_run_sh_leaves_a_flight_recorder_dump_and_keeps_nvls_off(rendered):
+    """A hang on NCCL must leave each rank's last ops in the output dir, and NVLink multicast stays off."""
+    env = dict(re.findall(r"^export (\w+)=(\S+)$", (rendered / "run.sh").read_text(), re.M))
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/workspace/checkpoints/")
+    assert env["NCCL_NVLS_ENABLE"] == "0"
 
 
 def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):

@@ -118,8 +118,8 @@ def test_resolve_compile_and_flags():
     assert fast.resolve_compile("target", on_cpu=True) == "target"
     assert fast.wants("all", "drafter") and not fast.wants("target", "drafter")
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z"]
-    cfg = parse_args(base + ["--compile", "drafter", "--sdpa-backend", "flash", "--transport", "pinned"])
-    assert (cfg.compile, cfg.sdpa_backend, cfg.transport) == ("drafter", "flash", "pinned")
+    cfg = parse_args(base + ["--compile", "drafter", "--sdpa-backend", "flash", "--transport", "world"])
+    assert (cfg.compile, cfg.sdpa_backend, cfg.transport) == ("drafter", "flash", "world")
     with pytest.raises(ConfigError, match="--compile"):
         parse_args(base + ["--compile", "everything"])
 

@@ -60,7 +60,7 @@ VARIANTS = {
     "cudnn": {"sdpa_backend": "cudnn"},
     "any": {"sdpa_backend": "any"},      # PyTorch's choice (cuDNN on H200): the default before auto left cuDNN out
     "flash": {"sdpa_backend": "flash"},
-    "pinned": {"transport": "pinned"},
+    "world": {"transport": "world"},
     "pad1": {"pad_multiple": 1},   # each batch padded to its exact longest length (the old behaviour)
     # issue 15: each drafter change off alone, and all of them ("old": the drafter work as before)
     "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row

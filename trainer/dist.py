@@ -443,9 +443,10 @@ def _mark_failed(path: str, error: str) -> None:
     except Exception:  # noqa: BLE001
         st = {}
     if st.get("phase") == "failed" and st.get("error"):
-        st["error"] = f"{error}; {st['error']}"
-    else:
-        st.update(phase="failed", error=error)
+        rank_why = st["error"].split(": ", 1)[-1]     # the rank wrote "rank N: <why>"
+        if rank_why not in error:                      # the supervisor's line may quote it already
+            error = f"{error}; {st['error']}"
+    st.update(phase="failed", error=error)
     st["updated_at"] = time.time()
     st["pid"] = os.getpid()
     try:

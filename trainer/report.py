@@ -158,8 +158,9 @@ class Reporter:
                 if self.metrics_file is not None:
                     self.metrics_file.write(lines)
                 raise TrainingFailed(f"{self.nan_streak} consecutive optimizer steps had a non-finite loss or "
-                                     f"gradient (--max-nan-skips {self.cfg.max_nan_skips}); last good checkpoint "
-                                     f"{last_ckpt or 'none'} left untouched")
+                                     f"gradient (--max-nan-skips {self.cfg.max_nan_skips}); "
+                                     + (f"last good checkpoint {last_ckpt} left untouched" if last_ckpt
+                                        else "no checkpoint was written"))
         if self.metrics_file is not None:
             self.metrics_file.write(lines)
 

@@ -310,7 +310,7 @@ class StopVote:
     per rank; after step k it reads the vote of step k - lag, so every rank sees the same verdict at
     the same step, and target ranks running ahead rarely wait. Rates per rank come for free."""
 
-    FIELDS = ("stop", "items", "tokens", "busy_s", "wait_s")
+    FIELDS = ("stop", "items", "tokens", "busy_s", "wait_s", "peak_bytes")
 
     def __init__(self, topo: Topology, group, lag: int = 2):
         self.topo, self.group, self.lag = topo, group, lag

@@ -185,7 +185,7 @@ class Reporter:
         atomic_write_text(Path(self.cfg.output_dir) / "eval.json", json.dumps(dict(rec, checkpoint=ckpt), indent=2) + "\n")
 
     def rank_rates(self, wall: float) -> list[dict] | None:
-        """Per rank, from the newest stop vote: micro-batches per second, busy and waiting fractions."""
+        """Per rank, from the newest stop vote: micro-batches, busy and waiting seconds, peak GPU memory."""
         v = self.vote.last
         if v is None or wall <= 0:
             return None
@@ -193,7 +193,7 @@ class Reporter:
         for r, role in enumerate(self.topo.roles):
             kind = "target+drafter" if role.target and role.drafter else ("target" if role.target else "drafter")
             out.append({"rank": r, "role": kind, "items": int(v[r, 1]), "busy_s": round(float(v[r, 3]), 3),
-                        "wait_s": round(float(v[r, 4]), 3)})
+                        "wait_s": round(float(v[r, 4]), 3), "peak_gib": round(float(v[r, 5]) / 2 ** 30, 2)})
         return out
 
     def split_table(self, wall: float) -> str:

@@ -351,7 +351,9 @@ class Trainer:
                 self.step += 1
                 counters = {"items": self.items_done,
                             "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
-                            "wait_s": self.wait_s}
+                            "wait_s": self.wait_s,
+                            "peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                            else 0}
                 self.vote.post(self.step, self.stop_requested.is_set(), counters)
                 stop = self.vote.verdict(self.step)
                 if topo.is_drafter:

@@ -60,10 +60,13 @@ lane() {
 # Lane B, no containers, in three pytests that share nothing (own temp roots, free ports):
 #   P   -m "provision and not standin"  the provision playbook against the Proxmox API stand-in (it boots
 #                                        LXC containers behind the API and mostly waits on them);
-#   B1  the two files whose trainer runs take the most CPU (about half of lane B's time);
+#   B1  the files whose trainer runs take the most CPU (measured: test_trainer + test_regenerate alone
+#       took 713 s beside B2's 25+ min, so two more multi-rank files moved here);
 #   B2  everything else without a container (a new test file lands here).
 HEAVY=()
-for f in tests/test_trainer.py tests/test_regenerate.py; do [[ -f "$f" ]] && HEAVY+=("$f"); done
+for f in tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py; do
+    [[ -f "$f" ]] && HEAVY+=("$f")
+done
 lane P -m "provision and not standin"
 if (( ${#HEAVY[@]} )); then
     lane B1 -m "not standin and not provision" "${HEAVY[@]}"

@@ -61,7 +61,7 @@ lane() {
 #   P   -m "provision and not standin"  the provision playbook against the Proxmox API stand-in (it boots
 #                                        LXC containers behind the API and mostly waits on them);
 #   B1  the files whose trainer runs take the most CPU (measured: test_trainer + test_regenerate alone
-#       took 713 s beside B2's 25+ min, so two more multi-rank files moved here);
+#       took 713 s while B2 was at 45% after 14 min, so two more multi-rank files moved here);
 #   B2  everything else without a container (a new test file lands here).
 HEAVY=()
 for f in tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py; do

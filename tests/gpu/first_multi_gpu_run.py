@@ -123,8 +123,10 @@ def main() -> int:
     resumed, straight = work / "resumed", work / "straight"
     for d in (resumed, straight):
         subprocess.run(["rm", "-rf", str(d)], check=True)
+    for name in ("stopped", "resumed", "straight"):      # one log per run: recompiles are counted per run
+        (work / f"{name}.log").unlink(missing_ok=True)
     t0 = time.time()
-    run([*base, "--output-dir", str(resumed)], resumed, work / "resumed.log", a.step_bound, stop_at=a.steps // 2)
+    run([*base, "--output-dir", str(resumed)], resumed, work / "stopped.log", a.step_bound, stop_at=a.steps // 2)
     cut = status(resumed).get("step")
     st = run([*base, "--output-dir", str(resumed)], resumed, work / "resumed.log", a.step_bound)
     wall = time.time() - t0
@@ -136,8 +138,8 @@ def main() -> int:
               "argv": base, "steps": st.get("step"), "stopped_at": cut, "wall_s": round(wall, 1),
               "tokens_per_s": st.get("tokens_per_s"), "ranks": st.get("ranks"),
               "resumed_vs_straight": {"steps_compared": len(common), "max_rel_loss_diff": worst},
-              "recompiles_after_warmup": {"resumed": recompiles_after_warmup(work / "resumed.log"),
-                                          "straight": recompiles_after_warmup(work / "straight.log")}}
+              "recompiles_after_warmup": {name: recompiles_after_warmup(work / f"{name}.log")
+                                          for name in ("stopped", "resumed", "straight")}}
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

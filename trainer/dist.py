@@ -151,6 +151,21 @@ class Groups:
         return {f"pair:{t}-{d}": [t, d] for t, d in self.pairs}
 
 
+def hold_together(topo: Topology, groups: Groups, phase: str) -> None:
+    """Every rank waits here for the others (a barrier on the gloo control group, whose timeout is
+    HOST_PHASE_TIMEOUT_S) after a host-side phase some ranks spend longer in: the startup load and warmup
+    (a 27B target loads for minutes), a checkpoint (drafter ranks write tens of GB). A rank that went on
+    would post point-to-point ops that count against --dist-timeout (NCCL's watchdog times an op from
+    its enqueue) while the peer is still busy."""
+    if topo.world > 1:
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        dist.barrier(group=groups.control)
+        waited = time.perf_counter() - t0
+        if waited > 5:
+            log.info("waited %.0fs for every rank to finish %s", waited, phase)
+
+
 def abort_groups() -> None:
     """A failing rank's way out: abort every process group instead of destroying it. With a dead peer,
     destroy_process_group waits for NCCL ops that will never complete (until the NCCL timeout, 10 minutes

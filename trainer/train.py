@@ -34,7 +34,7 @@ from . import __version__, oprecord
 from .checkpoint import CheckpointError, Checkpointer, consolidated_state
 from .config import TrainConfig, validate
 from .data import DataError, DataPosition
-from .dist import Groups, StopVote, Topology, abort_groups, init_rank
+from .dist import Groups, StopVote, Topology, abort_groups, hold_together, init_rank
 from .drafter import DrafterStage, build_stage, resolve_mask_token, target_embed_head
 from .errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from .evaltrain import InTrainingEval, eval_record
@@ -317,20 +317,6 @@ class Trainer:
                self.report.extend)
         self.profiler.reset()
 
-    def hold_together(self, phase: str) -> None:
-        """Every rank waits here for the others (a barrier on the gloo control group, whose timeout is
-        dist.HOST_PHASE_TIMEOUT_S) after a host-side phase some ranks spend longer in: the startup load
-        and warmup (a 27B target loads for minutes), a checkpoint (drafter ranks write tens of GB). A
-        rank that went on would post point-to-point ops that count against --dist-timeout (NCCL's
-        watchdog times an op from its enqueue) while the peer is still busy."""
-        if self.topo.world > 1:
-            import torch.distributed as dist
-            t0 = time.perf_counter()
-            dist.barrier(group=self.groups.control)
-            waited = time.perf_counter() - t0
-            if waited > 5:
-                log.info("waited %.0fs for every rank to finish %s", waited, phase)
-
     def run(self) -> int:
         cfg, topo, report = self.cfg, self.topo, self.report
         self.warmup()
@@ -338,7 +324,7 @@ class Trainer:
             log.info("nothing to do: step %d of %d", self.step, self.total_steps)
             report.status.update(phase="done", step=self.step, force=True)
             return 0
-        self.hold_together("the load and warmup")
+        hold_together(self.topo, self.groups, "the load and warmup")
         self.feed.start(self.step, self.total_steps)
         report.begin(self.step, self.total_steps, self.ckpt.resumed_from, self.ckpt.last)
         try:
@@ -371,7 +357,7 @@ class Trainer:
                     if report.nan_streak == 0 and not (self.ckpt.last or "").endswith(f"{self.step:08d}"):
                         self.save_checkpoint("SIGTERM" if stop else ("interval" if not final else "final"))
                 if checkpoint_due:
-                    self.hold_together("the checkpoint")
+                    hold_together(self.topo, self.groups, "the checkpoint")
                 if stop:
                     log.info("stop requested: stopped cleanly at step %d", self.step)
                     report.status.update(phase="done", step=self.step, error=None, force=True)

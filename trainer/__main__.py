@@ -25,7 +25,7 @@ def main(argv=None) -> int:
             validate(cfg)  # before anything heavy loads; ranks validate again in setup
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        if cfg is not None and not cfg.check_config:
+        if cfg is not None and not cfg.check_config and not e.leave_output:
             record_bad_input(cfg.status_file, f"{e}")
         return 2
     if in_launched_rank():

@@ -43,7 +43,13 @@ WANDB_MODES = ("disabled", "offline", "online")
 
 
 class ConfigError(ValueError):
-    """Bad input; the message starts with the flag or file it is about."""
+    """Bad input; the message starts with the flag or file it is about. `leave_output`: the refusal leaves
+    the output dir as it is, status.json included (a resume onto another target: issue 30's contract);
+    other refusals at start say why in an existing status.json (__main__.record_bad_input)."""
+
+    def __init__(self, message: str, *, leave_output: bool = False):
+        super().__init__(message)
+        self.leave_output = leave_output
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, group: str = "operations",
@@ -573,7 +579,7 @@ def check_resume_target(cfg: TrainConfig, target) -> list[str]:
         allowed = identity.check(trained, target, flag="--target-model", what="the checkpoint",
                                  allow=cfg.allow_target_change, where=f"resuming {latest}")
     except identity.TargetMismatch as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e), leave_output=True) from None
     if allowed:
         logging.getLogger("trainer.identity").warning(
             "%s: resuming %s on a different target (%s); from now on its checkpoints record the new target: %s",

@@ -104,11 +104,31 @@ def _is_console(h: logging.Handler) -> bool:
         sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
 
 
+class _StdHandler(logging.StreamHandler):
+    """A console handler on whatever sys.stdout or sys.stderr is when a record is emitted, not when the
+    handler was installed: a process that swaps them (pytest's capture between tests) would otherwise
+    keep writing to a closed stream, and logging's error report about it lands in the next caller's
+    stderr."""
+
+    def __init__(self, which: str):
+        self._which = which          # "stdout" or "stderr" (logging.Handler owns self._name)
+        super().__init__()
+
+    @property
+    def stream(self):
+        return getattr(sys, self._which)
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _console_handlers(out: TextIO | None, err: TextIO | None, log_file=None) -> list[logging.Handler]:
     fmt = ConsoleFormatter(LOG_FORMAT, log_file)
-    so = logging.StreamHandler(out if out is not None else sys.stdout)
+    so = logging.StreamHandler(out) if out is not None else _StdHandler("stdout")
     so.addFilter(_Below(logging.ERROR))
-    se = logging.StreamHandler(err if err is not None else (out if out is not None else sys.stderr))
+    se = (logging.StreamHandler(err) if err is not None else
+          logging.StreamHandler(out) if out is not None else _StdHandler("stderr"))
     se.setLevel(logging.ERROR)
     for h in (so, se):
         h.addFilter(_on_console)

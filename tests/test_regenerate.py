@@ -308,3 +308,18 @@ def test_fused_small_ops_give_the_same_tokens(target, tiny_small_dir):
     fused = GraphDecoder(target, "cpu", fuse=True, **kw).generate(prompts, range(4))
     assert all(np.array_equal(a, b) for a, b in zip(ref, fused))
     assert (mq.Qwen3RMSNorm.forward, mq.apply_rotary_pos_emb, mq.Qwen3MLP.forward) == before
+
+
+def test_the_index_records_the_targets_tokenizer_as_prepare_does(tiny_small_dir, tmp_path):
+    """Issue 29: the trainer and dflash-eval check data against their target by index.json's "target";
+    regenerated shards carry it (the same record dflash-prepare writes), so a wrong target is refused."""
+    from trainer.identity import RECORD_KEY, TargetMismatch, check_data_tokenizer, of_target, record_for_data
+    out = tmp_path / "regen"
+    regenerate(tiny_small_dir / "data", tiny_small_dir / "target", out, batch_size=8, max_new_tokens=4,
+               shard_size=64, **QUIET)
+    index = json.loads((out / "index.json").read_text())
+    assert index[RECORD_KEY] == record_for_data(tiny_small_dir / "target")
+    check_data_tokenizer(index, of_target(tiny_small_dir / "target"), "--data-dir", out)   # accepted
+    other = dict(index, **{RECORD_KEY: dict(index[RECORD_KEY], tokenizer="0" * 64, vocab_size=7)})
+    with pytest.raises(TargetMismatch):
+        check_data_tokenizer(other, of_target(tiny_small_dir / "target"), "--data-dir", out)

@@ -299,6 +299,17 @@ class _Progress:
 # Driver
 
 
+def _target_record(target) -> dict:
+    """index.json's "target" key, as dflash-prepare writes it (trainer/identity.py): the tokenizer the
+    shards were made with, so the trainer and dflash-eval can check the data against their target. A
+    target whose identity cannot be read records nothing (the run itself already loaded it)."""
+    from .identity import RECORD_KEY, record_for_data
+    try:
+        return {RECORD_KEY: record_for_data(target)}
+    except (OSError, ValueError):
+        return {}
+
+
 def regenerate(
     data_dir: str | os.PathLike | None,
     target_model: str | os.PathLike,
@@ -431,6 +442,7 @@ def regenerate(
 
         entries = [manifest["done"][str(k)] for k in range(num_shards)]
         extra = {"regenerated": {k: v for k, v in config.items() if k != "num_records"}}
+        extra.update(_target_record(target))
         index = write_index(out, entries, tokenizer_name=str(target), extra=extra)
         manifest["complete"] = True
         atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")

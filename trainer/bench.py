@@ -67,6 +67,9 @@ VARIANTS = {
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
     "ctxcopy": {"flex_ctx_group": 16},       # context copies per 16 query tiles (the default at 19ee62b)
+    # issue 29: FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
+    # by log-sum-exp (our key of --flex-kernel-options; combine with fk* variants by hand)
+    "split": {"flex_kernel_options": "SPLIT_BLOCKS=true"},
     "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False, "flex_ctx_group": 0},
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},

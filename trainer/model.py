@@ -176,6 +176,99 @@ def context_copies(t: torch.Tensor, tc: int, kv_ctx: torch.Tensor) -> torch.Tens
     return torch.cat([t[:tc].float().index_select(0, kv_ctx).to(t.dtype), t[tc:]], dim=0)
 
 
+def ctx_flex_lists(num: torch.Tensor, idx: torch.Tensor | None, tc: int):
+    """A chunk's tile lists (plan.flex_block_sparsity: per query tile its context tiles first, then the tiles
+    of its own blocks) cut to the context tiles (index < tc / FLEX_BLOCK): the lists of the context-only
+    mask of the split path. The context prefix of each list stays as it was; the block tiles drop out."""
+    if num is None:
+        return None, None
+    n = tc // FLEX_BLOCK
+    idx = idx[..., :n]
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    return (listed & (idx < n)).sum(-1, dtype=torch.int32), idx
+
+
+def _ctx_mask_mod(meta: PackedMeta):
+    """Context-only mask of the split path: a block row sees context rows of its sequence before its anchor."""
+    ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
+
+    def mask_mod(b, h, q, kv):
+        kc = torch.clamp(kv, max=ctx_seq.shape[0] - 1)
+        return (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q])
+
+    return mask_mod
+
+
+def ctx_attention_flex(q, k, v, meta: PackedMeta, kernel_options=None):
+    """Context part of the split path through FlexAttention: q [1, nh, Tq, hd], k/v [1, nkv, Tc, hd] ->
+    (out [Tq, nh, hd] in q's dtype, lse [Tq, nh] fp32; -inf for a row that sees no context, its out 0)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    tq, tc = q.shape[2], k.shape[2]
+    num, idx = ctx_flex_lists(meta.kv_num_blocks, meta.kv_indices, tc)
+    fnum, fidx = ctx_flex_lists(meta.full_kv_num_blocks, meta.full_kv_indices, tc)
+    block_mask = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=_ctx_mask_mod(meta),
+                                          seq_lengths=(tq, tc))
+    out, lse = _flex_with_lse(flex_attention_fn(q.device), q, k, v, block_mask, q.shape[1] != k.shape[1],
+                              kernel_options)
+    return out[0].transpose(0, 1), _acc(lse[0].transpose(0, 1))
+
+
+def _flex_with_lse(fn, q, k, v, block_mask, gqa, kernel_options):
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:   # torch < 2.9
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=kernel_options, return_lse=True)
+    out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=kernel_options,
+                  return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def ctx_attention_dense(q, k, v, meta: PackedMeta, kernel_options=None):
+    """The same as ctx_attention_flex by a dense mask in fp32 (the CPU reference; FlexAttention has no
+    backward on the CPU)."""
+    nh, nkv = q.shape[1], k.shape[1]
+    qf, kf, vf = (_acc(t[0]) for t in (q, k, v))
+    kf, vf = (t.repeat_interleave(nh // nkv, 0) for t in (kf, vf))
+    ctx_ok = (meta.ctx_seq[None, :] == meta.q_seq[:, None]) & (meta.ctx_pos[None, :] < meta.q_anchor[:, None])
+    s = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    m = s.masked_fill(~ctx_ok, float("-inf")).amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)) * ctx_ok
+    den = p.sum(-1)                                                # [nh, Tq]; 0 where no context is visible
+    seen = den > 0
+    safe = torch.where(seen, den, 1.0)
+    lse = torch.where(seen, torch.log(safe) + m[..., 0], float("-inf"))
+    return (p @ vf / safe[..., None]).transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for bf16/fp16/fp32 work, float64 stays float64 (the tests' references)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def block_attention(q, k, v, block_size: int):
+    """In-block part of the split path: every row of a block sees every row of its block (bidirectional),
+    nothing else. q [Tq, nh, hd], k/v [Tq, nkv, hd] of the block rows -> (out [Tq, nh, hd], lse [Tq, nh]),
+    both fp32. A block is a tiny dense attention (block_size^2 scores per head), batched over blocks."""
+    tq, nh, hd = q.shape
+    nkv = k.shape[1]
+    qb = _acc(q).view(-1, block_size, nkv, nh // nkv, hd)          # head h uses kv head h // (nh / nkv)
+    kb, vb = (_acc(t).view(-1, block_size, nkv, hd) for t in (k, v))
+    s = torch.einsum("bqgrd,bkgd->bgrqk", qb, kb) * hd ** -0.5
+    lse = torch.logsumexp(s, -1)                                   # [nb, nkv, r, B]
+    o = torch.einsum("bgrqk,bkgd->bqgrd", torch.exp(s - lse[..., None]), vb)
+    return o.reshape(tq, nh, hd), lse.permute(0, 3, 1, 2).reshape(tq, nh)
+
+
+def merge_attention(o1, lse1, o2, lse2):
+    """Attention over the union of two disjoint key sets from each set's normalised output and log-sum-exp
+    ([T, nh, hd], [T, nh]). lse1 may be -inf (no key in the first set): its weight is then 0."""
+    lse = torch.logaddexp(lse1, lse2)
+    return _acc(o1) * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None]
+
+
+CTX_ATTENTION = {"flex": ctx_attention_flex, "dense": ctx_attention_dense}
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose K/V are cat(proj(ctx), proj(block)): context injected as keys and values."""
 
@@ -190,6 +283,10 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.kernel_options: dict | None = None  # FlexAttention's (--flex-kernel-options, set by build_drafter)
+        # --flex-split-blocks (set by build_drafter): with the flex backend, FlexAttention over the context keys
+        # only and the in-block part apart, merged by log-sum-exp. "dense": the context part by a dense mask
+        # (the CPU's stand-in; FlexAttention has no backward there). None: one FlexAttention over both.
+        self.split_blocks: str | None = None
 
     def forward(self, x, ctx, rope_q, rope_ctx, meta: PackedMeta, backend: str):
         tq, tc = x.shape[0], ctx.shape[0]
@@ -202,6 +299,14 @@ class DFlashAttention(nn.Module):
         # [T, heads, hd] layout: rope broadcast over heads (unsqueeze_dim=1)
         q, _ = apply_rotary_pos_emb(q, q, cos_q, sin_q, unsqueeze_dim=1)
         k, _ = apply_rotary_pos_emb(k, k, cos_k, sin_k, unsqueeze_dim=1)
+        if backend == "flex" and self.split_blocks:
+            if meta.kv_ctx is not None:
+                raise ValueError("--flex-split-blocks needs --flex-ctx-group 0")
+            oc, lc = CTX_ATTENTION[self.split_blocks](q.transpose(0, 1).unsqueeze(0), k[:tc].transpose(0, 1).unsqueeze(0),
+                                                      v[:tc].transpose(0, 1).unsqueeze(0), meta, self.kernel_options)
+            ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
+            out = merge_attention(oc, lc, ob, lb).to(q.dtype).reshape(tq, self.nh * self.hd)
+            return self.o_proj(out)
         if backend == "flex" and meta.kv_ctx is not None:
             k, v = (context_copies(t, tc, meta.kv_ctx) for t in (k, v))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, hd]

@@ -279,3 +279,90 @@ def test_eval_bad_arguments_exit_2_with_one_line(target, tiny_small_dir, tmp_pat
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("dflash-eval: error: ") and needle in err, err
 
+
+
+# ------------------------------------------------------------------------------- the batched loop (issue 29)
+
+
+@pytest.fixture(scope="module")
+def quick_trained(target, tiny_small_dir):
+    """3 epochs: accept lengths of 1 and 2 (some 4) on the held-out prompts, enough to tell loops apart."""
+    return train_drafter(target, tiny_small_dir / "data", epochs=3)
+
+
+@pytest.fixture(scope="module")
+def all_prompts(tiny_small_dir):
+    return heldout_prompts(load_dataset(tiny_small_dir / "heldout"), 8)
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_the_batched_loop_gives_each_prompts_accept_lengths_and_tokens_of_the_single_loop(
+        target, quick_trained, all_prompts, batch_size):
+    """Prompts of different lengths share a step, each row at its own position; with stop tokens some rows
+    end early (frozen in the batch); a short last batch (8 = 3 + 3 + 2) repeats a finished row."""
+    from trainer.fastgen import BatchedSpecDecoder
+    cfg, model = quick_trained
+    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
+    max_new = 48
+    ref = [dflash_generate(hf, target, torch.as_tensor(p)[None], max_new, []) for p in all_prompts]
+    # stops: tokens the greedy continuations emit part-way, so rows stop at different steps
+    stops = sorted({ref[0].output_ids[0, len(all_prompts[0]) + 20].item(),
+                    ref[3].output_ids[0, len(all_prompts[3]) + 9].item()})
+    for stop_ids in ([], stops):
+        single = [dflash_generate(hf, target, torch.as_tensor(p)[None], max_new, stop_ids) for p in all_prompts]
+        dec = BatchedSpecDecoder(target, hf, "cpu", batch_size, max_new, stop_ids)
+        batched = [row for i in range(0, len(all_prompts), batch_size)
+                   for row in dec.generate(all_prompts[i:i + batch_size])]
+        for p, s, (lengths, toks) in zip(all_prompts, single, batched):
+            assert lengths == s.accept_lengths
+            assert toks.tolist() == s.output_ids[0, len(p):].tolist()
+        assert max(n for s in single for n in s.accept_lengths) > 1      # not trivially all ones
+    assert any(len(s.output_ids[0]) - len(p) < max_new for p, s in zip(all_prompts, single))   # some stopped
+
+
+def test_tau_of_the_batched_loop_equals_the_single_loops(target, quick_trained, tiny_small_dir):
+    """Through evaluate(): the same tau, histogram and per-position acceptance, loop recorded."""
+    cfg, model = quick_trained
+    ds = load_dataset(tiny_small_dir / "heldout")
+    runs = {loop: evaluate(target, model, cfg, ds, torch.device("cpu"), max_prompts=8, max_new_tokens=40,
+                           loop=loop, batch_size=5) for loop in ("single", "batched")}
+    for key in ("tau", "verify_steps", "new_tokens", "per_position_acceptance", "accept_length_histogram"):
+        assert runs["single"][key] == runs["batched"][key], key
+    assert (runs["single"]["loop"], runs["batched"]["loop"]) == ("single", "batched")
+    assert runs["batched"]["tau"] > 1.0
+
+
+def test_loop_auto_batches_greedy_evals_and_keeps_the_single_loop_for_sampling():
+    from trainer.evaluate import resolve_loop
+    assert resolve_loop("auto", 0.0) == "batched" and resolve_loop("auto", 0.7) == "single"
+    assert resolve_loop("single", 0.0) == "single"
+    with pytest.raises(ValueError, match="--loop batched: greedy only"):
+        resolve_loop("batched", 0.7)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--loop", "batched", "--temperature", "0.5"], "--loop batched: greedy only (--temperature 0)"),
+    (["--loop", "fast"], "--loop: expected one of auto, batched, single, got 'fast'"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+])
+def test_eval_bad_loop_arguments_exit_2_with_one_line(target, tiny_small_dir, tmp_path, capsys, extra, needle):
+    cfg = drafter_config(target)
+    CheckpointManager(tmp_path / "run").save(1, DFlashDrafter(cfg).state_dict(), cfg.to_dict(), {})
+    rc = eval_main(["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(tmp_path / "run"),
+                    "--data-dir", str(tiny_small_dir / "heldout"), "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("dflash-eval: error: ") and needle in err, err
+
+
+def test_cli_runs_both_loops_with_the_same_tau(target, tiny_small_dir, tmp_path, capsys):
+    cfg, model = untrained(target)
+    CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
+    res = {}
+    for loop in ("single", "batched"):
+        assert eval_main(["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(tmp_path / "run"),
+                          "--data-dir", str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "3",
+                          "--max-new-tokens", "12", "--no-block-accuracy", "--loop", loop, "--batch-size", "2",
+                          "--json"]) == 0
+        res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
+    assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]

@@ -15,6 +15,11 @@ Greedy (temperature 0) by default; temperature > 0 runs standard speculative sam
 
     dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
                 [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
+                [--loop auto|batched|single] [--batch-size 16]
+
+The batched loop (greedy; trainer/fastgen.py BatchedSpecDecoder) verifies --batch-size prompts per step,
+each row at its own position, with the step captured as CUDA graphs on GPUs; the single loop runs one
+prompt at a time. Both give the same accept lengths (tests/test_eval_specgen.py).
 
 Public entry point for the trainer: `evaluate_checkpoint(checkpoint, target_model, eval_data)`.
 """
@@ -93,22 +98,61 @@ def heldout_prompts(dataset, max_prompts: int) -> list[np.ndarray]:
 # ------------------------------------------------------------------------------- tau by generation
 
 
+LOOPS = ("auto", "batched", "single")
+EVAL_BATCH = 16   # prompts verified together by the batched loop
+
+
+def resolve_loop(loop: str, temperature: float) -> str:
+    """auto: the batched loop for greedy evals, today's one-prompt loop for sampling (ValueError naming the
+    flag when the batched loop is asked for a sampled eval)."""
+    if loop not in LOOPS:
+        raise ValueError(f"--loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "auto":
+        return "batched" if temperature <= 0 else "single"
+    if loop == "batched" and temperature > 0:
+        raise ValueError(f"--loop batched: greedy only (--temperature 0), got --temperature {temperature}; "
+                         "use --loop single for sampling")
+    return loop
+
+
 @torch.no_grad()
-def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-                     temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0) -> dict:
-    """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
+def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                  temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0, loop: str = "single",
+                  batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> list[tuple[list[int], int]]:
+    """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
+    loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
+    (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs)."""
     dev = next(target.parameters()).device
-    bs = drafter.block_size
-    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
-    lengths: list[int] = []
-    new_tokens = 0
-    t0 = time.perf_counter()
+    loop = resolve_loop(loop, temperature)
+    if loop == "batched":
+        from .fastgen import BatchedSpecDecoder
+        dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
+                                 graphs=graphs)
+        return [(lengths, len(toks)) for i in range(0, len(prompts), dec.batch)
+                for lengths, toks in dec.generate(prompts[i:i + dec.batch])]
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    each = []
     for p in prompts:
         ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
         res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen)
-        lengths += res.accept_lengths
-        new_tokens += res.output_ids.shape[1] - res.num_prompt_tokens
+        each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
+    return each
+
+
+@torch.no_grad()
+def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                     temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0,
+                     loop: str = "single", batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> dict:
+    """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
+    dev = next(target.parameters()).device
+    bs = drafter.block_size
+    loop = resolve_loop(loop, temperature)
+    t0 = time.perf_counter()
+    each = generate_each(target, drafter, prompts, max_new_tokens, temperature, stop_ids, seed, loop, batch_size,
+                         graphs)
+    lengths = [n for steps, _ in each for n in steps]
+    new_tokens = sum(n for _, n in each)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     secs = time.perf_counter() - t0
@@ -125,6 +169,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
         "block_size": bs,
         "temperature": float(temperature),
         "max_new_tokens": int(max_new_tokens),
+        "loop": loop,
         "seconds": round(secs, 3),
         "verify_steps_per_s": round(len(arr) / secs, 2) if secs > 0 else None,
     }
@@ -187,13 +232,16 @@ def block_accuracy(target, drafter: DFlashDrafter, cfg: DFlashConfig, dataset, d
 
 def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device, max_prompts: int = EVAL_PROMPTS,
              max_new_tokens: int = EVAL_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
-             with_block_accuracy: bool = False) -> dict:
-    """tau by speculative generation for a drafter object (trainer's class or the servable one)."""
+             with_block_accuracy: bool = False, loop: str = "single", batch_size: int = EVAL_BATCH,
+             graphs: bool | None = False) -> dict:
+    """tau by speculative generation for a drafter object (trainer's class or the servable one). `loop`,
+    `batch_size`, `graphs`: as `generate_each` (the trainer's own eval keeps the one-prompt loop)."""
     hf = _as_hf(drafter, dcfg).to(device)
     prompts = heldout_prompts(dataset, max_prompts)
     if not prompts:
         raise ValueError("no held-out record has a prompt (tokens before its first supervised one)")
-    res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed)
+    res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed, loop=loop,
+                           batch_size=batch_size, graphs=graphs)
     if with_block_accuracy:
         packed = drafter if isinstance(drafter, DFlashDrafter) else None
         if packed is None:
@@ -205,24 +253,26 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
 
 def evaluate_state(cfg: DFlashConfig, state: dict[str, torch.Tensor], target, dataset, device: torch.device,
                    dtype: torch.dtype, max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-                   temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True) -> dict:
+                   temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, loop: str = "single",
+                   batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> dict:
     """tau for drafter weights `state` (a consolidated state dict, as model.safetensors holds it) against an
     already loaded `target`: what evaluate_checkpoint runs after reading the files, and what the trainer runs
     during training on the current weights (trainer/evaltrain.py), so the two agree by construction."""
     drafter = hf_drafter(cfg, state, device, dtype)
     return evaluate(target, drafter, cfg, dataset, device, max_prompts, max_new_tokens, temperature, seed,
-                    with_block_accuracy)
+                    with_block_accuracy, loop, batch_size, graphs)
 
 
 def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, device: str | None = None,
                         max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                         temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
-                        out_dir: str | None = None) -> dict:
+                        out_dir: str | None = None, loop: str = "auto", batch_size: int = EVAL_BATCH,
+                        graphs: bool | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
     loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
     "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
-    `out_dir/eval.json`."""
+    `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too)."""
     from .data import load_dataset
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -233,7 +283,7 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     if target is None:
         target = load_target(target_model, dev, dtype)
     res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
-                         temperature, seed, with_block_accuracy)
+                         temperature, seed, with_block_accuracy, loop, batch_size, graphs)
     from .checkpoint import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
@@ -245,13 +295,16 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     return res
 
 
-def check_eval_args(max_prompts: int, max_new_tokens: int, temperature: float) -> None:
+def check_eval_args(max_prompts: int, max_new_tokens: int, temperature: float, loop: str = "auto",
+                    batch_size: int = EVAL_BATCH) -> None:
     """The bounds of one eval; ValueError naming the flag (dflash-eval prints it as its one line)."""
-    for flag, v in (("--max-prompts", max_prompts), ("--max-new-tokens", max_new_tokens)):
+    for flag, v in (("--max-prompts", max_prompts), ("--max-new-tokens", max_new_tokens),
+                    ("--batch-size", batch_size)):
         if v < 1:
             raise ValueError(f"{flag}: must be >= 1, got {v}")
     if not temperature >= 0:
         raise ValueError(f"--temperature: must be >= 0, got {temperature}")
+    resolve_loop(loop, temperature)
 
 
 def parse_device(text: str) -> torch.device:
@@ -283,6 +336,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loop", default="auto", metavar="|".join(LOOPS),
+                   help="batched: --batch-size prompts verified per step, the step captured as CUDA graphs on GPUs "
+                        "(greedy only); single: one prompt at a time (the loop serving exports ship); auto: batched "
+                        "for --temperature 0, else single. Both give the same accept lengths")
+    p.add_argument("--batch-size", type=int, default=EVAL_BATCH, help="prompts per step of the batched loop")
     p.add_argument("--no-block-accuracy", action="store_true", help="skip the teacher-forced figure")
     p.add_argument("--untrained", action="store_true", help="re-initialise the drafter (baseline)")
     p.add_argument("--allow-target-change", action="store_true",
@@ -298,7 +356,7 @@ def main(argv=None) -> int:
     try:
         if not src:
             raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
-        check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature)
+        check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature, a.loop, a.batch_size)
         dev = parse_device(a.device)
         check_model_dir(a.target_model)
         ds = load_dataset(a.data_dir)
@@ -320,13 +378,14 @@ def main(argv=None) -> int:
     drafter = hf_drafter(cfg, state, dev, dtype)
     target = load_target(a.target_model, dev, dtype)
     res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
-                   not a.no_block_accuracy)
+                   not a.no_block_accuracy, a.loop, a.batch_size, graphs=None)
     res["checkpoint"] = str(ckpt)
     if a.json:
         print(json.dumps(res))
     else:
         print(f"tau {res['tau']:.3f} over {res['verify_steps']} verify steps, {res['prompts']} prompts "
-              f"(block size {cfg.block_size}, temperature {a.temperature}; {res['verify_steps_per_s']} steps/s)")
+              f"(block size {cfg.block_size}, temperature {a.temperature}; {res['loop']} loop, "
+              f"{res['verify_steps_per_s']} steps/s)")
         print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in res["per_position_acceptance"]))
         if "block_accuracy" in res:
             print(f"teacher-forced (not tau): block accuracy {res['block_accuracy']:.3f}, "

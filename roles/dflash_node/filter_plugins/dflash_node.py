@@ -63,7 +63,13 @@ def dflash_nvidia_lxc_lines(proc_devices: str, gpus, cgroup_key: str = "lxc.cgro
 
 def dflash_nvidia_dev_entries(gpus, start: int = 0) -> dict:
     """`pct set -devN` entries for the given GPUs (PVE >= 8.1 resolves the majors itself)."""
-    return {"dev%d" % (start + i): node for i, node in enumerate(dflash_gpu_device_nodes(gpus))}
+    return dflash_dev_entries(dflash_gpu_device_nodes(gpus), start)
+
+
+def dflash_dev_entries(nodes, start: int = 0) -> dict:
+    """`pct set -devN` entries for device nodes, numbered from `start` (e.g. the RDMA devices after
+    the GPUs' entries)."""
+    return {"dev%d" % (start + i): node for i, node in enumerate(nodes)}
 
 
 def dflash_stale_lines(current_raw, desired, majors=None, own_cpuset=False) -> list:
@@ -156,6 +162,7 @@ class FilterModule:
             "dflash_gpu_device_nodes": dflash_gpu_device_nodes,
             "dflash_nvidia_lxc_lines": dflash_nvidia_lxc_lines,
             "dflash_nvidia_dev_entries": dflash_nvidia_dev_entries,
+            "dflash_dev_entries": dflash_dev_entries,
             "dflash_pct_config": dflash_pct_config,
             "dflash_pct_pending": dflash_pct_pending,
             "dflash_stale_lines": dflash_stale_lines,

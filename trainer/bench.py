@@ -416,7 +416,8 @@ def bench_drafter(ctx: Ctx, t) -> dict:
     prof = None
     if ctx.args.profile and d.device.type == "cuda":
         it, taps, final = bufs[0]
-        prof = kernel_profile(lambda: (d.begin_step(), d.micro_step(it, taps, final, 0.03, 1.0, last=True)), d.device)
+        prof = kernel_profile(lambda: (d.begin_step(), d.micro_step(it, taps, final, 0.03, 1.0, last=True)), d.device,
+                              top=60)   # every kernel of note: the micro-batch's GPU time accounted for
         prof["block_rows"] = sum(len(c.q_seq) for c in it.plan.chunks)
         t.opt.zero_grad(set_to_none=True)
     tokens = sum(b[0].plan.num_tokens for b in bufs[1:])
@@ -667,14 +668,16 @@ def _dispose(t):
         torch.cuda.empty_cache()
 
 
-def check_flex_on_gpu(device) -> dict:
+def check_flex_on_gpu(device, split: bool = False, cases=((2, 0), (4, 0), (2, 2), (4, 1)),
+                      supervised_from: int = 4) -> dict:
     """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
     reference, with and without grouped-query attention, with one shared context and with context copies
-    (--flex-ctx-group)."""
+    (--flex-ctx-group). split: the flex runs take the split path (SPLIT_BLOCKS). supervised_from 0: the
+    loss mask starts at position 0, so some blocks anchor at 0 and see no context."""
     from . import model as M
     from .plan import plan_micro_batch
     out = {}
-    for kv_heads, ctx_group in ((2, 0), (4, 0), (2, 2), (4, 1)):
+    for kv_heads, ctx_group in cases:
         cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
                              rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
@@ -686,7 +689,7 @@ def check_flex_on_gpu(device) -> dict:
         ids = rng.integers(0, 998, size=(len(lens), lens.max()))
         mask = np.zeros(ids.shape, bool)
         for b, n in enumerate(lens):
-            mask[b, n // 4:n] = True
+            mask[b, n // supervised_from if supervised_from else 0:n] = True
         plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
                                 max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
                                 chunk_rows=10**6, flex=True, ctx_group=ctx_group)
@@ -698,6 +701,8 @@ def check_flex_on_gpu(device) -> dict:
 
         def grads(dev, dtype, backend, compiled=True, layers_compiled=False):
             m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)
+            for layer in m.layers:
+                layer.self_attn.split_blocks = "flex" if split and backend == "flex" else None
             if layers_compiled:
                 from .fast import compile_layers
                 compile_layers(m.layers, dynamic=True)

@@ -301,9 +301,9 @@ class DFlashAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos_k, sin_k, unsqueeze_dim=1)
         if backend == "flex" and self.split_blocks:
             if meta.kv_ctx is not None:
-                raise ValueError("--flex-split-blocks needs --flex-ctx-group 0")
-            oc, lc = CTX_ATTENTION[self.split_blocks](q.transpose(0, 1).unsqueeze(0), k[:tc].transpose(0, 1).unsqueeze(0),
-                                                      v[:tc].transpose(0, 1).unsqueeze(0), meta, self.kernel_options)
+                raise ValueError("SPLIT_BLOCKS needs --flex-ctx-group 0")
+            as4 = lambda t: t.transpose(0, 1).unsqueeze(0)   # noqa: E731  [T, heads, hd] -> [1, heads, T, hd]
+            oc, lc = CTX_ATTENTION[self.split_blocks](as4(q), as4(k[:tc]), as4(v[:tc]), meta, self.kernel_options)
             ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
             out = merge_attention(oc, lc, ob, lb).to(q.dtype).reshape(tq, self.nh * self.hd)
             return self.o_proj(out)

@@ -66,10 +66,28 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
+VERIFY_ATTN_NAME = "dflash_verify"   # the batched speculative loop's target attention
+
+
+def _verify_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of several query positions with a bool [B, 1, Q, L] mask, the g query heads of one KV head
+    folded into g*Q rows of one attention: keys and values are read once, never repeated (a verify step's
+    KV is the largest tensor it reads)."""
+    b, h, q, d = query.shape
+    hk = key.shape[1]
+    g = h // hk
+    if g > 1:
+        query = query.reshape(b, hk, g * q, d)                   # row gi*Q + j: head gi of the group, position j
+        attention_mask = attention_mask.repeat(1, 1, g, 1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionInterface.register(VERIFY_ATTN_NAME, _verify_attention)
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,6 +504,8 @@ class BatchedSpecDecoder:
     each row's matching prefix plus the bonus token, then drafts every row's next block in one drafter forward
     (the B new context rows of the verified block are all written; those past a row's accepted prefix sit at
     positions the mask hides and the next step overwrites). Rows that finished stay in the batch, frozen.
+    The target's attention folds the query heads of one KV head into rows of one attention
+    (`_verify_attention`): the KV cache is read once per step, not once per query head.
     On a GPU the step is one CUDA graph per KV view length (`graphs`), captured once and replayed; the host
     reads each row's position and stop flag once per step. The prefill runs eagerly: the target over the
     right-padded rows (causal, so the padding changes nothing before each row's end), then the drafter's
@@ -550,14 +570,12 @@ class BatchedSpecDecoder:
 
     @contextmanager
     def _target_attn(self):
-        prev, prev_kernel = self.cfg._attn_implementation, _decode_kernel[0]
-        self.cfg._attn_implementation = ATTN_NAME
-        _decode_kernel[0] = "sdpa"
+        prev = self.cfg._attn_implementation
+        self.cfg._attn_implementation = VERIFY_ATTN_NAME
         try:
             yield
         finally:
             self.cfg._attn_implementation = prev
-            _decode_kernel[0] = prev_kernel
 
     def _draft(self, first: torch.Tensor, new_taps: torch.Tensor, position_ids: torch.Tensor, mask) -> torch.Tensor:
         """The drafter's block [first, MASK ...] -> [rows, B-1] greedy drafts (trainer/modeling_dflash.py

@@ -1,0 +1,177 @@
+"""dflash-eval's loop (issue 29, goal 4): today's one-prompt loop beside the batched, captured one.
+
+    python tests/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
+
+Not part of the test suite: it needs a GPU. One process, a random-init bf16 target of the shape and a random
+drafter (5 layers, block 16), as `python -m trainer.bench --serving` builds them (issue 12's 15.7 verify
+steps/s); prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
+about one token per verify step, so verify steps/s is the loop's cost per step, not a serving speed-up.
+Each variant is warmed on prompts of the same shapes first (the captures happen there), then timed:
+
+    single            evaluate.generate_each(loop="single"): dflash_generate, one prompt at a time (today)
+    batched-eager-B   fastgen.BatchedSpecDecoder at batch B, no graphs
+    batched-B         the same with the step captured as CUDA graphs (dflash-eval's default on GPUs)
+
+Parity: per prompt, the accept lengths and tokens of `single` and `batched-16` on the timed prompts (bf16:
+batched GEMMs round differently, so near-ties of random logits may part; reported, not asserted; on the
+CPU in fp32 tests/test_eval_specgen.py asserts equality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainer.bench import SHAPES, gpu_name, kernel_profile, make_target_factory  # noqa: E402
+from trainer.evaluate import hf_drafter  # noqa: E402
+from trainer.fastgen import BatchedSpecDecoder  # noqa: E402
+from trainer.model import DFlashConfig, DFlashDrafter  # noqa: E402
+from trainer.modeling_dflash import dflash_generate  # noqa: E402
+from trainer.runlog import format_table  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--single-prompts", type=int, default=3, help="prompts timed with today's loop (a rate)")
+    p.add_argument("--batches", default="1,16,64", help="batched loop batch sizes (graphs on)")
+    p.add_argument("--eager-batches", default="16", help="batched loop batch sizes without graphs")
+    p.add_argument("--profile-batch", type=int, default=16, help="kernel classes of one eager step (0: none)")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    meta = {"device": gpu_name(), "torch": torch.__version__, "shape": a.shape, "argv": sys.argv[1:],
+            "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "block_size": 16, "draft_layers": 5}
+    import transformers
+    meta["transformers"] = transformers.__version__
+    res: dict = {"meta": meta, "rows": [], "parity": {}}
+    out = Path(a.out) if a.out else None
+
+    def save():
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(res, indent=2))
+
+    t0 = time.perf_counter()
+    target = make_target_factory(a.shape, dtype)(dev)
+    dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,
+                                    mask_token_id=target.config.vocab_size - 1)
+    torch.manual_seed(0)
+    state = {k: v.to(dev) for k, v in DFlashDrafter(dcfg).state_dict().items()}
+    drafter = hf_drafter(dcfg, state, dev, dtype)
+    del state
+    meta["init_s"] = round(time.perf_counter() - t0, 1)
+    vocab = min(target.config.vocab_size, 150000)
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in a.batches.split(",") if b]
+    eager = [int(b) for b in a.eager_batches.split(",") if b]
+    pool = [rng.integers(0, vocab, a.prompt_len) for _ in range(2 * max(batches + eager) + 16 + a.single_prompts)]
+    L, new = a.prompt_len, a.new_tokens
+
+    def row(name, batch, prompts, each, secs, extra=None):
+        steps = sum(len(x[0]) for x in each)
+        r = {"variant": name, "batch_size": batch, "prompts": prompts, "verify_steps": steps,
+             "new_tokens": int(sum(x[1] for x in each)), "seconds": round(secs, 3),
+             "verify_steps_per_s": round(steps / secs, 1), "tau": round(steps and
+                                                                        sum(sum(x[0]) for x in each) / steps, 4)}
+        r.update(extra or {})
+        res["rows"].append(r)
+        print("row:", json.dumps(r), flush=True)
+        save()
+
+    # today's loop (what generate_each(loop="single") runs): warm on one prompt, then timed; tokens kept
+    def single_loop(prompts):
+        outs = [dflash_generate(drafter, target, torch.as_tensor(q, device=dev)[None], new, []) for q in prompts]
+        return [(o.accept_lengths, o.output_ids[0, o.num_prompt_tokens:].tolist()) for o in outs]
+    single_loop(pool[-1:])
+    sync()
+    t = time.perf_counter()
+    single = single_loop(pool[:a.single_prompts])
+    sync()
+    row("single", 1, a.single_prompts, [(x, len(y)) for x, y in single], time.perf_counter() - t)
+
+    for b, graphs in [(b, False) for b in eager] + [(b, True) for b in batches]:
+        name = f"batched-{b}" if graphs else f"batched-eager-{b}"
+        try:
+            n = b if b >= 16 else min(16, 4 * b)      # batch 1: 4 prompts (a rate); else at least one full batch
+            dec = BatchedSpecDecoder(target, drafter, dev, b, new, [], graphs=graphs)
+            warm = pool[-b:]
+            t = time.perf_counter()
+            dec.generate(warm)
+            sync()
+            warm_s = time.perf_counter() - t
+            steps0 = dec.steps
+            t = time.perf_counter()
+            got = []
+            for i in range(0, n, b):
+                got += dec.generate(pool[i:i + b])
+            sync()
+            secs = time.perf_counter() - t
+            each = [(lengths, len(toks)) for lengths, toks in got]
+            row(name, b, n, each, secs, {"warm_s": round(warm_s, 2), "graphs_captured": dec.captures,
+                                         "batched_steps": dec.steps - steps0,
+                                         "ms_per_batched_step": round(1000 * secs / max(1, dec.steps - steps0), 2)})
+            if graphs and b == 16:   # parity with today's loop on the same prompts (the timed ones)
+                k = len(single)
+                res["parity"] = {"prompts": k,
+                                 "accept_lengths_equal": sum(single[i][0] == got[i][0] for i in range(k)),
+                                 "tokens_equal": sum(single[i][1] == got[i][1].tolist() for i in range(k)),
+                                 "first_token_differing": [next((j for j, (x, y) in enumerate(
+                                     zip(single[i][1], got[i][1].tolist())) if x != y), None) for i in range(k)]}
+                print("parity:", res["parity"], flush=True)
+                save()
+            if not graphs and b == a.profile_batch and cuda:   # one eager step, kernels by class
+                dec._alloc(L + new + 32)
+
+                def one():
+                    with dec._target_attn():
+                        dec._step(-(-(L + 16) // dec.view_step) * dec.view_step)
+                dec.generate(pool[:b])
+                dec.done.zero_()
+                dec.start.fill_(L)
+                one()
+                prof = kernel_profile(one, dev, top=15)
+                res["profile"] = prof | {"batch_size": b}
+                print("profile:", {k: round(v, 2) for k, v in prof["by_class_ms"].items()},
+                      round(prof["gpu_ms"], 2), flush=True)
+                save()
+        except Exception as e:  # noqa: BLE001  a variant that fails is a row, not the end of the run
+            res["rows"].append({"variant": name, "batch_size": b, "error": repr(e)[:500]})
+            print("error:", name, repr(e)[:500], flush=True)
+            save()
+        dec = None
+        if cuda:
+            torch.cuda.empty_cache()
+    base = res["rows"][0]["verify_steps_per_s"]
+    for r in res["rows"]:
+        if "verify_steps_per_s" in r:
+            r["over_single"] = round(r["verify_steps_per_s"] / base, 2)
+    if cuda:
+        meta["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
+    save()
+    print(format_table(["variant", "batch", "prompts", "verify steps/s", "x single", "ms/batched step", "tau"],
+                       [[r["variant"], r["batch_size"], r.get("prompts"), r.get("verify_steps_per_s"),
+                         r.get("over_single"), r.get("ms_per_batched_step"), r.get("tau", r.get("error", "")[:40])]
+                        for r in res["rows"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

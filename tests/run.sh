@@ -43,16 +43,45 @@ fi
 
 work="$(mktemp -d /tmp/dflash-run.XXXXXX)"      # logs and each pytest's own temp root
 export DFLASH_FAULTS_EVIDENCE="${DFLASH_FAULTS_EVIDENCE:-$work/faults-evidence}"
-declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=()
+declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=() CPU=()
 cleanup() { local p; for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-# lane NAME ARGS...: a pytest of its own (own temp root, no cache writes), output to NAME's log
+# CPU time per lane, so that the summary says where the cores went (the lanes share 2 cores: the
+# slowest lane's wall time is mostly the others' CPU): each lane runs in a cpu accounting cgroup of its
+# own (v1 cpuacct or v2), which its children inherit. Containers' own processes are accounted by LXC
+# in the containers' cgroups, not here; the machine's total comes from /proc/stat.
+CG=""
+if [[ -w /sys/fs/cgroup/cgroup.procs && -f /sys/fs/cgroup/cgroup.controllers ]]; then
+    CG="/sys/fs/cgroup/dflash-run-$$"; CG_KIND=v2
+elif [[ -d /sys/fs/cgroup/cpuacct && -w /sys/fs/cgroup/cpuacct/tasks ]]; then
+    CG="/sys/fs/cgroup/cpuacct/dflash-run-$$"; CG_KIND=v1
+fi
+[[ -n "$CG" ]] && { mkdir -p "$CG" 2>/dev/null || CG=""; }
+cpu_s() {   # cpu_s NAME: CPU seconds used so far by lane NAME's cgroup
+    if [[ $CG_KIND == v2 ]]; then
+        awk '$1 == "usage_usec" {printf "%d", $2 / 1e6}' "$CG/$1/cpu.stat" 2>/dev/null || echo "?"
+    else
+        awk '{printf "%d", $1 / 1e9}' "$CG/$1/cpuacct.usage" 2>/dev/null || echo "?"
+    fi
+}
+machine_busy_s() {   # CPU seconds all cores spent outside idle and iowait since boot
+    awk '$1 == "cpu" {printf "%d", ($2 + $3 + $4 + $7 + $8 + $9) / 100}' /proc/stat
+}
+busy0=$(machine_busy_s)
+
+# lane NAME ARGS...: a pytest of its own (own temp root, no cache writes, own CPU cgroup), output to
+# NAME's log
 lane() {
     local name="$1"; shift
     LOGS[$name]="$work/$name.log"
     T0[$name]=$(date +%s)
-    "${PYTEST[@]}" -p no:cacheprovider --basetemp="$work/tmp-$name" "$@" > "${LOGS[$name]}" 2>&1 &
+    local cg=""
+    if [[ -n "$CG" ]] && mkdir -p "$CG/$name" 2>/dev/null; then
+        cg="$CG/$name/cgroup.procs"; [[ $CG_KIND == v1 ]] && cg="$CG/$name/tasks"
+    fi
+    CG_PROCS="$cg" bash -c '[[ -n "$CG_PROCS" ]] && echo $$ > "$CG_PROCS" 2>/dev/null; exec "$@"' lane \
+        "${PYTEST[@]}" -p no:cacheprovider --basetemp="$work/tmp-$name" "$@" > "${LOGS[$name]}" 2>&1 &
     PIDS[$name]=$!
     echo "run: lane $name started (pid ${PIDS[$name]}): pytest $*"
 }
@@ -110,8 +139,9 @@ while (( ${#PIDS[@]} )); do
         kill -0 "$pid" 2>/dev/null && continue
         set +e; wait "$pid"; RCS[$name]=$?; set -e
         TOOK[$name]=$(( $(date +%s) - T0[$name] ))
+        [[ -n "$CG" ]] && CPU[$name]=$(cpu_s "$name")
         unset "PIDS[$name]"
-        echo "================ lane $name: exit ${RCS[$name]} after ${TOOK[$name]}s ================"
+        echo "================ lane $name: exit ${RCS[$name]} after ${TOOK[$name]}s, ${CPU[$name]:-?}s CPU ================"
         cat "${LOGS[$name]}"
     done
     (( ${#PIDS[@]} )) && sleep 2
@@ -125,9 +155,12 @@ fi
 echo "================ summary ================"
 overall=0
 for name in $(printf '%s\n' "${!RCS[@]}" | sort); do
-    echo "run: lane $name exit ${RCS[$name]} in ${TOOK[$name]}s: $(tail -1 "${LOGS[$name]}" | tr -d '=' | sed 's/^ *//')"
+    echo "run: lane $name exit ${RCS[$name]} in ${TOOK[$name]}s wall, ${CPU[$name]:-?}s CPU: $(tail -1 "${LOGS[$name]}" | tr -d '=' | sed 's/^ *//')"
     (( RCS[$name] == 0 )) || overall=${RCS[$name]}
 done
-echo "run: all lanes done after $(( $(date +%s) - start ))s in all (host setup included)"
+wall=$(( $(date +%s) - start ))
+busy=$(( $(machine_busy_s) - busy0 ))
+echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(nproc) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
 rm -rf "$work/tmp-"*
+[[ -n "$CG" ]] && rmdir "$CG"/* "$CG" 2>/dev/null
 exit "$overall"

@@ -1,6 +1,11 @@
 """Test hooks for the fault-injection suite (docs/reliability.md), read from the environment; unset in
 production. The Trainer calls before_step() at the top of every step; the checkpoint hook is installed
-on the leader's CheckpointManager."""
+on the leader's CheckpointManager.
+
+One hook is not a fault: DFLASH_TEST_STEP_PACE_S=S paces the CPU stand-ins' trainers (inventory/local,
+the fault suite's and multinode inventories). Their tiny job would otherwise train flat out for the
+whole of a scenario, each container taking a core's share from the suite that shares 2 cores with it;
+paced, a step still comes every S seconds or so, which is all the health checks and tests wait for."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ def read_faults() -> dict:
     DFLASH_FAULT_SLOW_CHECKPOINT=S  sleep S seconds inside each checkpoint write (before the rename)
     DFLASH_FAULT_STEP_DELAY=S     sleep S seconds before each optimizer step
     DFLASH_FAULT_DIE_AT_STEP=N and DFLASH_FAULT_DIE_RANK=R   rank R kills itself (SIGKILL) at step N
+    DFLASH_TEST_STEP_PACE_S=S     not a fault: sleep S seconds before each step (the stand-ins' pacing)
     """
     out = {}
     for env, key, typ in (("DFLASH_FAULT_NAN_FROM_STEP", "nan_from_step", int),
@@ -30,6 +36,10 @@ def read_faults() -> dict:
         if os.environ.get(env):
             out[key] = typ(os.environ[env])
             log.warning("fault injection active: %s=%s", env, os.environ[env])
+    pace = os.environ.get("DFLASH_TEST_STEP_PACE_S")
+    if pace:
+        out["step_pace"] = float(pace)
+        log.info("test pacing: each step waits %s s (DFLASH_TEST_STEP_PACE_S, a CPU stand-in's setting)", pace)
     return out
 
 
@@ -52,6 +62,8 @@ class Faults:
         f = self.active
         if "step_delay" in f:
             time.sleep(f["step_delay"])
+        if "step_pace" in f:
+            time.sleep(f["step_pace"])
         if "nan_from_step" in f and drafter is not None:
             drafter.poison = step + 1 >= f["nan_from_step"]
         if "hang_at_step" in f and step + 1 >= f["hang_at_step"]:

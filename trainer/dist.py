@@ -126,7 +126,10 @@ class Groups:
         import torch.distributed as dist
         self.rank = topo.rank
         host_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
-        self.world = dist.group.WORLD
+        # The default group was made with the host timeout (the startup is a host phase: init_rank); the
+        # hidden states' group over all ranks, when there is one, counts against --dist-timeout.
+        self.world = (dist.new_group(timeout=timeout) if transport == "world" and topo.world > 1
+                      else dist.group.WORLD)
         self.control = dist.new_group(backend=host_backend, timeout=host_timeout)
         self.drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
         self.dctl = dist.new_group(topo.drafter_ranks, backend=host_backend, timeout=host_timeout)
@@ -203,7 +206,11 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    # The startup is a host phase: ranks reach the rendezvous when their imports end, nodes when their
+    # units start, so the default group waits as long as the other host phases (a rank that came 4 s
+    # after another failed the job under --dist-timeout 4); the groups the steps use carry --dist-timeout.
+    startup_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
+    dist.init_process_group(backend, timeout=startup_timeout, device_id=device if device.type == "cuda" else None)
     host = socket.gethostname()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (role, host, cfg.node_rank))

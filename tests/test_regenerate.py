@@ -323,3 +323,18 @@ def test_the_index_records_the_targets_tokenizer_as_prepare_does(tiny_small_dir,
     other = dict(index, **{RECORD_KEY: dict(index[RECORD_KEY], tokenizer="0" * 64, vocab_size=7)})
     with pytest.raises(TargetMismatch):
         check_data_tokenizer(other, of_target(tiny_small_dir / "target"), "--data-dir", out)
+
+
+def test_fuse_is_a_switch_of_the_captured_decoder(tiny_small_dir, target, tmp_path, capsys):
+    """--fuse on|off|auto reaches the captured decoder (auto: on GPUs only); with --decoder generate it is
+    refused with one line, before anything is written."""
+    from trainer.regenerate import TargetGenerator
+    gen = TargetGenerator(target, "cpu", 8, 0.0, 4, decoder="captured", fuse=True)
+    assert gen._fast_decoder().fuse is True
+    assert TargetGenerator(target, "cpu", 8, 0.0, 4, decoder="captured")._fast_decoder().fuse is False
+    out = tmp_path / "out"
+    rc = main(["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(tiny_small_dir / "data"),
+               "--output-dir", str(out), "--decoder", "generate", "--fuse", "on"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--fuse on: needs --decoder captured" in err, err
+    assert not out.exists()

@@ -10,7 +10,7 @@ tiles) and the in-block part as a small dense attention, and merges the two by l
 - forward through eager FlexAttention (the CPU has no FlexAttention backward) equals the dense-mask model;
 - loss and every parameter gradient of the drafter equal the dense-mask model's (float64), with the context
   part computed by a dense mask (the structure under test: the block part, the merge, the gradient through
-  the log-sum-exp). FlexAttention's own gradients with the log-sum-exp are checked on the GPU
+  the log-sum-exp), by autograd (SPLIT_BLOCKS=true) and by BlockMerge's written-out backward (=2). FlexAttention's own gradients with the log-sum-exp are checked on the GPU
   (tests/gpu/split_attention.py, output in results/).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model import (DFlashConfig, DFlashDrafter, PackedMeta, block_attention, ctx_attention_dense,
+from trainer.model import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, block_attention, ctx_attention_dense,
                            ctx_attention_flex, ctx_flex_lists, dense_mask, init_drafter_weights, merge_attention)
 from trainer.plan import FLEX_BLOCK, plan_micro_batch
 
@@ -89,10 +89,12 @@ def _reference_attention(q, k, v, mask):
     return (p @ vv).transpose(0, 1)
 
 
-def _split(q, k, v, meta, impl):
+def _split(q, k, v, meta, impl, fused=False):
     tc = meta.num_ctx
     as4 = lambda t: t.transpose(0, 1).unsqueeze(0)   # noqa: E731
     oc, lc = impl(as4(q), as4(k[:tc]), as4(v[:tc]), meta)
+    if fused:
+        return BlockMerge.apply(oc, lc, q, k[tc:], v[tc:], meta.block_size)
     ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
     return merge_attention(oc, lc, ob, lb)
 
@@ -104,7 +106,8 @@ def _qkv(meta, nh=4, nkv=2, hd=16, dtype=torch.float64, seed=0):
             torch.randn(tk, nkv, hd, generator=g, dtype=dtype))
 
 
-def test_no_query_sees_a_key_the_reference_mask_hides():
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_query_sees_a_key_the_reference_mask_hides(fused):
     """Gradient of each query's output with respect to every key and value row: exactly zero where the
     reference mask hides the pair, nonzero where it shows it. start_div=0 supervises from position 0, so
     some blocks anchor at 0 and see no context (their context log-sum-exp is -inf)."""
@@ -113,16 +116,23 @@ def test_no_query_sees_a_key_the_reference_mask_hides():
     meta = _meta(c, 8)
     mask = dense_mask(meta)
     q, k, v = _qkv(meta)
+    q.requires_grad_(True)
     k.requires_grad_(True)
     v.requires_grad_(True)
-    out = _split(q, k, v, meta, ctx_attention_dense)
+    out = _split(q, k, v, meta, ctx_attention_dense, fused)
     assert torch.allclose(out, _reference_attention(q, k, v, mask), atol=1e-12)
     no_ctx = ~mask[:, :meta.num_ctx].any(1)
     assert no_ctx.any() and (~no_ctx).any()          # both kinds of rows are in the test
     for i in range(0, len(meta.q_seq), 3):
-        gk, gv = torch.autograd.grad(out[i].sum(), (k, v), retain_graph=True)
+        gq, gk, gv = torch.autograd.grad(out[i].sum(), (q, k, v), retain_graph=True)
         touched = (gk.abs().sum((1, 2)) + gv.abs().sum((1, 2))) > 0
         assert torch.equal(touched, mask[i]), i
+        assert torch.equal(gq.abs().sum((1, 2)) > 0, torch.arange(len(gq)) == i)   # queries do not mix
+    # and the whole gradient is the reference's
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    ref = _reference_attention(q, k, v, mask)
+    for a, b in zip(torch.autograd.grad((out * up).sum(), (q, k, v)), torch.autograd.grad((ref * up).sum(), (q, k, v))):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("lens,block,anchors", CASES[:3])
@@ -155,9 +165,10 @@ def _tiny(block, nh=4, nkv=2):
     return model.double()
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("nkv", [1, 2, 4])
 @pytest.mark.parametrize("lens,block,anchors,start_div", [([300, 77, 150], 8, 20, 4), ([400, 60], 16, 30, 0)])
-def test_split_loss_and_gradients_equal_the_reference(lens, block, anchors, start_div, nkv):
+def test_split_loss_and_gradients_equal_the_reference(lens, block, anchors, start_div, nkv, fused):
     plan = _plan(lens, block, anchors, start_div=start_div)
     c = plan.chunks[0]
     meta = _meta(c, block)
@@ -165,6 +176,7 @@ def test_split_loss_and_gradients_equal_the_reference(lens, block, anchors, star
     split_model = copy.deepcopy(ref_model)
     for layer in split_model.layers:
         layer.self_attn.split_blocks = "dense"
+        layer.self_attn.split_fused = fused
     g = torch.Generator().manual_seed(1)
     taps = torch.randn(len(c.ctx_seq), 64, generator=g, dtype=torch.float64)
     emb = torch.randn(len(c.q_seq), 32, generator=g, dtype=torch.float64)

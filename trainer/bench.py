@@ -70,6 +70,7 @@ VARIANTS = {
     # issue 29: FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
     # by log-sum-exp (our key of --flex-kernel-options; combine with fk* variants by hand)
     "split": {"flex_kernel_options": "SPLIT_BLOCKS=true"},
+    "split2": {"flex_kernel_options": "SPLIT_BLOCKS=2"},   # the same, block part + merge with their own backward
     "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False, "flex_ctx_group": 0},
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
@@ -668,11 +669,11 @@ def _dispose(t):
         torch.cuda.empty_cache()
 
 
-def check_flex_on_gpu(device, split: bool = False, cases=((2, 0), (4, 0), (2, 2), (4, 1)),
+def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), (2, 2), (4, 1)),
                       supervised_from: int = 4, eager: bool = True) -> dict:
     """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
     reference, with and without grouped-query attention, with one shared context and with context copies
-    (--flex-ctx-group). split: the flex runs take the split path (SPLIT_BLOCKS). supervised_from 0: the
+    (--flex-ctx-group). split: the flex runs take the split path (SPLIT_BLOCKS=1 or 2). supervised_from 0: the
     loss mask starts at position 0, so some blocks anchor at 0 and see no context."""
     from . import model as M
     from .plan import plan_micro_batch
@@ -703,6 +704,7 @@ def check_flex_on_gpu(device, split: bool = False, cases=((2, 0), (4, 0), (2, 2)
             m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)
             for layer in m.layers:
                 layer.self_attn.split_blocks = "flex" if split and backend == "flex" else None
+                layer.self_attn.split_fused = split == 2
             if layers_compiled:
                 from .fast import compile_layers
                 compile_layers(m.layers, dynamic=True)

@@ -97,14 +97,16 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
     if fp8 != "off":
         log.info("--fp8 %s: %d drafter linear layers train in float8 (torchao)", fp8, to_float8(model, fp8))
     kernel_options = parse_kernel_options(getattr(cfg, "flex_kernel_options", ""))
-    # SPLIT_BLOCKS=true is ours, not FlexAttention's: the context part through FlexAttention, the in-block
-    # part apart, merged by log-sum-exp (model.DFlashAttention; bench variant 'split')
+    # SPLIT_BLOCKS=true|1|2 is ours, not FlexAttention's: the context part through FlexAttention, the in-block
+    # part apart, merged by log-sum-exp (model.DFlashAttention; bench variants 'split' and, with the block
+    # part and merge as one autograd function, 'split2')
     split = kernel_options.pop("SPLIT_BLOCKS", False)
     if split and getattr(cfg, "flex_ctx_group", 0):
         raise TrainingFailed("--flex-kernel-options SPLIT_BLOCKS=true needs --flex-ctx-group 0")
     for layer in model.layers:
         layer.self_attn.kernel_options = kernel_options or None
         layer.self_attn.split_blocks = "flex" if split else None
+        layer.self_attn.split_fused = split == 2   # SPLIT_BLOCKS=2: model.BlockMerge (its own backward)
     if wants(cfg.compile, "drafter"):
         compile_layers(model.layers, dynamic=True)  # every micro-batch has its own row counts
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -269,6 +269,70 @@ def merge_attention(o1, lse1, o2, lse2):
 CTX_ATTENTION = {"flex": ctx_attention_flex, "dense": ctx_attention_dense}
 
 
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) accumulated and returned in fp32 (float64 stays float64): bf16 inputs go through the
+    tensor cores as they are on CUDA, with no fp32 copy of the operands."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(_acc(a), _acc(b))
+
+
+class BlockMerge(torch.autograd.Function):
+    """The in-block part of the split path and its log-sum-exp merge with the context part, with a backward
+    written out (SPLIT_BLOCKS=2): what `block_attention` + `merge_attention` compute, in bf16 layouts
+    (fp32 only for the [blocks, kv heads, B x heads-per-kv, B] scores and the merge's arithmetic).
+
+    forward(oc [Tq, nh, hd], lc [Tq, nh], q [Tq, nh, hd], k/v [Tq, nkv, hd] of the block rows, B) -> out
+    [Tq, nh, hd] in q's dtype. With O the merged output, g its gradient, wc/wb the merge weights
+    exp(lc - lse)/exp(lb - lse), p the in-block probabilities: the context side gets g_oc = wc g and
+    g_lc = wc <g, oc - O> (what autograd through the merge gives); the block side gets the attention
+    backward with dO = wb g and D = <dO, O> (the merged output, not the block's own), which folds the
+    gradient through the block's log-sum-exp in: dS = p (dO v - D) = P_full (g v - <g, O>)."""
+
+    @staticmethod
+    def forward(ctx, oc, lc, q, k, v, block_size: int):
+        tq, nh, hd = q.shape
+        nkv = k.shape[1]
+        r = nh // nkv
+        # [blocks * kv heads, r * B, hd]: the query heads of one kv head stacked over the block's rows
+        qg = q.view(-1, block_size, nkv, r, hd).permute(0, 2, 3, 1, 4).reshape(-1, r * block_size, hd)
+        kg, vg = (t.view(-1, block_size, nkv, hd).transpose(1, 2).reshape(-1, block_size, hd) for t in (k, v))
+        s = _bmm_f32(qg, kg.transpose(1, 2)) * hd ** -0.5                 # [nb * nkv, r * B, B]
+        lb = torch.logsumexp(s, -1, keepdim=True)
+        p = torch.exp(s - lb)
+        ob = _bmm_f32(p.to(vg.dtype), vg)                                  # [nb * nkv, r * B, hd]
+        # back to [Tq, nh, hd] / [Tq, nh]
+        ob = ob.view(-1, nkv, r, block_size, hd).permute(0, 3, 1, 2, 4).reshape(tq, nh, hd)
+        lb = lb.view(-1, nkv, r, block_size).permute(0, 3, 1, 2).reshape(tq, nh)
+        lse = torch.logaddexp(lc, lb)
+        wc, wb = torch.exp(lc - lse), torch.exp(lb - lse)
+        out = (_acc(oc) * wc[..., None] + ob * wb[..., None]).to(q.dtype)
+        ctx.save_for_backward(oc, out, wc, wb, p, qg, kg, vg)
+        ctx.shape = (tq, nh, nkv, r, hd, block_size)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        oc, out, wc, wb, p, qg, kg, vg = ctx.saved_tensors
+        tq, nh, nkv, r, hd, bs = ctx.shape
+        gf = _acc(g)
+        g_oc = (gf * wc[..., None]).to(oc.dtype)
+        g_lc = wc * (gf * (_acc(oc) - _acc(out))).sum(-1)
+        d_o = gf * wb[..., None]                                           # the block's dO, fp32
+        dd = (d_o * _acc(out)).sum(-1)                                     # D = <dO, O>, [Tq, nh]
+        # into the block layout of the forward
+        d_og = d_o.to(qg.dtype).view(-1, bs, nkv, r, hd).permute(0, 2, 3, 1, 4).reshape(-1, r * bs, hd)
+        ddg = dd.view(-1, bs, nkv, r).permute(0, 2, 3, 1).reshape(-1, r * bs, 1)
+        dp = _bmm_f32(d_og, vg.transpose(1, 2))                             # [nb * nkv, r * B, B]
+        ds = (p * (dp - ddg) * hd ** -0.5).to(qg.dtype)
+        dqg = _bmm_f32(ds, kg)                                             # [nb * nkv, r * B, hd]
+        dkg = _bmm_f32(ds.transpose(1, 2), qg)                             # [nb * nkv, B, hd]
+        dvg = _bmm_f32(p.to(d_og.dtype).transpose(1, 2), d_og)
+        dq = dqg.view(-1, nkv, r, bs, hd).permute(0, 3, 1, 2, 4).reshape(tq, nh, hd).to(qg.dtype)
+        dk, dv = (t.view(-1, nkv, bs, hd).transpose(1, 2).reshape(tq, nkv, hd).to(qg.dtype) for t in (dkg, dvg))
+        return g_oc, g_lc, dq, dk, dv, None
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose K/V are cat(proj(ctx), proj(block)): context injected as keys and values."""
 
@@ -283,10 +347,11 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.kernel_options: dict | None = None  # FlexAttention's (--flex-kernel-options, set by build_drafter)
-        # --flex-split-blocks (set by build_drafter): with the flex backend, FlexAttention over the context keys
+        # SPLIT_BLOCKS (set by build_drafter): with the flex backend, FlexAttention over the context keys
         # only and the in-block part apart, merged by log-sum-exp. "dense": the context part by a dense mask
         # (the CPU's stand-in; FlexAttention has no backward there). None: one FlexAttention over both.
         self.split_blocks: str | None = None
+        self.split_fused: bool = False   # SPLIT_BLOCKS=2: the in-block part and the merge as BlockMerge
 
     def forward(self, x, ctx, rope_q, rope_ctx, meta: PackedMeta, backend: str):
         tq, tc = x.shape[0], ctx.shape[0]
@@ -304,9 +369,12 @@ class DFlashAttention(nn.Module):
                 raise ValueError("SPLIT_BLOCKS needs --flex-ctx-group 0")
             as4 = lambda t: t.transpose(0, 1).unsqueeze(0)   # noqa: E731  [T, heads, hd] -> [1, heads, T, hd]
             oc, lc = CTX_ATTENTION[self.split_blocks](as4(q), as4(k[:tc]), as4(v[:tc]), meta, self.kernel_options)
-            ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
-            out = merge_attention(oc, lc, ob, lb).to(q.dtype).reshape(tq, self.nh * self.hd)
-            return self.o_proj(out)
+            if self.split_fused:
+                out = BlockMerge.apply(oc, lc, q, k[tc:], v[tc:], meta.block_size)
+            else:
+                ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
+                out = merge_attention(oc, lc, ob, lb).to(q.dtype)
+            return self.o_proj(out.reshape(tq, self.nh * self.hd))
         if backend == "flex" and meta.kv_ctx is not None:
             k, v = (context_copies(t, tc, meta.kv_ctx) for t in (k, v))
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, hd]

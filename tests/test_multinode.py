@@ -1,7 +1,8 @@
 """Two nodes for real (issue 11): the molecule `multinode` scenario.
 
-Two systemd LXC containers on the stand-in node, networked on 10.77.0.0/24 through a host bridge and
-sharing the output directory: deploy.yml renders the multi-node run.sh on both, both units start, the
+Two stand-in Proxmox nodes (an sshd and an LXC path each, whose pct sees only that node's containers)
+with one systemd LXC container each, reached through its own node (issue 27), networked on
+10.77.0.0/24 through a host bridge and sharing the output directory: deploy.yml renders the multi-node run.sh on both, both units start, the
 tiny target trains with gloo across the containers (6 ranks: a drafter and two targets per node);
 restart.yml stops both, starts both, and the health check reports both. Several minutes; run it
 under the stand-in lock: `flock /tmp/dflash-standin.lock pytest -m standin tests/test_multinode.py`.
@@ -177,3 +178,32 @@ def test_a_multinode_deploy_is_refused_when_the_nodes_do_not_share_the_output_di
         assert r.returncode != 0, text[-3000:]
         assert f"node 1 of the job (n1) does not see node 0's {dirs[1]} (no such file)" in text, text[-3000:]
         assert "a multi-node job needs it shared" in text
+
+
+# ------------------------------------------------------------ the stand-in's nodes (fast, no container)
+PCT = REPO / "tests" / "standin" / "pct"
+
+
+def test_a_stand_in_node_s_pct_does_not_see_another_node_s_container(tmp_path):
+    """Issue 27 item 5: as on PVE, where /etc/pve/lxc is the node's own nodes/<node>/lxc, `pct` on one
+    node does not know a CT of another: the stand-in's nodes have one LXC path each (their sshd sets
+    PCT_STANDIN_LXCPATH and PCT_STANDIN_NODE), so a container looked for on the wrong node is not found."""
+    import shutil
+    if shutil.which("lxc-info") is None:
+        pytest.skip("needs lxc (tests/setup-host.sh)")
+    paths = {}
+    for node, vmid in (("mn-node1", "211"), ("mn-node2", "212")):
+        paths[node] = tmp_path / node / "lxc"
+        (paths[node] / vmid).mkdir(parents=True)
+        (paths[node] / vmid / "config").write_text(f"lxc.uts.name = ct{vmid}\n")
+
+    def pct(node, *args):
+        env = dict(os.environ, PCT_STANDIN_LXCPATH=str(paths[node]), PCT_STANDIN_NODE=node)
+        return subprocess.run(["bash", str(PCT), *args], capture_output=True, text=True, env=env)
+
+    assert pct("mn-node1", "status", "211").stdout == "status: stopped\n"
+    wrong = pct("mn-node1", "status", "212")
+    assert wrong.returncode == 2
+    assert wrong.stderr == "pct: Configuration file 'nodes/mn-node1/lxc/212.conf' does not exist\n"
+    assert pct("mn-node2", "exec", "211", "--", "true").returncode == 2
+    assert [ln.split()[0] for ln in pct("mn-node2", "list").stdout.splitlines()[1:]] == ["212"]

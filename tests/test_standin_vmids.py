@@ -75,3 +75,18 @@ def test_the_scripts_build_the_vmids_their_inventories_name():
     multinode = set(_vmids("inventory/multinode/hosts.yml"))
     names = re.search(r"declare -A NAME=\(([^)]*)\)", (REPO / "molecule/multinode/standin-mn.sh").read_text())
     assert names and {int(x) for x in re.findall(r"\[(\d+)\]", names.group(1))} == multinode
+
+    # and each of its nodes: the container's node and that node's sshd port, as the inventory says
+    script = (REPO / "molecule/multinode/standin-mn.sh").read_text()
+    node_of = dict(re.findall(r"\[(\d+)\]=(\S+?)[ )]", re.search(r"declare -A NODE=\(([^)]*\))", script).group(1)))
+    port_of = dict(re.findall(r"\[(\d+)\]=(\d+)", re.search(r"declare -A PORT=\(([^)]*)\)", script).group(1)))
+    inv = dict(_inventory("inventory/multinode/hosts.yml"))
+    for host, v in inv.items():
+        if "proxmox_vmid" in v:
+            vmid = str(v["proxmox_vmid"])
+            assert v["proxmox_node"] == node_of[vmid], f"{host}: CT {vmid} is on {node_of[vmid]} in standin-mn.sh"
+            node = inv[v["proxmox_node"]]
+            assert int(node["ansible_port"]) == int(port_of[vmid]), host
+            # reached through its own node: the node's sshd and key
+            assert (v["ansible_host"], int(v["ansible_port"]), v["ansible_ssh_private_key_file"]) == \
+                (node["ansible_host"], int(node["ansible_port"]), node["ansible_ssh_private_key_file"]), host

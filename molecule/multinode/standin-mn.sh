@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# standin-mn.sh up|down - two stand-in containers on one stand-in Proxmox node, networked.
+# standin-mn.sh up|down - two stand-in Proxmox nodes, one container on each, networked.
 #
-# Reuses tests/standin/standin.sh for each container (CT 211 and CT 212, cached rootfs, wheelhouse and
-# tiny model, one sshd on 127.0.0.1:2231 playing the node that holds both, the pct shim), then gives
-# them what several nodes of one job have:
-#   - a network: a host bridge mn-br0 (no address on the host) and a veth per container, named mn0
-#     inside, with 10.77.0.11/24 and 10.77.0.12/24;
-#   - their own hostnames (mn-ct1, mn-ct2);
-#   - a shared output directory ($CACHE/mn-shared, bind-mounted at /workspace/checkpoints): the
-#     checkpoint's DCP shards are written by the drafter ranks of both nodes.
-# The container configs are rewritten after standin.sh made them and the containers rebooted.
-# `down` removes both containers, the sshd, the bridge and the shared directory. Must run as root.
+# Reuses tests/standin/standin.sh once per node (cached rootfs, wheelhouse and tiny model, the pct
+# shim). Each node is its own sshd and its own LXC path, and its pct sees only its own container,
+# as a PVE node's pct does (another node's CT "does not exist" there):
+#   node mn-node1: sshd on 127.0.0.1:2231, CT 211 (mn-ct1, 10.77.0.11/24)
+#   node mn-node2: sshd on 127.0.0.2:2232, CT 212 (mn-ct2, 10.77.0.12/24)
+# (two addresses, as two nodes have: Ansible reuses an open connection for a loop's next item, a
+# task delegated to each host of the job, when the address is the same, whatever the port)
+# and gives the containers what several nodes of one job have:
+#   - a network: a host bridge mn-br0 (no address on the host; the nodes' wire) and a veth per
+#     container, named mn0 inside;
+#   - their own hostnames;
+#   - a shared output directory ($CACHE/mn-shared, bind-mounted at /workspace/checkpoints, the
+#     NFS/CephFS share of real nodes): the checkpoint's DCP shards are written by the drafter
+#     ranks of both nodes.
+# Each container boots once, with all of that in its config (standin.sh's DFLASH_STANDIN_CT_EXTRA).
+# `down` removes both containers, both sshd, the bridge and the shared directory. Must run as root.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STANDIN="$HERE/../../tests/standin/standin.sh"
 CACHE="${DFLASH_STANDIN_CACHE:-/var/lib/dflash-standin}"
-export DFLASH_STANDIN_PORT=2231 DFLASH_STANDIN_NODE="$CACHE/node-mn"
 BRIDGE=mn-br0
 SHARED="$CACHE/mn-shared"
-LXCPATH=/var/lib/lxc
+# per container: its node (PVE name and inventory host), the node's sshd port, address, hostname
+declare -A NODE=([211]=mn-node1 [212]=mn-node2)
+declare -A NODE_ADDR=([211]=127.0.0.1 [212]=127.0.0.2)
+declare -A PORT=([211]=2231 [212]=2232)
 declare -A ADDR=([211]=10.77.0.11 [212]=10.77.0.12)
 declare -A NAME=([211]=mn-ct1 [212]=mn-ct2)
 
 log() { echo "standin-mn: $*" >&2; }
 
-net_config() {  # VMID
+lxcpath() { echo "$CACHE/${NODE[$1]}/lxc"; }      # VMID -> its node's LXC path
+
+extra_config() {  # VMID
     cat <<CONF
 lxc.net.0.type = veth
 lxc.net.0.link = $BRIDGE
@@ -36,14 +46,11 @@ lxc.mount.entry = $SHARED workspace/checkpoints none bind,create=dir 0 0
 CONF
 }
 
-wait_booted() {  # VMID
-    local st=""
-    for _ in $(seq 120); do
-        st="$(lxc-attach -n "$1" -P "$LXCPATH" --clear-env -- /bin/systemctl is-system-running 2>/dev/null || true)"
-        case "$st" in running|degraded) return 0 ;; esac
-        sleep 1
-    done
-    log "CT $1 did not boot (systemd says '${st:-nothing}')"; exit 1
+standin() {  # VMID up|down: standin.sh as node ${NODE[VMID]}
+    DFLASH_STANDIN_VMID=$1 DFLASH_STANDIN_ADDR="${NODE_ADDR[$1]}" DFLASH_STANDIN_PORT="${PORT[$1]}" DFLASH_STANDIN_NODE="$CACHE/node-${NODE[$1]}" \
+        DFLASH_STANDIN_LXCPATH="$(lxcpath "$1")" DFLASH_STANDIN_NODE_NAME="${NODE[$1]}" \
+        DFLASH_STANDIN_HOSTNAME="${NAME[$1]}" DFLASH_STANDIN_CT_EXTRA="$CACHE/${NODE[$1]}/ct-$1.extra" \
+        "$STANDIN" "$2"
 }
 
 up() {
@@ -52,24 +59,25 @@ up() {
     mkdir -p "$SHARED"
     # the containers are unprivileged (standin.sh): their root is 100000 here
     [[ "${DFLASH_STANDIN_PRIVILEGED:-0}" == 1 ]] || chown 100000:100000 "$SHARED"
-    local id cfg
-    for id in 211 212; do
-        DFLASH_STANDIN_VMID=$id "$STANDIN" up
-        cfg="$LXCPATH/$id/config"
-        if ! grep -q "^lxc.net.0.link = $BRIDGE" "$cfg"; then
-            sed -i -e '/^lxc.net.0.type = empty/d' -e "s/^lxc.uts.name = .*/lxc.uts.name = ${NAME[$id]}/" "$cfg"
-            net_config "$id" >> "$cfg"
-            echo "${NAME[$id]}" > "$LXCPATH/$id/rootfs/etc/hostname"
-            printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "${NAME[$id]}" > "$LXCPATH/$id/rootfs/etc/hosts"
-            # owned as the rest of the rootfs (shifted when the CT is unprivileged)
-            chown --reference="$LXCPATH/$id/rootfs/etc" "$LXCPATH/$id/rootfs/etc/hostname" "$LXCPATH/$id/rootfs/etc/hosts"
-            lxc-stop -n "$id" -P "$LXCPATH" -t 60
-            lxc-start -n "$id" -P "$LXCPATH" -d -o "$CACHE/lxc-$id.log" -l INFO
-        fi
-        wait_booted "$id"
+    local id pid rc=0
+    declare -A pids=()
+    for id in 211 212; do           # the two nodes side by side (copy, id shift and boot: I/O waits)
+        mkdir -p "$CACHE/${NODE[$id]}"
+        extra_config "$id" > "$CACHE/${NODE[$id]}/ct-$id.extra"
+        standin "$id" up & pids[$id]=$!
     done
+    for id in 211 212; do
+        pid=${pids[$id]}
+        wait "$pid" || { rc=$?; log "node ${NODE[$id]} (CT $id) did not come up (exit $rc)"; }
+    done
+    (( rc == 0 )) || exit "$rc"
+    # each node's pct sees its own container and not the other's
+    [[ "$(PCT_STANDIN_LXCPATH="$(lxcpath 211)" /usr/sbin/pct list | awk 'NR > 1 {print $1}' | xargs)" == 211 ]] \
+        || { log "node ${NODE[211]}'s pct does not list CT 211 alone"; exit 1; }
+    [[ "$(PCT_STANDIN_LXCPATH="$(lxcpath 212)" /usr/sbin/pct list | awk 'NR > 1 {print $1}' | xargs)" == 212 ]] \
+        || { log "node ${NODE[212]}'s pct does not list CT 212 alone"; exit 1; }
     # the network carries: from CT 212, CT 211's address answers (a refused port is an answer)
-    lxc-attach -n 212 -P "$LXCPATH" --clear-env -- /usr/bin/python3 -c "
+    lxc-attach -n 212 -P "$(lxcpath 212)" --clear-env -- /usr/bin/python3 -c "
 import socket, sys
 try:
     socket.create_connection(('${ADDR[211]}', 9), 5)
@@ -78,14 +86,22 @@ except ConnectionRefusedError:
 except OSError as e:
     sys.exit(f'CT 212 cannot reach ${ADDR[211]}: {e}')
 " || { log "no network between the containers"; exit 1; }
-    log "up: CT 211 (${ADDR[211]}) and CT 212 (${ADDR[212]}) on $BRIDGE; node sshd root@127.0.0.1:2231"
+    log "up: CT 211 (${ADDR[211]}) on ${NODE[211]} (root@${NODE_ADDR[211]}:${PORT[211]}), CT 212 (${ADDR[212]}) on ${NODE[212]} (root@${NODE_ADDR[212]}:${PORT[212]}), on $BRIDGE"
 }
 
 down() {
     local id
-    for id in 212 211; do DFLASH_STANDIN_VMID=$id "$STANDIN" down; done
+    for id in 212 211; do           # side by side, as they came up
+        { standin "$id" down; rm -rf --one-file-system "${CACHE:?}/${NODE[$id]}"; } &
+    done
+    wait
+    # left by the one-node layout of this stand-in (both CTs in /var/lib/lxc behind node-mn's sshd)
+    for id in 212 211; do
+        [[ -d /var/lib/lxc/$id || -d "$CACHE/node-mn" ]] || continue
+        DFLASH_STANDIN_VMID=$id DFLASH_STANDIN_PORT=2231 DFLASH_STANDIN_NODE="$CACHE/node-mn" "$STANDIN" down
+    done
     ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
-    rm -rf --one-file-system "$SHARED"
+    rm -rf --one-file-system "$SHARED" "$CACHE/mn-trainer-src" "$CACHE/mn-trainer-src.tar"
     log "down"
 }
 
@@ -93,5 +109,5 @@ down() {
 case "${1:-}" in
     up) up ;;
     down) down ;;
-    *) sed -n '2,14s/^# \{0,1\}//p' "$0"; exit 2 ;;
+    *) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 2 ;;
 esac

@@ -11,22 +11,32 @@
 #   - bind mounts into it, read-only: the node's weights store ($CACHE/tiny/target, the tiny
 #     target from `dflash-tiny`) at /workspace/models/$MODEL, the tiny dataset at
 #     /workspace/data/tiny and the host wheelhouse at /srv/wheelhouse for offline pip installs;
-#   - an sshd on 127.0.0.1:$PORT with its own config, host key and a generated client key
+#   - an sshd on 127.0.0.1:$PORT (DFLASH_STANDIN_ADDR: another loopback address) with its own
+#     config, host key and a generated client key
 #     (key-only): this plays the Proxmox node that Ansible's proxmox_pct_remote connects to;
 #   - the pct shim (tests/standin/pct) at /usr/sbin/pct.
 # `down` removes the container, the sshd instance and the shim; caches (rootfs, wheelhouse,
 # tiny model) stay. Must run as root.
+# Several nodes on one host (molecule/multinode): each node is its own sshd (DFLASH_STANDIN_PORT,
+# DFLASH_STANDIN_NODE) and LXC path (DFLASH_STANDIN_LXCPATH); the sshd hands it to the pct shim
+# (PCT_STANDIN_LXCPATH), so a node's pct sees only its own containers, as a PVE node's does.
+# DFLASH_STANDIN_HOSTNAME names the container, DFLASH_STANDIN_CT_EXTRA is a file of lxc.* lines
+# appended to its config (a network there replaces the empty one): it boots once, as it should be.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 VMID="${DFLASH_STANDIN_VMID:-200}"
 PORT="${DFLASH_STANDIN_PORT:-2222}"
+ADDR="${DFLASH_STANDIN_ADDR:-127.0.0.1}"             # the node's address: a loopback one (127.0.0.0/8)
 CACHE="${DFLASH_STANDIN_CACHE:-/var/lib/dflash-standin}"
 NODE="${DFLASH_STANDIN_NODE:-$CACHE/node}"          # sshd state; removed by `down`
 MODEL="${DFLASH_STANDIN_MODEL:-tiny-qwen3}"
-LXCPATH=/var/lib/lxc
+LXCPATH="${DFLASH_STANDIN_LXCPATH:-/var/lib/lxc}"   # the node's containers: its pct sees these only
+NODE_NAME="${DFLASH_STANDIN_NODE_NAME:-stand-in}"   # the node's PVE name (pct's messages)
 CTDIR="$LXCPATH/$VMID"
+CT_HOSTNAME="${DFLASH_STANDIN_HOSTNAME:-dflash-ct}"
+CT_EXTRA="${DFLASH_STANDIN_CT_EXTRA:-}"
 PYTHON="${DFLASH_STANDIN_PYTHON:-}"
 WHEELHOUSE="$CACHE/wheelhouse"
 TINY="$CACHE/tiny"
@@ -84,7 +94,12 @@ tiny() {
 
 # ---------------------------------------------------------------- the node (sshd + pct)
 node_up() {
-    install -m 0755 "$HERE/pct" /usr/sbin/pct
+    # Shared by every stand-in node on this host, some running at once (tests/run.sh lane A): a
+    # rename replaces it atomically (install unlinks it first, and a pct run in that gap is not found).
+    if ! cmp -s "$HERE/pct" /usr/sbin/pct; then
+        install -m 0755 "$HERE/pct" "/usr/sbin/.pct.$$"
+        mv -f "/usr/sbin/.pct.$$" /usr/sbin/pct
+    fi
     mkdir -p "$NODE" /run/sshd; chmod 0700 "$NODE"
     [[ -f "$NODE/ssh_host_ed25519_key" ]] || ssh-keygen -q -t ed25519 -N "" -f "$NODE/ssh_host_ed25519_key"
     [[ -f "$NODE/id_ed25519" ]] || ssh-keygen -q -t ed25519 -N "" -C dflash-standin -f "$NODE/id_ed25519"
@@ -92,7 +107,7 @@ node_up() {
     cat > "$NODE/sshd_config" <<CONF
 # sshd playing the Proxmox node for the dflash stand-in (key-only, loopback only)
 Port $PORT
-ListenAddress 127.0.0.1
+ListenAddress $ADDR
 HostKey $NODE/ssh_host_ed25519_key
 PidFile $NODE/sshd.pid
 AuthorizedKeysFile $NODE/authorized_keys
@@ -105,6 +120,8 @@ X11Forwarding no
 AllowUsers root
 Subsystem sftp internal-sftp
 LogLevel ERROR
+# this node's containers, for the pct shim (a PVE node's pct sees the CTs of that node only)
+SetEnv PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME
 CONF
     /usr/sbin/sshd -t -f "$NODE/sshd_config"
     if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then
@@ -112,14 +129,14 @@ CONF
     else
         /usr/sbin/sshd -f "$NODE/sshd_config"
     fi
-    # known_hosts for the controller: the node's host key on [127.0.0.1]:PORT
-    printf '[127.0.0.1]:%s %s\n' "$PORT" "$(cut -d' ' -f1,2 "$NODE/ssh_host_ed25519_key.pub")" > "$NODE/known_hosts"
+    # known_hosts for the controller: the node's host key on [$ADDR]:PORT
+    printf '[%s]:%s %s\n' "$ADDR" "$PORT" "$(cut -d' ' -f1,2 "$NODE/ssh_host_ed25519_key.pub")" > "$NODE/known_hosts"
     for _ in $(seq 50); do
         ssh -q -o BatchMode=yes -o UserKnownHostsFile="$NODE/known_hosts" -i "$NODE/id_ed25519" \
-            -p "$PORT" root@127.0.0.1 true && return 0
+            -p "$PORT" root@$ADDR true && return 0
         sleep 0.2
     done
-    log "sshd on 127.0.0.1:$PORT does not answer"; exit 1
+    log "sshd on $ADDR:$PORT does not answer"; exit 1
 }
 
 node_down() {
@@ -148,10 +165,10 @@ $(if [[ "$PRIVILEGED" != 1 ]]; then printf '%s\n' \
     "lxc.include = /usr/share/lxc/config/userns.conf" \
     "lxc.idmap = u 0 $IDMAP_BASE 65536" "lxc.idmap = g 0 $IDMAP_BASE 65536"; fi)
 lxc.arch = amd64
-lxc.uts.name = dflash-ct
+lxc.uts.name = $CT_HOSTNAME
 lxc.rootfs.path = dir:$CTDIR/rootfs
-# No network inside: everything comes from the bind-mounted wheelhouse.
-lxc.net.0.type = empty
+$(if [[ -n "$CT_EXTRA" ]] && grep -q '^lxc\.net\.0\.type' "$CT_EXTRA"; then :; else
+    printf '%s\n' "# No network inside: everything comes from the bind-mounted wheelhouse." "lxc.net.0.type = empty"; fi)
 lxc.mount.auto = cgroup:mixed proc:mixed sys:mixed
 lxc.apparmor.profile = unconfined
 lxc.autodev = 1
@@ -160,7 +177,19 @@ lxc.pty.max = 64
 lxc.mount.entry = $TINY/target workspace/models/$MODEL none bind,ro,create=dir 0 0
 lxc.mount.entry = $TINY/data workspace/data/tiny none bind,ro,create=dir 0 0
 lxc.mount.entry = $WHEELHOUSE srv/wheelhouse none bind,ro,create=dir 0 0
+$([[ -z "$CT_EXTRA" ]] || cat "$CT_EXTRA")
 CONF
+}
+
+# DFLASH_STANDIN_HOSTNAME: systemd sets the hostname from /etc/hostname, so the rootfs says it too
+# (owned as the rest of the rootfs: shifted when the CT is unprivileged)
+ct_hostname() {
+    [[ -n "${DFLASH_STANDIN_HOSTNAME:-}" ]] || return 0
+    local etc="$CTDIR/rootfs/etc"
+    [[ "$(cat "$etc/hostname" 2>/dev/null)" == "$CT_HOSTNAME" ]] && return 0
+    echo "$CT_HOSTNAME" > "$etc/hostname"
+    printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$CT_HOSTNAME" > "$etc/hosts"
+    chown --reference="$etc" "$etc/hostname" "$etc/hosts"
 }
 
 wait_booted() {
@@ -199,6 +228,7 @@ ct_up() {
         [[ "$PRIVILEGED" == 1 ]] || python3 "$HERE/idshift.py" "$CTDIR/rootfs.tmp" "$IDMAP_BASE"
         mv "$CTDIR/rootfs.tmp" "$CTDIR/rootfs"
     fi
+    ct_hostname
     local want; want="$(ct_config)"
     if [[ ! -f "$CTDIR/config" ]] || [[ "$(cat "$CTDIR/config")" != "$want" ]]; then
         printf '%s\n' "$want" > "$CTDIR/config"
@@ -213,8 +243,9 @@ ct_up() {
 ct_down() {
     if [[ -f "$CTDIR/config" ]]; then
         [[ "$(ct_state)" == RUNNING ]] && lxc-stop -n "$VMID" -P "$LXCPATH" -k
-        lxc-destroy -n "$VMID" -P "$LXCPATH" >/dev/null 2>&1 || true
     fi
+    # Root removes the files itself: lxc-destroy deletes an unprivileged CT's rootfs from inside its
+    # user namespace, about 90 s for this one on a busy host, against seconds for rm.
     rm -rf --one-file-system "$CTDIR"
 }
 
@@ -227,7 +258,7 @@ case "${1:-}" in
         chmod -R a+rX "$TINY" "$WHEELHOUSE" 2>/dev/null || true
         ct_up
         node_up
-        log "up: CT $VMID running; node sshd root@127.0.0.1:$PORT key $NODE/id_ed25519" ;;
+        log "up: CT $VMID running; node sshd root@$ADDR:$PORT key $NODE/id_ed25519" ;;
     down)
         ct_down; node_down; log "down (caches kept in $CACHE)" ;;
     status)
@@ -235,5 +266,5 @@ case "${1:-}" in
         if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then echo "node sshd: running"; else echo "node sshd: stopped"; fi ;;
     wheelhouse) wheelhouse ;;
     tiny) tiny ;;
-    *) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 2 ;;
+    *) sed -n '2,24s/^# \{0,1\}//p' "$0"; exit 2 ;;
 esac

@@ -222,6 +222,22 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
+def results_file(out: str | None, meta: dict, **sections):
+    """A GPU measurement script's results: {"meta": the device, torch and transformers versions and the
+    argv, then `meta`; then `sections`}, and a save() that writes them whole to `out` (when given), so a run
+    cut short still leaves what it measured. Returns (results, save)."""
+    import transformers
+    res = {"meta": {"device": gpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+                    "argv": sys.argv[1:], **meta}, **sections}
+    path = Path(out) if out else None
+
+    def save() -> None:
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(res, indent=2))
+    return res, save
+
+
 def peak_flops(n_gpus: int) -> float | None:
     name = gpu_name()
     for k, v in PEAK_BF16.items():

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.bench import SHAPES, gpu_name, kernel_profile, make_target_factory  # noqa: E402
+from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 from trainer.evaluate import hf_drafter  # noqa: E402
 from trainer.fastgen import BatchedSpecDecoder  # noqa: E402
 from trainer.model import DFlashConfig, DFlashDrafter  # noqa: E402
@@ -57,17 +57,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    meta = {"device": gpu_name(), "torch": torch.__version__, "shape": a.shape, "argv": sys.argv[1:],
-            "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "block_size": 16, "draft_layers": 5}
-    import transformers
-    meta["transformers"] = transformers.__version__
-    res: dict = {"meta": meta, "rows": [], "parity": {}}
-    out = Path(a.out) if a.out else None
-
-    def save():
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(res, indent=2))
+    res, save = results_file(a.out, {"shape": a.shape, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                                     "block_size": 16, "draft_layers": 5}, rows=[], parity={})
+    meta = res["meta"]
 
     t0 = time.perf_counter()
     target = make_target_factory(a.shape, dtype)(dev)

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.bench import SHAPES, gpu_name, kernel_profile, make_target_factory  # noqa: E402
+from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 from trainer.regenerate import TargetGenerator  # noqa: E402
 from trainer.runlog import format_table  # noqa: E402
 
@@ -187,18 +187,10 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()   # the CPU: a smoke run of the script (--shape tiny)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     batches = [int(b) for b in a.batches.split(",")]
-    meta = {"device": gpu_name(), "torch": torch.__version__, "shape": a.shape, "argv": sys.argv[1:],
-            "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
-                                   SHAPES[a.shape])), "started": time.time()}
-    import transformers
-    meta["transformers"] = transformers.__version__
-    res: dict = {"meta": meta, "parity": {}, "ratio": [], "headline": []}
-    out = Path(a.out) if a.out else None
-
-    def save():
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(res, indent=2))
+    res, save = results_file(a.out, {"shape": a.shape, "started": time.time(), "shape_dims": dict(zip(
+        ["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"], SHAPES[a.shape]))},
+        parity={}, ratio=[], headline=[])
+    meta = res["meta"]
 
     t0 = time.perf_counter()
     target = make_target_factory(a.shape, torch.bfloat16 if cuda else torch.float32)(dev)

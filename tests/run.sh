@@ -165,7 +165,7 @@ for name in $(printf '%s\n' "${!RCS[@]}" | sort); do
 done
 wall=$(( $(date +%s) - start ))
 busy=$(( $(machine_busy_s) - busy0 ))
-echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(nproc) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
+echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(getconf _NPROCESSORS_ONLN) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
 rm -rf "$work/tmp-"*
 [[ -n "$CG" ]] && rmdir "$CG"/* "$CG" 2>/dev/null
 exit "$overall"

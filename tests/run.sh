@@ -168,8 +168,9 @@ busy=$(( $(machine_busy_s) - busy0 ))
 echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(getconf _NPROCESSORS_ONLN) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
 rm -rf "$work/tmp-"*
 # The lanes' cgroups go when empty; a process a test left running keeps its cgroup (and is named),
-# never the exit status (under set -e a failed rmdir here once turned a green run into exit 1).
-if [[ -n "$CG" ]] && ! rmdir "$CG"/* "$CG" 2>/dev/null; then
+# never the exit status (CI's all-green run once ended with exit 1 here: under set -e, "$CG"/* also
+# matched the cgroup's own interface files, which rmdir refuses).
+if [[ -n "$CG" ]] && ! rmdir "$CG"/*/ "$CG" 2>/dev/null; then
     echo "run: still running in the lanes' cgroups: $(cat "$CG"/*/cgroup.procs "$CG"/*/tasks 2>/dev/null | xargs -r ps -o comm= -p | sort | uniq -c | tr -s ' \n' ' ')"
 fi
 exit "$overall"

@@ -57,3 +57,32 @@ def run_molecule(scenario: str) -> None:
         pytest.fail(f"molecule test -s {scenario} exited {r.returncode}\n--- lines naming the failure ---\n"
                     + "\n".join(marks[-80:]) + api_log + "\n--- stdout tail ---\n" + r.stdout[-4000:]
                     + "\n--- stderr tail ---\n" + r.stderr[-3000:])
+
+
+# CPU per test, beside pytest's wall-clock --durations: on a 2-core machine the suite's wall time is
+# its CPU time shared out, so the tests that cost the most CPU (their own process and every child
+# they waited for; containers' processes are not children) are the ones to make cheaper.
+_CPU = {}
+
+
+def _cpu_now() -> float:
+    import os
+
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_now()
+    yield
+    _CPU[item.nodeid] = _cpu_now() - start
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU:
+        return
+    top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"most CPU (this process and its children): {sum(_CPU.values()):.0f}s in all")
+    for nodeid, s in top:
+        terminalreporter.write_line(f"{s:8.1f}s cpu  {nodeid}")

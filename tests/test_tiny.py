@@ -90,3 +90,39 @@ def test_refuses_non_empty_outdir(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dflash-tiny: error:") and "--force" in err
     assert (tmp_path / "x").read_text() == "keep"
+
+
+def test_width_options_build_a_wider_target_that_loads(tmp_path):
+    """--hidden-size etc. (a wider target for FP8 parity, tests/gpu/fp8_parity.py); the defaults' shape is
+    MODEL_SHAPE itself, so every fixture stays byte-identical."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny import MODEL_SHAPE, model_shape
+
+    assert model_shape() == MODEL_SHAPE
+    out = tmp_path / "wide"
+    assert main([str(out), "--num-train", "2", "--num-heldout", "0", "--hidden-size", "128",
+                 "--intermediate-size", "256", "--num-heads", "8", "--num-kv-heads", "4"]) == 0
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["num_hidden_layers"]) == (128, 256, 8, 4, 16, 8)
+    assert json.loads((out / "tiny.json").read_text())["shape"]["hidden_size"] == 128
+    model = AutoModelForCausalLM.from_pretrained(str(out / "target"), local_files_only=True, dtype=torch.float32)
+    assert model.model.embed_tokens.weight.shape == (512, 128)
+    assert len(load_dataset(out / "data")) == 2
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--hidden-size", "0"], "--hidden-size"),
+    (["--intermediate-size", "-4"], "--intermediate-size"),
+    (["--num-layers", "6"], "--num-layers"),
+    (["--num-heads", "3"], "--num-heads"),
+    (["--hidden-size", "96", "--num-heads", "4", "--num-kv-heads", "3"], "--num-kv-heads"),
+    (["--init-range", "0"], "--init-range"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_width_options_exit_2_naming_the_option(tmp_path, capsys, args, option):
+    assert main([str(tmp_path / "t"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflash-tiny: error: {option} ") and err.count("\n") == 1, err
+    assert not (tmp_path / "t").exists()

@@ -35,17 +35,27 @@ ATTN_NAME = "dflash_decode"   # registered in transformers' AttentionInterface w
 PAD_TO = 64                   # prompt widths rounded up to this (the KV capacity is width + new tokens)
 
 
-DECODE_KERNELS = ("sdpa", "matmul")
+DECODE_KERNELS = ("sdpa", "matmul", "triton")
 _decode_kernel = ["sdpa"]     # set by GraphDecoder around its forwards (a switch to measure both)
+# "triton" (trainer/decode_attn.py): each row's first cached position and the newest one (device tensors,
+# so a captured graph follows them); tiles outside [row_start, last] are not read
+_decode_ctx: dict = {"row_start": None, "last": None}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention with a [B, 1, Q, L] mask (bool, True = attend, or additive); a one-token query groups
     its heads per KV head. Decode kernel "sdpa": PyTorch's SDPA; "matmul": two batched matmuls and an
-    fp32 softmax (K and V read once each either way)."""
+    fp32 softmax (K and V read once each either way); "triton": the split-KV kernel of
+    trainer/decode_attn.py (its plain-torch reference where Triton cannot run)."""
     b, h, q, d = query.shape
     hk = key.shape[1]
     g = h // hk
+    if q == 1 and _decode_kernel[0] == "triton":
+        from .decode_attn import split_kv_attention
+
+        out = split_kv_attention(query[:, :, 0], key, value, attention_mask, scaling,
+                                 _decode_ctx["row_start"], _decode_ctx["last"])
+        return out[:, None], None    # [B, 1, H, D], as the transpose below gives it
     if q == 1 and g > 1:   # decode: the g query heads of one KV head are g rows of one attention
         qg = query.reshape(b, hk, g, d)
         if _decode_kernel[0] == "matmul":
@@ -246,8 +256,9 @@ class GraphDecoder:
         self.stop_ids, self.pad_id = list(stop_ids), int(pad_id)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
         self.view_step, self.check_every, self.prefill_tokens = view_step, check_every, prefill_tokens
-        # decode_kernel: the decode attention (DECODE_KERNELS); float_mask: the step's boolean mask turned
-        # into one additive mask per step, not one conversion per layer inside SDPA
+        # decode_kernel: the decode attention (DECODE_KERNELS; "triton": trainer/decode_attn.py's split-KV
+        # kernel); float_mask: the step's boolean mask turned into one additive mask per step, not one
+        # conversion per layer inside SDPA
         assert decode_kernel in DECODE_KERNELS, decode_kernel
         self.decode_kernel, self.float_mask = decode_kernel, float_mask
         # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager
@@ -281,6 +292,7 @@ class GraphDecoder:
         self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.tok, self.pos, self.step, self.keys = z(b), z(b), z(1), z(b)
+        self.first = z(b)            # each row's first real position (its left padding ends there)
         self.done = z(b, dt=torch.bool)
         self.mask = z(b, capacity, dt=torch.bool)
         self.out = z(b, self.max_new)
@@ -288,14 +300,16 @@ class GraphDecoder:
 
     @contextmanager
     def _attn(self):
-        prev, prev_kernel = self.cfg._attn_implementation, _decode_kernel[0]
+        prev, prev_kernel, prev_ctx = self.cfg._attn_implementation, _decode_kernel[0], dict(_decode_ctx)
         self.cfg._attn_implementation = ATTN_NAME
         _decode_kernel[0] = self.decode_kernel
+        _decode_ctx.update(row_start=self.first, last=self.cache.slot)
         try:
             yield
         finally:
             self.cfg._attn_implementation = prev
             _decode_kernel[0] = prev_kernel
+            _decode_ctx.update(prev_ctx)
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits -> [B] next tokens (greedy, or Gumbel-max at the temperature)."""
@@ -392,6 +406,7 @@ class GraphDecoder:
         pos = (valid[:, :width].long().cumsum(-1) - 1).clamp_(min=0)   # generate's position ids
         ids, pos = ids.to(dev), pos.to(dev)
         self.mask.copy_(valid.to(dev))
+        self.first.copy_(torch.as_tensor([width - len(p) for p in rows], dtype=torch.long))
         self.keys.copy_(torch.as_tensor(list(keys) + [0] * (b - n), dtype=torch.long))
         self.done.zero_()
         self.step.zero_()

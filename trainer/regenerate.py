@@ -4,6 +4,7 @@
                       [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
                       [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
                       [--max-records N] [--decoder auto|generate|captured] [--fuse auto|on|off]
+                      [--decode-attention auto|sdpa|triton]
 
 Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
 supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
@@ -16,7 +17,8 @@ mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(log
 top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
 of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
 decode loop instead (trainer/fastgen.py: one preallocated KV cache, the decode step captured as CUDA
-graphs, its small ops compiled with --fuse; use a large --batch-size there, e.g. 256 on an 8B target, 128
+graphs, its small ops compiled with --fuse, its attention the split-KV Triton kernel with
+--decode-attention triton; use a large --batch-size there, e.g. 256 on an 8B target, 128
 on a 27B one); --devices runs one worker process per
 device, each taking the next unfinished shard. Output: the shard format of dflash-prepare (trainer/data.py)
 with the loss mask on the generated tokens only, and index.json with a "regenerated" key recording
@@ -121,13 +123,15 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
 
 STATIC_PAD = 64   # --static-cache: prompt widths rounded up to this (few distinct compiled shapes)
 DECODERS = ("generate", "captured")
+DECODE_ATTENTIONS = ("sdpa", "triton")   # the captured decoder's decode attention (--decode-attention)
 
 
 class TargetGenerator:
     """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
-                 batch_size: int, static_cache: bool = False, decoder: str = "generate", fuse: bool = False):
+                 batch_size: int, static_cache: bool = False, decoder: str = "generate", fuse: bool = False,
+                 decode_attention: str = "sdpa"):
         import torch
 
         from .evaluate import stop_token_ids
@@ -153,6 +157,10 @@ class TargetGenerator:
         self.decoder = decoder
         # fuse: the captured decode step's norms, rotary and SiLU gate compiled (fastgen.fused_small_ops)
         self.fuse = bool(fuse)
+        # decode_attention: the captured decode step's attention, "sdpa" or "triton" (trainer/decode_attn.py)
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise RegenerateError(f"--decode-attention: one of {', '.join(DECODE_ATTENTIONS)}, got {decode_attention!r}")
+        self.decode_attention = decode_attention
         self._fast = None
 
     def _fast_decoder(self):
@@ -160,7 +168,8 @@ class TargetGenerator:
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
-                                      self.temperature, self.stop_ids, self.pad_id, fuse=self.fuse)
+                                      self.temperature, self.stop_ids, self.pad_id, fuse=self.fuse,
+                                      decode_kernel=self.decode_attention)
         return self._fast
 
     def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
@@ -332,6 +341,7 @@ def regenerate(
     static_cache: bool | None = None,
     decoder: str | None = None,
     fuse: bool | None = None,
+    decode_attention: str | None = None,
 ) -> dict:
     """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
@@ -341,6 +351,8 @@ def regenerate(
     decoder None: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
     fuse None: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
     measured on the 8B shape); it changes no token's choice beyond bf16 rounding and is not recorded.
+    decode_attention None: "sdpa" (PyTorch's SDPA); "triton": the split-KV kernel (trainer/decode_attn.py;
+    its torch reference on CPUs), captured decoder only; bf16 rounding only, not recorded either.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
@@ -377,6 +389,12 @@ def regenerate(
         fuse = decoder == "captured" and all(d.startswith("cuda") for d in devs)
     if fuse and decoder != "captured":
         raise RegenerateError(f"--fuse on: needs --decoder captured, got --decoder {decoder}")
+    if decode_attention is None:
+        decode_attention = "sdpa"
+    if decode_attention not in DECODE_ATTENTIONS:
+        raise RegenerateError(f"--decode-attention: one of {', '.join(DECODE_ATTENTIONS)}, got {decode_attention!r}")
+    if decode_attention != "sdpa" and decoder != "captured":
+        raise RegenerateError(f"--decode-attention {decode_attention}: needs --decoder captured, got --decoder {decoder}")
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -424,7 +442,7 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse)
+        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention)
         lock = threading.Lock()
         eos_hits = [0]
 
@@ -681,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fuse", choices=["auto", "on", "off"], default="auto",
                     help="the captured decode step's norms, rotary and SiLU gate compiled by torch.compile "
                          "(auto: on when the decoder is captured and every device is a GPU)")
+    ap.add_argument("--decode-attention", choices=["auto", *DECODE_ATTENTIONS], default="auto",
+                    help="the captured decode step's attention: sdpa (PyTorch) or triton (a split-KV "
+                         "flash-decoding kernel; its torch reference on CPUs) (auto: sdpa)")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:
@@ -692,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
             max_records=args.max_records,
             static_cache={"auto": None, "on": True, "off": False}[args.static_cache],
             decoder=None if args.decoder == "auto" else args.decoder,
-            fuse={"auto": None, "on": True, "off": False}[args.fuse])
+            fuse={"auto": None, "on": True, "off": False}[args.fuse],
+            decode_attention=None if args.decode_attention == "auto" else args.decode_attention)
     except RegenerateError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

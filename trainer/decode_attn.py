@@ -1,0 +1,255 @@
+"""Split-KV ("flash-decoding") attention of one query token per row, for the captured decoder (issue 29, goal 3).
+
+A decode step's attention reads the whole KV prefix to produce one output row per query head: it is a
+memory-bound read of K and V. PyTorch's SDPA (cuDNN flash on the H200) runs it with 64-row query tiles of
+which the 4 query heads of one KV head use 4, reading the prefix at about 61% of the copy rate. Here:
+
+* the G query heads of one KV head are the rows of one small tile (padded to 16 for the tensor cores), so
+  K and V are read once per (row, KV head);
+* the prefix [0, L) is split into chunks of `split_len` positions, one program per (row, KV head, chunk),
+  each keeping its own running max, sum and unnormalised output (online softmax over `block_n` tiles);
+  a second small kernel merges the chunks by log-sum-exp (none when there is one chunk);
+* a row's positions before `row_start[row]` (its left padding) and after `last[0]` (the newest key; the
+  view is rounded up to 128 positions) are not read at all: those tiles are skipped, the mask does the rest.
+  Both are device tensors, so a CUDA graph captured once per view length stays right as they change.
+
+The grid depends only on the shapes (rows, KV heads, L): no host sync, capturable. `split_kv_reference`
+is the same algorithm in plain torch (chunks, per-chunk max / sum / output, the log-sum-exp merge); the
+CPU tests compare it with SDPA, and the Triton kernel with it (under TRITON_INTERPRET=1 where Triton is
+installed). tests/gpu/regenerate_bench.py compares the kernel with SDPA on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:   # absent on CPU-only installs: the reference path is used there
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+LOG2E = 1.4426950408889634
+
+# the kernel's tile and split; tests/gpu/regenerate_bench.py may set them from its own sweep
+CONFIG = {"block_n": 64, "split_len": 512, "num_warps": 4, "num_stages": 2}
+
+
+def available(device) -> bool:
+    """The Triton kernel can run for tensors on `device` (a CUDA device with Triton installed)."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def num_splits(length: int, split_len: int, block_n: int) -> int:
+    """Chunks of the prefix [0, length): split_len rounded up to whole tiles."""
+    split_len = max(block_n, -(-split_len // block_n) * block_n)
+    return max(1, -(-length // split_len))
+
+
+def _mask_2d(mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor | None:
+    """[B, 1, 1, L] (or [B, L]) mask -> [B, L] view; None stays None."""
+    if mask is None:
+        return None
+    if mask.dim() == 4:
+        assert mask.shape[1] == 1 and mask.shape[2] == 1, mask.shape
+        mask = mask[:, 0, 0]
+    assert mask.shape[-1] == length and mask.shape[0] in (1, b), (mask.shape, b, length)
+    return mask.expand(b, length)
+
+
+def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None,
+                       split_len: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Plain-torch split-KV decode attention. q [B, H, D] (one query token per row), k, v [B, HK, L, D]
+    (H = HK * G; query head h reads KV head h // G), mask [B, 1, 1, L] additive (float) or bool (True =
+    attend) or None, row_start [B] (positions before it are not read), last [1] (the newest position;
+    those after it are not read). Returns [B, H, D] in q's dtype. Every row must attend at least one
+    position."""
+    split_len = CONFIG["split_len"] if split_len is None else split_len
+    block_n = CONFIG["block_n"] if block_n is None else block_n
+    b, h, d = q.shape
+    hk, length = k.shape[1], k.shape[2]
+    g = h // hk
+    scale = d ** -0.5 if scale is None else scale
+    qf = q.reshape(b, hk, g, d).float()
+    s = torch.einsum("bkgd,bkld->bkgl", qf, k.float()) * scale                 # [B, HK, G, L]
+    pos = torch.arange(length, device=q.device)
+    keep = torch.ones(b, length, dtype=torch.bool, device=q.device)
+    m2 = _mask_2d(mask, b, length)
+    if m2 is not None:
+        if m2.dtype == torch.bool:
+            keep &= m2
+        else:
+            s = s + m2.float()[:, None, None, :]
+    if row_start is not None:   # skipped tiles: whole tiles before the row's first position
+        keep &= pos[None, :] >= (row_start.long()[:, None] // block_n) * block_n
+    if last is not None:
+        keep &= pos[None, :] <= last.long().reshape(-1)[:1][:, None]
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    n = num_splits(length, split_len, block_n)
+    chunk = -(-length // n)
+    chunk = -(-chunk // block_n) * block_n
+    ms, ls, accs = [], [], []
+    for c in range(n):
+        sc = s[..., c * chunk:(c + 1) * chunk]
+        if sc.shape[-1] == 0:
+            continue
+        m = sc.amax(-1).clamp(min=-1e30)                                          # finite: an empty chunk
+        p = torch.exp(sc - m[..., None])
+        ms.append(m)
+        ls.append(p.sum(-1))
+        accs.append(torch.einsum("bkgl,bkld->bkgd", p.to(v.dtype).float(), v[:, :, c * chunk:(c + 1) * chunk].float()))
+    m = torch.stack(ms)                                                           # [S, B, HK, G]
+    top = m.amax(0)
+    w = torch.exp(m - top)
+    den = (w * torch.stack(ls)).sum(0)
+    out = (w[..., None] * torch.stack(accs)).sum(0) / den[..., None]
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _split_kv_kernel(Q, K, V, M, RS, LAST, O, OP, MP, LP,
+                         length, chunk, n_splits,
+                         sqb, sqh, skb, skh, skn, svb, svh, svn, smb, smn, sob, soh,
+                         scale_log2,
+                         HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_RS: tl.constexpr,
+                         HAS_LAST: tl.constexpr, DIRECT: tl.constexpr):
+        pid = tl.program_id(0)              # row * HK + kv head
+        sid = tl.program_id(1)              # chunk
+        row = pid // HK
+        kvh = pid % HK
+        rg = tl.arange(0, GP)
+        rd = tl.arange(0, D)
+        rn = tl.arange(0, BLOCK_N)
+        gmask = rg < G
+        q = tl.load(Q + row * sqb + (kvh * G + rg)[:, None] * sqh + rd[None, :], mask=gmask[:, None], other=0.0)
+        lo = sid * chunk
+        hi = tl.minimum(lo + chunk, length)
+        if HAS_RS:
+            first = tl.load(RS + row).to(tl.int32)
+            lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+        if HAS_LAST:
+            hi = tl.minimum(hi, tl.load(LAST).to(tl.int32) + 1)
+        m_i = tl.full([GP], -1e30, dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        kbase = K + row * skb + kvh * skh
+        vbase = V + row * svb + kvh * svh
+        for n0 in range(lo, hi, BLOCK_N):
+            n = n0 + rn
+            ok = n < hi
+            k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2                   # [GP, BLOCK_N], log2 units
+            if MASK == 1:     # additive
+                mk = tl.load(M + row * smb + n * smn, mask=ok, other=0.0).to(tl.float32)
+                s = s + mk[None, :] * 1.4426950408889634
+            if MASK == 2:     # bool (uint8), nonzero = attend
+                mk = tl.load(M + row * smb + n * smn, mask=ok, other=0)
+                s = tl.where((mk != 0)[None, :], s, float("-inf"))
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if DIRECT:            # one chunk: the normalised output, no merge
+            out = acc / l_i[:, None]
+            tl.store(O + row * sob + (kvh * G + rg)[:, None] * soh + rd[None, :], out.to(O.dtype.element_ty),
+                     mask=gmask[:, None])
+        else:
+            base = (pid * n_splits + sid) * GP
+            tl.store(OP + (base + rg)[:, None] * D + rd[None, :], acc)
+            tl.store(MP + base + rg, m_i)
+            tl.store(LP + base + rg, l_i)
+
+    @triton.jit
+    def _merge_kernel(O, OP, MP, LP, n_splits, sob, soh,
+                      HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      SP: tl.constexpr):
+        pid = tl.program_id(0)              # (row * HK + kv head) * G + g
+        g = pid % G
+        rk = pid // G
+        row = rk // HK
+        kvh = rk % HK
+        rs = tl.arange(0, SP)
+        rd = tl.arange(0, D)
+        ok = rs < n_splits
+        idx = (rk * n_splits + rs) * GP + g
+        m = tl.load(MP + idx, mask=ok, other=-1e30)
+        den = tl.load(LP + idx, mask=ok, other=0.0)
+        top = tl.max(m, 0)
+        w = tl.exp2(m - top)
+        w = tl.where(ok, w, 0.0)
+        acc = tl.load(OP + idx[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(w * den, 0)
+        tl.store(O + row * sob + (kvh * G + g) * soh + rd, out.to(O.dtype.element_ty))
+
+
+def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, out=None,
+                    split_len: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """The Triton kernel; same arguments and result as `split_kv_reference` (`out` [B, H, D] optional)."""
+    assert triton is not None, "triton is not installed"
+    cfg = CONFIG
+    split_len = cfg["split_len"] if split_len is None else split_len
+    block_n = cfg["block_n"] if block_n is None else block_n
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    b, h, d = q.shape
+    hk, length = k.shape[1], k.shape[2]
+    g = h // hk
+    assert h == hk * g and d == triton.next_power_of_2(d), (h, hk, d)
+    assert k.stride(3) == 1 and v.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    scale = d ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    m2 = _mask_2d(mask, b, length)
+    kind = 0 if m2 is None else (2 if m2.dtype == torch.bool else 1)
+    if kind == 2:
+        m2 = m2.view(torch.uint8)
+    gp = max(16, triton.next_power_of_2(g))
+    n = num_splits(length, split_len, block_n)
+    chunk = -(-length // n)
+    chunk = -(-chunk // block_n) * block_n
+    n = -(-length // chunk)
+    direct = n == 1
+    if direct:
+        op = mp = lp = out   # unused
+    else:
+        op = torch.empty((b * hk * n * gp, d), dtype=torch.float32, device=q.device)
+        mp = torch.empty((b * hk * n * gp,), dtype=torch.float32, device=q.device)
+        lp = torch.empty_like(mp)
+    dummy = out
+    _split_kv_kernel[(b * hk, n)](
+        q, k, v, m2 if m2 is not None else dummy, row_start if row_start is not None else dummy,
+        last if last is not None else dummy, out, op, mp, lp,
+        length, chunk, n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        m2.stride(0) if m2 is not None else 0, m2.stride(1) if m2 is not None else 0, out.stride(0), out.stride(1),
+        scale * LOG2E,
+        HK=hk, G=g, GP=gp, D=d, BLOCK_N=block_n, MASK=kind, HAS_RS=row_start is not None,
+        HAS_LAST=last is not None, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+    if not direct:
+        _merge_kernel[(b * hk * g,)](out, op, mp, lp, n, out.stride(0), out.stride(1),
+                                     HK=hk, G=g, GP=gp, D=d, SP=max(2, triton.next_power_of_2(n)), num_warps=4)
+    return out
+
+
+def split_kv_attention(q, k, v, mask=None, scale=None, row_start=None, last=None) -> torch.Tensor:
+    """The Triton kernel where it can run (CUDA, Triton installed), else the torch reference."""
+    if available(q.device):
+        return split_kv_triton(q, k, v, mask, scale, row_start, last)
+    return split_kv_reference(q, k, v, mask, scale, row_start, last)
+
+
+def kv_read_bytes(b: int, hk: int, length: int, d: int, itemsize: int) -> int:
+    """Bytes of K and V a decode attention over [0, length) reads (the floor's numerator)."""
+    return 2 * b * hk * length * d * itemsize
+
+
+__all__ = ["CONFIG", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
+           "num_splits", "kv_read_bytes"]

@@ -3,8 +3,8 @@
     python tests/gpu/fp8_parity.py --out results/h200-fp8-parity.json [--gpu 0] [--steps 300]
     # issue 29, goal 2: a wide target, long enough for tau to climb (docs/performance.md, "FP8 parity")
     python tests/gpu/fp8_parity.py --out results/h200-fp8-parity-wide.json --hidden-size 1024 \\
-        --intermediate-size 3072 --num-heads 16 --num-kv-heads 8 --steps 1500 --eval-every 500 \\
-        --labels hard --lr 1e-3 --num-train 2048
+        --intermediate-size 3072 --num-heads 16 --num-kv-heads 8 --num-train 2048 --steps 1200 \\
+        --eval-every 400 --labels hard --lr 1e-3 --max-anchors 32
 
 Not part of the test suite: it needs a GPU with FP8 tensor cores (compute capability 8.9+), and torchao.
 The real pipeline, end to end: dflash-tiny writes a small target (of the width given; the drafter takes

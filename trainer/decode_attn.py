@@ -109,7 +109,7 @@ def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None
 
 if triton is not None:
     @triton.jit
-    def _split_kv_kernel(Q, K, V, M, RS, LAST, O, OP, MP, LP,
+    def _decode_attention_split_kv(Q, K, V, M, RS, LAST, O, OP, MP, LP,
                          length, chunk, n_splits,
                          sqb, sqh, skb, skh, skn, svb, svh, svn, smb, smn, sob, soh,
                          scale_log2,
@@ -167,7 +167,7 @@ if triton is not None:
             tl.store(LP + base + rg, l_i)
 
     @triton.jit
-    def _merge_kernel(O, OP, MP, LP, n_splits, sob, soh,
+    def _decode_attention_merge(O, OP, MP, LP, n_splits, sob, soh,
                       HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       SP: tl.constexpr):
         pid = tl.program_id(0)              # (row * HK + kv head) * G + g
@@ -203,7 +203,12 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
     hk, length = k.shape[1], k.shape[2]
     g = h // hk
     assert h == hk * g and d == triton.next_power_of_2(d), (h, hk, d)
-    assert k.stride(3) == 1 and v.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
     scale = d ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
@@ -224,7 +229,7 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
         mp = torch.empty((b * hk * n * gp,), dtype=torch.float32, device=q.device)
         lp = torch.empty_like(mp)
     dummy = out
-    _split_kv_kernel[(b * hk, n)](
+    _decode_attention_split_kv[(b * hk, n)](
         q, k, v, m2 if m2 is not None else dummy, row_start if row_start is not None else dummy,
         last if last is not None else dummy, out, op, mp, lp,
         length, chunk, n,
@@ -234,7 +239,7 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
         HK=hk, G=g, GP=gp, D=d, BLOCK_N=block_n, MASK=kind, HAS_RS=row_start is not None,
         HAS_LAST=last is not None, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
     if not direct:
-        _merge_kernel[(b * hk * g,)](out, op, mp, lp, n, out.stride(0), out.stride(1),
+        _decode_attention_merge[(b * hk * g,)](out, op, mp, lp, n, out.stride(0), out.stride(1),
                                      HK=hk, G=g, GP=gp, D=d, SP=max(2, triton.next_power_of_2(n)), num_warps=4)
     return out
 

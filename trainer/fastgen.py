@@ -194,13 +194,14 @@ class _KVCache:
         self.view = capacity
         self.rows = slice(None)
         self.prefill = False
+        self.offset = 0          # prefill: the first position written (a row chunk's own width trimmed)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self.prefill:
-            w = key_states.shape[2]
-            k[self.rows, :, :w] = key_states
-            v[self.rows, :, :w] = value_states
+            o, w = self.offset, key_states.shape[2]
+            k[self.rows, :, o:o + w] = key_states
+            v[self.rows, :, o:o + w] = value_states
             return key_states, value_states
         k.index_copy_(2, self.slot, key_states)
         v.index_copy_(2, self.slot, value_states)
@@ -245,7 +246,7 @@ class GraphDecoder:
     def __init__(self, model, device, batch_size: int, max_new_tokens: int, temperature: float,
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
-                 float_mask: bool = True, fuse: bool = False):
+                 float_mask: bool = True, fuse: bool = False, prefill_trim: bool = False):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -263,6 +264,9 @@ class GraphDecoder:
         self.decode_kernel, self.float_mask = decode_kernel, float_mask
         # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager
         self.fuse = fuse
+        # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to
+        # PAD_TO), not the batch's: the left padding of a chunk of short prompts is not computed
+        self.prefill_trim = prefill_trim
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
@@ -422,12 +426,13 @@ class GraphDecoder:
             cache.prefill = True
             for r0 in range(0, b, chunk):
                 r1 = min(b, r0 + chunk)
-                m = (causal[None] & self.mask[r0:r1, None, :width]) | eye   # a padding row sees itself
-                cache.rows = slice(r0, r1)
-                h = self.base(input_ids=ids[r0:r1], position_ids=pos[r0:r1], attention_mask=m[:, None],
+                c0 = width - -(-max(lens[r0:r1]) // PAD_TO) * PAD_TO if self.prefill_trim else 0
+                m = (causal[None, c0:, c0:] & self.mask[r0:r1, None, c0:width]) | eye[c0:, c0:]   # a padding row sees itself
+                cache.rows, cache.offset = slice(r0, r1), c0
+                h = self.base(input_ids=ids[r0:r1, c0:], position_ids=pos[r0:r1, c0:], attention_mask=m[:, None],
                               use_cache=True, **{self.cache_kw: cache}).last_hidden_state
                 last[r0:r1] = self.head(h[:, -1]).float()
-            cache.prefill = False
+            cache.prefill, cache.offset = False, 0
             self._emit(self._next(last))
             self.pos.copy_(pos[:, -1] + 1)
             cache.slot.fill_(width)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,12 +75,187 @@ def fast_breakdown(gen) -> dict:
 
 
 VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), "matmul": ("matmul", True, False),
-            "fused": ("sdpa", True, True)}   # fused: norms, rotary, SiLU gate compiled (fastgen.fused_small_ops)
+            "fused": ("sdpa", True, True),   # fused: norms, rotary, SiLU gate compiled (fastgen.fused_small_ops)
+            "triton": ("triton", True, False),   # triton: the split-KV decode attention (trainer/decode_attn.py)
+            "fused-triton": ("triton", True, True),
+            "fused-trim": ("sdpa", True, True, True),   # trim: each prefill row chunk at its own width
+            "fused-triton-trim": ("triton", True, True, True)}
+
+
+def graph_ms(fn, reps: int = 20, rounds: int = 3) -> float:
+    """GPU ms per call of fn, `reps` calls captured in one CUDA graph (no launch overhead), best of rounds.
+    Without CUDA (a smoke run: Triton's interpreter on the CPU): wall ms of one call."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return 1000 * (time.perf_counter() - t0)
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) / reps)
+    del g
+    return best
+
+
+def attention_check(a, res, save, dev, dims) -> None:
+    """The split-KV kernel against SDPA (the captured decoder's default) at the target's attention shape:
+    errors of both against fp32 math, their tokens' inputs the same; a sweep of the kernel's tile and split
+    at --attn-sweep-batch x --attn-sweep-len (full view read: bandwidth against the copy rate), then the best
+    configuration at each of --attn-cases (batch x view), with and without the tiles skipped (left padding,
+    the unwritten tail). Times: CUDA graphs of 20 calls, one layer's attention per call."""
+    import torch.nn.functional as F
+
+    from trainer import decode_attn as da
+
+    _, _, heads, kvh, d, _, _ = dims
+    g = heads // kvh
+    bf = torch.bfloat16
+    out = res.setdefault("attention", {})
+    x = torch.empty(2 << 30 if dev.type == "cuda" else 1 << 20, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = graph_ms(lambda: y.copy_(x), reps=5)
+    out["copy_tb_s"] = round(2 * x.numel() / ms / 1e9, 3)   # read + write
+    print(f"attention: copy rate {out['copy_tb_s']} TB/s (read + write of {x.numel() >> 20} MiB)", flush=True)
+    del x, y
+
+    def inputs(b, L, seed=0):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        cap = L + 128
+        q = torch.randn(b, heads, d, device=dev, dtype=bf, generator=gen)
+        kb = torch.randn(b, kvh, cap, d, device=dev, dtype=bf, generator=gen)
+        vb = torch.randn(b, kvh, cap, d, device=dev, dtype=bf, generator=gen)
+        start = torch.randint(0, L // 2, (b,), device=dev, generator=gen)
+        last = torch.tensor([L - 1 - L // 16], device=dev)   # the view's unwritten tail
+        pos = torch.arange(L, device=dev)
+        keep = (pos[None] >= start[:, None]) & (pos[None] <= last)
+        mask = torch.zeros(b, 1, 1, L, dtype=bf, device=dev).masked_fill_(~keep[:, None, None], float("-inf"))
+        return q, kb[:, :, :L], vb[:, :, :L], mask, start, last
+
+    def sdpa(q, k, v, mask):
+        b = q.shape[0]
+        return F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=mask).reshape(b, heads, d)
+
+    # sweep: full view read, no skipping
+    b, L = a.attn_sweep_batch, a.attn_sweep_len
+    q, k, v, mask, start, last = inputs(b, L)
+    gb = da.kv_read_bytes(b, kvh, L, d, 2) / 1e9
+    sweep = []
+    base = {"sdpa": round(graph_ms(lambda: sdpa(q, k, v, mask)), 4)}
+    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
+    for bn, nw, ns in tiles:
+        try:
+            t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
+                                                    split_len=512))
+            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "ms": round(t, 4)})
+        except Exception as e:  # noqa: BLE001
+            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "error": repr(e)[:200]})
+        print("attention sweep:", json.dumps(sweep[-1]), flush=True)
+    best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
+    for sl in (128, 256, 1024, 1 << 20):
+        bn, nw, ns = best["block_n"], best["num_warps"], best["num_stages"]
+        try:
+            t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
+                                                    split_len=sl))
+            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "ms": round(t, 4)})
+        except Exception as e:  # noqa: BLE001
+            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "error": repr(e)[:200]})
+        print("attention sweep:", json.dumps(sweep[-1]), flush=True)
+    best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
+    for r in sweep:
+        if "ms" in r:
+            r["tb_s"] = round(gb / r["ms"], 3)
+    da.CONFIG.update({k: best[k] for k in ("block_n", "split_len", "num_warps", "num_stages")})
+    out["sweep"] = {"batch": b, "view": L, "kv_gb": round(gb, 4), "sdpa_ms": base["sdpa"],
+                    "sdpa_tb_s": round(gb / base["sdpa"], 3), "rows": sweep, "best": dict(da.CONFIG)}
+    print(f"attention sweep best {da.CONFIG}: {best['ms']} ms ({best['tb_s']} TB/s) vs sdpa {base['sdpa']} ms "
+          f"({gb / base['sdpa']:.3f} TB/s); {gb:.3f} GB of K and V", flush=True)
+    save()
+
+    # parity and speed at each case, with the configuration chosen above
+    out["cases"] = []
+    for case in a.attn_cases.split(","):
+        b, L = (int(t) for t in case.split("x"))
+        q, k, v, mask, start, last = inputs(b, L, seed=1)
+        sf = torch.einsum("bkgd,bkld->bkgl", q.reshape(b, kvh, g, d).float(), k.float()) * d ** -0.5
+        ref = torch.einsum("bkgl,bkld->bkgd", torch.softmax(sf + mask.float(), -1), v.float()).reshape(b, heads, d)
+        del sf
+        o_s = sdpa(q, k, v, mask)
+        o_t = da.split_kv_triton(q, k, v, mask, None, start, last)
+        o_f = da.split_kv_triton(q, k, v, mask)
+        gb = da.kv_read_bytes(b, kvh, L, d, 2) / 1e9
+        row = {"batch": b, "view": L, "kv_gb": round(gb, 4),
+               "sdpa_max_abs_err_vs_fp32": (o_s.float() - ref).abs().max().item(),
+               "triton_max_abs_err_vs_fp32": (o_t.float() - ref).abs().max().item(),
+               "triton_noskip_max_abs_err_vs_fp32": (o_f.float() - ref).abs().max().item(),
+               "triton_vs_sdpa_max_abs": (o_t.float() - o_s.float()).abs().max().item(),
+               "sdpa_mean_abs_err_vs_fp32": (o_s.float() - ref).abs().mean().item(),
+               "triton_mean_abs_err_vs_fp32": (o_t.float() - ref).abs().mean().item(),
+               "sdpa_ms": round(graph_ms(lambda: sdpa(q, k, v, mask)), 4),
+               "triton_ms": round(graph_ms(lambda: da.split_kv_triton(q, k, v, mask, None, start, last)), 4),
+               "triton_noskip_ms": round(graph_ms(lambda: da.split_kv_triton(q, k, v, mask)), 4)}
+        row["sdpa_tb_s"] = round(gb / row["sdpa_ms"], 3)
+        row["triton_noskip_tb_s"] = round(gb / row["triton_noskip_ms"], 3)
+        row["speedup"] = round(row["sdpa_ms"] / row["triton_ms"], 3)
+        out["cases"].append(row)
+        print("attention case:", json.dumps(row), flush=True)
+        del q, k, v, mask, ref, o_s, o_t, o_f
+        torch.cuda.empty_cache()
+        save()
+
+
+def token_parity(res, save, target, dev, rng, vocab) -> None:
+    """8 rows of 100-200 prompt tokens, 64 new: the triton decoder's graphs against its own eager loop (the
+    same kernels: identical), and against the sdpa decoder (bf16 on random weights: reported, the first
+    token where each row parts)."""
+    ps = prompts_of(rng, 8, 100, 200, vocab)
+    outs = {}
+    for name, kernel, graphs in (("sdpa", "sdpa", True), ("triton", "triton", True), ("triton-eager", "triton", False)):
+        g = make_gen(target, dev, 8, 64, "captured")
+        f = g._fast_decoder()
+        f.decode_kernel = kernel
+        f.graphs = f.graphs and graphs
+        outs[name] = g.complete(ps, 0)
+    same = [bool(np.array_equal(x, y)) for x, y in zip(outs["triton"], outs["triton-eager"])]
+    eq_sdpa = [bool(np.array_equal(x, y)) for x, y in zip(outs["triton"], outs["sdpa"])]
+    first = [int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(outs["triton"], outs["sdpa"])]
+    # prefill_trim: rows prefilled one by one (prefill_tokens 256), each at its own width or at the batch's
+    trim = {}
+    for on in (False, True):
+        g = make_gen(target, dev, 8, 64, "captured")
+        f = g._fast_decoder()
+        f.decode_kernel, f.prefill_tokens, f.prefill_trim = "triton", 256, on
+        trim[on] = g.complete(ps, 0)
+    first_trim = [int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(trim[True], trim[False])]
+    res["token_parity"] = {"rows": 8, "new_tokens": 64, "triton_graphs_equal_eager_rows": sum(same),
+                           "triton_equal_sdpa_rows": sum(eq_sdpa), "first_token_differing_from_sdpa": first,
+                           "trim_equal_untrimmed_rows": sum(x == 64 for x in first_trim),
+                           "trim_first_token_differing": first_trim}
+    print("token parity:", json.dumps(res["token_parity"]), flush=True)
+    save()
 
 
 def set_variant(gen, name):
     f = gen._fast_decoder()
-    f.decode_kernel, f.float_mask, f.fuse = VARIANTS[name]
+    v = VARIANTS[name]
+    f.decode_kernel, f.float_mask, f.fuse = v[:3]
+    f.prefill_trim = v[3] if len(v) > 3 else False
     return f
 
 
@@ -134,23 +310,52 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
     ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
     best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
     res["best_variant"] = best
-    if a.headline_batch:
+    if a.prefill_compare and a.headline_batch:   # the prefill alone (1 new token), trim off and on, same prompts
+        bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
+        mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
+        res["prefill"] = []
+        for name in ("fused", "fused-trim", "fused", "fused-trim"):
+            try:
+                g = make_gen(target, dev, bs, 1, "captured")
+                f = set_variant(g, name)
+                g.complete(mixed[:bs // 4], 0)   # warm: the kernels' first calls
+                fast_breakdown(g)
+                f.timed = True
+                _, secs = timed(lambda: g.complete(mixed, 0))
+                row = {"variant": name, "batch_size": bs, "prompts": n, "seconds": round(secs, 3)} | fast_breakdown(g)
+            except Exception as e:  # noqa: BLE001
+                row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
+            res["prefill"].append(row)
+            print("prefill:", json.dumps(row), flush=True)
+            g = f = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            save()
+    for name in (a.headline_variants.split(",") if a.headline_variants else [best]) if a.headline_batch else []:
         bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
         try:
             g = make_gen(target, dev, bs, a.new_tokens, "captured")
-            f = set_variant(g, best)
+            f = set_variant(g, name)
             f.timed = True
             mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
             done, secs = timed(lambda: g.complete(mixed, 0))
             toks = sum(len(c) for c in done)
-            row = {"variant": best, "batch_size": bs, "prompts": n, "min_len": a.min_len, "max_len": a.max_len,
+            row = {"variant": name, "batch_size": bs, "prompts": n, "min_len": a.min_len, "max_len": a.max_len,
                    "prompt_tokens": int(sum(len(q) for q in mixed)), "new_tokens": a.new_tokens,
                    "generated": toks, "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1)} | \
                 fast_breakdown(g)
+            if cuda:
+                row["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
         except Exception as e:  # noqa: BLE001
-            row = {"variant": best, "batch_size": bs, "error": repr(e)[:500]}
+            row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
         res["headline"].append(row)
         print("headline:", json.dumps(row), flush=True)
+        g = f = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
         save()
     print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
                        [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
@@ -182,6 +387,19 @@ def main(argv=None) -> int:
     p.add_argument("--step-new-tokens", type=int, default=128)
     p.add_argument("--headline-batch", type=int, default=0, help="with --step-variants: the mixed workload at "
                                                                  "this batch with the fastest variant")
+    p.add_argument("--headline-variants", default="",
+                   help="with --step-variants: the mixed workload for each of these variants (default: the fastest)")
+    p.add_argument("--prefill-compare", action="store_true",
+                   help="with --step-variants and --headline-batch: the mixed workload's prefill alone (1 new "
+                        "token), fused and fused-trim, twice each")
+    p.add_argument("--variant", default="", choices=["", *VARIANTS],
+                   help="the headline rows of the default mode with this variant (e.g. fused-triton)")
+    p.add_argument("--attention-check", action="store_true",
+                   help="first: the split-KV kernel against SDPA (errors, a tile/split sweep, times) and the "
+                        "triton decoder's tokens against sdpa's and its own eager loop (needs a GPU)")
+    p.add_argument("--attn-sweep-batch", type=int, default=256)
+    p.add_argument("--attn-sweep-len", type=int, default=640)
+    p.add_argument("--attn-cases", default="256x640,256x1536,384x1536", help="batch x view, comma list")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()   # the CPU: a smoke run of the script (--shape tiny)
@@ -198,24 +416,41 @@ def main(argv=None) -> int:
     vocab = min(target.config.vocab_size, 150000)
     rng = np.random.default_rng(0)
 
+    if a.attention_check and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        try:   # a failure is recorded; the decoder rows below still run (theirs fail alone)
+            attention_check(a, res, save, dev, SHAPES[a.shape])
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            res.setdefault("attention", {})["error"] = repr(e)[:1000]
+            save()
+    if a.attention_check:
+        try:
+            token_parity(res, save, target, dev, rng, vocab)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            res["token_parity"] = {"error": repr(e)[:1000]}
+            save()
     if a.step_variants:
         return step_variants(a, res, save, target, dev, rng, vocab, batches, cuda)
 
     # 1. parity: graphs vs the same loop eagerly; agreement with generate
-    ps = prompts_of(rng, 8, 100, 200, vocab)
-    cap = make_gen(target, dev, 8, 64, "captured")
-    eager = make_gen(target, dev, 8, 64, "captured")
-    eager._fast_decoder().graphs = False
-    gen = make_gen(target, dev, 8, 64, "generate", static_cache=False)   # no compile for 64 tokens
-    a_cap, a_eag, a_gen = cap.complete(ps, 0), eager.complete(ps, 0), gen.complete(ps, 0)
-    same = [bool(np.array_equal(x, y)) for x, y in zip(a_cap, a_eag)]
-    first_diff = [int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(a_cap, a_gen)]
-    res["parity"] = {"graphs_equal_eager_rows": sum(same), "rows": len(same),
-                     "agree_with_generate_prefix_tokens": first_diff, "new_tokens": 64}
-    print(f"parity: graphs == eager on {sum(same)}/{len(same)} rows; first token differing from generate: "
-          f"{first_diff} (of 64)", flush=True)
-    del cap, eager, gen
-    save()
+    if not a.skip_parity:
+        ps = prompts_of(rng, 8, 100, 200, vocab)
+        cap = make_gen(target, dev, 8, 64, "captured")
+        eager = make_gen(target, dev, 8, 64, "captured")
+        eager._fast_decoder().graphs = False
+        gen = make_gen(target, dev, 8, 64, "generate", static_cache=False)   # no compile for 64 tokens
+        a_cap, a_eag, a_gen = cap.complete(ps, 0), eager.complete(ps, 0), gen.complete(ps, 0)
+        same = [bool(np.array_equal(x, y)) for x, y in zip(a_cap, a_eag)]
+        first_diff = [int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(a_cap, a_gen)]
+        res["parity"] = {"graphs_equal_eager_rows": sum(same), "rows": len(same),
+                         "agree_with_generate_prefix_tokens": first_diff, "new_tokens": 64}
+        print(f"parity: graphs == eager on {sum(same)}/{len(same)} rows; first token differing from generate: "
+              f"{first_diff} (of 64)", flush=True)
+        del cap, eager, gen
+        save()
 
     # 2. ratio: same prompts, generate vs captured at the same batch, then the captured batch sizes
     if not a.skip_ratio:
@@ -262,10 +497,13 @@ def main(argv=None) -> int:
         try:
             g = make_gen(target, dev, bs, a.new_tokens, "captured")
             mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
+            if a.variant:
+                set_variant(g, a.variant)
             g._fast_decoder().timed = True
             done, secs = timed(lambda: g.complete(mixed, 0))
             toks = sum(len(c) for c in done)
-            row = {"decoder": "captured", "batch_size": bs, "prompts": n, "min_len": a.min_len,
+            row = {"decoder": "captured", "variant": a.variant or "default", "batch_size": bs, "prompts": n,
+                   "min_len": a.min_len,
                    "max_len": a.max_len, "prompt_tokens": int(sum(len(q) for q in mixed)),
                    "new_tokens": a.new_tokens, "generated": toks, "seconds": round(secs, 3),
                    "tokens_per_s": round(toks / secs, 1)} | fast_breakdown(g)

@@ -310,28 +310,6 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
     ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
     best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
     res["best_variant"] = best
-    if a.prefill_compare and a.headline_batch:   # the prefill alone (1 new token), trim off and on, same prompts
-        bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
-        mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
-        res["prefill"] = []
-        for name in ("fused", "fused-trim", "fused", "fused-trim"):
-            try:
-                g = make_gen(target, dev, bs, 1, "captured")
-                f = set_variant(g, name)
-                g.complete(mixed[:bs // 4], 0)   # warm: the kernels' first calls
-                fast_breakdown(g)
-                f.timed = True
-                _, secs = timed(lambda: g.complete(mixed, 0))
-                row = {"variant": name, "batch_size": bs, "prompts": n, "seconds": round(secs, 3)} | fast_breakdown(g)
-            except Exception as e:  # noqa: BLE001
-                row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
-            res["prefill"].append(row)
-            print("prefill:", json.dumps(row), flush=True)
-            g = f = None
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            save()
     for name in (a.headline_variants.split(",") if a.headline_variants else [best]) if a.headline_batch else []:
         bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
         try:
@@ -357,6 +335,28 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         save()
+    if a.prefill_compare and a.headline_batch:   # the prefill alone (1 new token), trim off and on, same prompts
+        bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
+        mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
+        res["prefill"] = []
+        for name in ("fused", "fused-trim", "fused", "fused-trim"):
+            try:
+                g = make_gen(target, dev, bs, 1, "captured")
+                f = set_variant(g, name)
+                g.complete(mixed[:bs // 4], 0)   # warm: the kernels' first calls
+                fast_breakdown(g)
+                f.timed = True
+                _, secs = timed(lambda: g.complete(mixed, 0))
+                row = {"variant": name, "batch_size": bs, "prompts": n, "seconds": round(secs, 3)} | fast_breakdown(g)
+            except Exception as e:  # noqa: BLE001
+                row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
+            res["prefill"].append(row)
+            print("prefill:", json.dumps(row), flush=True)
+            g = f = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            save()
     print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
                        [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
                          r.get("profile_gpu_ms")] for r in res["steps"]]))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.decode_attn import num_splits, split_kv_reference
+from trainer.decode_attn import FP8, num_splits, split_kv_reference, to_fp8
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_the_triton_kernel_equals_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = r"""
 import torch
-from trainer.decode_attn import split_kv_reference, split_kv_triton
+from trainer.decode_attn import split_kv_reference, split_kv_triton, to_fp8
 from tests.test_decode_attention import _case
 worst = 0.0
 for (b, hk, g, L, d, kind, sl, bn) in [(3, 2, 4, 200, 32, "float", 64, 16), (2, 2, 1, 130, 16, "bool", 32, 16),
@@ -97,8 +97,13 @@ q, k, v, mask, start, last, keep = _case(2, 2, 4, 200, 32, "float", dtype=torch.
 r = split_kv_reference(q, k, v, mask, None, start, last, split_len=64, block_n=16)
 t = split_kv_triton(q, k, v, mask, None, start, last, split_len=64, block_n=16)
 half = (r.float() - t.float()).abs().max().item()
-print(worst, half)
-assert worst < 1e-5 and half < 2e-3, (worst, half)
+# an fp8 e4m3 cache (--kv-fp8), read by the same kernel
+kq, vq = to_fp8(k), to_fp8(v)
+r = split_kv_reference(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
+t = split_kv_triton(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
+fp8 = (r.float() - t.float()).abs().max().item()
+print(worst, half, fp8)
+assert worst < 1e-5 and half < 2e-3 and fp8 < 2e-3, (worst, half, fp8)
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -161,3 +166,42 @@ def test_a_prefill_trimmed_to_each_row_chunks_width_writes_the_same_tokens(targe
         dec.generate(prompts[::-1], range(6))   # a batch before: the cache holds another batch's keys
         trimmed = dec.generate(prompts, range(6))
         assert all(np.array_equal(a, b) for a, b in zip(ref, trimmed)), kernel
+
+
+def test_an_fp8_cache_is_read_as_its_rounded_values():
+    """--kv-fp8: keys and values stored in e4m3 (saturated, never NaN); the attention is that of the rounded
+    values, exactly."""
+    q, k, v, mask, start, last, keep = _case(3, 2, 4, 160, 32, "float")
+    k = k * 100                                  # some beyond e4m3's 448: saturated
+    kq, vq = to_fp8(k), to_fp8(v)
+    assert kq.dtype == FP8 and torch.isfinite(kq.float()).all() and kq.float().abs().max() == 448
+    got = split_kv_reference(q, kq, vq, mask, 0.01, start, last, split_len=64, block_n=16)
+    b, h, d = q.shape
+    want = F.scaled_dot_product_attention(q.reshape(b, 2, 4, d), kq.float(), vq.float(),
+                                          attn_mask=keep[:, None, None], scale=0.01).reshape(b, h, d)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_the_captured_decoder_with_an_fp8_cache(target, tiny_small_dir, tmp_path, capsys):
+    """kv_fp8: the decoder runs with its cache in e4m3 (the first token comes from the unrounded prefill, so
+    it is the same); it needs the triton attention, and dflash-regenerate refuses it otherwise."""
+    from trainer.data import load_dataset
+    from trainer.evaluate import heldout_prompts
+    from trainer.fastgen import GraphDecoder
+    from trainer.regenerate import main
+
+    prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)
+    kw = dict(batch_size=4, max_new_tokens=8, temperature=0.0, stop_ids=[], pad_id=0, view_step=16)
+    ref = GraphDecoder(target, "cpu", decode_kernel="triton", **kw).generate(prompts, range(4))
+    dec = GraphDecoder(target, "cpu", decode_kernel="triton", kv_fp8=True, **kw)
+    got = dec.generate(prompts, range(4))
+    assert dec.cache.k[0].dtype == FP8
+    assert [len(x) for x in got] == [8] * 4 and [x[0] for x in got] == [x[0] for x in ref]
+    with pytest.raises(ValueError):
+        GraphDecoder(target, "cpu", kv_fp8=True, **kw).generate(prompts, range(4))
+    out = tmp_path / "out"
+    rc = main(["--target-model", str(tiny_small_dir / "target"), "--data-dir", str(tiny_small_dir / "data"),
+               "--output-dir", str(out), "--decoder", "captured", "--kv-fp8", "on"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--kv-fp8 on: needs --decode-attention triton" in err, err
+    assert not out.exists()

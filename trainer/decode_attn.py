@@ -33,7 +33,15 @@ except ImportError:   # pragma: no cover - depends on the install
 LOG2E = 1.4426950408889634
 
 # the kernel's tile and split; tests/gpu/regenerate_bench.py may set them from its own sweep
-CONFIG = {"block_n": 64, "split_len": 512, "num_warps": 4, "num_stages": 2}
+# (the fastest of the sweep in results/h200-8b-regenerate-triton.json: 4.23 TB/s at batch 256 x view 640)
+CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """A KV cache entry in fp8 (e4m3, scale 1, saturated at +-448: a cast would make NaN of larger values)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def available(device) -> bool:
@@ -61,7 +69,7 @@ def _mask_2d(mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor | N
 def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None,
                        split_len: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Plain-torch split-KV decode attention. q [B, H, D] (one query token per row), k, v [B, HK, L, D]
-    (H = HK * G; query head h reads KV head h // G), mask [B, 1, 1, L] additive (float) or bool (True =
+    (H = HK * G; query head h reads KV head h // G; bf16, fp32 or fp8 e4m3, an fp8 cache), mask [B, 1, 1, L] additive (float) or bool (True =
     attend) or None, row_start [B] (positions before it are not read), last [1] (the newest position;
     those after it are not read). Returns [B, H, D] in q's dtype. Every row must attend at least one
     position."""
@@ -98,7 +106,7 @@ def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None
         p = torch.exp(sc - m[..., None])
         ms.append(m)
         ls.append(p.sum(-1))
-        accs.append(torch.einsum("bkgl,bkld->bkgd", p.to(v.dtype).float(), v[:, :, c * chunk:(c + 1) * chunk].float()))
+        accs.append(torch.einsum("bkgl,bkld->bkgd", p.to(q.dtype).float(), v[:, :, c * chunk:(c + 1) * chunk].float()))
     m = torch.stack(ms)                                                           # [S, B, HK, G]
     top = m.amax(0)
     w = torch.exp(m - top)
@@ -140,7 +148,7 @@ if triton is not None:
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + rn
             ok = n < hi
-            k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0)
+            k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2                   # [GP, BLOCK_N], log2 units
             if MASK == 1:     # additive
                 mk = tl.load(M + row * smb + n * smn, mask=ok, other=0.0).to(tl.float32)
@@ -153,8 +161,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
         if DIRECT:            # one chunk: the normalised output, no merge
             out = acc / l_i[:, None]
@@ -256,5 +264,5 @@ def kv_read_bytes(b: int, hk: int, length: int, d: int, itemsize: int) -> int:
     return 2 * b * hk * length * d * itemsize
 
 
-__all__ = ["CONFIG", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
+__all__ = ["CONFIG", "FP8", "to_fp8", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
            "num_splits", "kv_read_bytes"]

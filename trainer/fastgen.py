@@ -175,6 +175,11 @@ def fused_small_ops(model):
                 setattr(owner, name, orig)
 
 
+def _fp8(x):
+    from .decode_attn import to_fp8
+    return to_fp8(x)
+
+
 class _KVCache:
     """Duck-typed transformers cache: `update(k, v, layer_idx)` writes into the preallocated buffers.
 
@@ -184,8 +189,14 @@ class _KVCache:
 
     is_compileable = False
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
+                 fp8: bool = False):
         shape = (batch, kv_heads, capacity, head_dim)
+        # fp8: the buffers hold e4m3 (trainer/decode_attn.py to_fp8); only the split-KV kernel reads them
+        self.fp8 = fp8
+        if fp8:
+            from .decode_attn import FP8
+            dtype = FP8
         # zeros, not empty: a masked position still enters attention with probability 0, and 0 * NaN is NaN
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -200,11 +211,16 @@ class _KVCache:
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self.prefill:
             o, w = self.offset, key_states.shape[2]
-            k[self.rows, :, o:o + w] = key_states
-            v[self.rows, :, o:o + w] = value_states
-            return key_states, value_states
-        k.index_copy_(2, self.slot, key_states)
-        v.index_copy_(2, self.slot, value_states)
+            ks, vs = (_fp8(key_states), _fp8(value_states)) if self.fp8 else (key_states, value_states)
+            k[self.rows, :, o:o + w] = ks
+            v[self.rows, :, o:o + w] = vs
+            return key_states, value_states     # the prefill attends its own keys, unrounded
+        if self.fp8:   # as bytes: index_copy_ has no fp8 kernel on the CPU
+            k.view(torch.uint8).index_copy_(2, self.slot, _fp8(key_states).view(torch.uint8))
+            v.view(torch.uint8).index_copy_(2, self.slot, _fp8(value_states).view(torch.uint8))
+        else:
+            k.index_copy_(2, self.slot, key_states)
+            v.index_copy_(2, self.slot, value_states)
         return k[:, :, :self.view], v[:, :, :self.view]
 
     # what transformers may ask of a cache it did not build
@@ -246,7 +262,7 @@ class GraphDecoder:
     def __init__(self, model, device, batch_size: int, max_new_tokens: int, temperature: float,
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
-                 float_mask: bool = True, fuse: bool = False, prefill_trim: bool = False):
+                 float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -267,6 +283,9 @@ class GraphDecoder:
         # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to
         # PAD_TO), not the batch's: the left padding of a chunk of short prompts is not computed
         self.prefill_trim = prefill_trim
+        # kv_fp8: the KV cache in fp8 e4m3 (half the bytes a decode step reads; changes numerics), read by the
+        # split-KV kernel only
+        self.kv_fp8 = kv_fp8
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
@@ -282,7 +301,7 @@ class GraphDecoder:
 
     # ---------------------------------------------------------------- state
     def _alloc(self, capacity: int) -> None:
-        if self.cache is not None and self.cache.capacity >= capacity:
+        if self.cache is not None and self.cache.capacity >= capacity and self.cache.fp8 == self.kv_fp8:
             return
         capacity = -(-capacity // self.view_step) * self.view_step
         self._graphs.clear()          # captured against the old buffers
@@ -293,7 +312,9 @@ class GraphDecoder:
         c, dev, b = self.cfg, self.device, self.batch
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev)
+        if self.kv_fp8 and self.decode_kernel != "triton":
+            raise ValueError("kv_fp8 needs decode_kernel='triton' (SDPA does not read an fp8 cache)")
+        self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev, fp8=self.kv_fp8)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.tok, self.pos, self.step, self.keys = z(b), z(b), z(1), z(b)
         self.first = z(b)            # each row's first real position (its left padding ends there)

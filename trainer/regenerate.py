@@ -4,7 +4,7 @@
                       [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
                       [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
                       [--max-records N] [--decoder auto|generate|captured] [--fuse auto|on|off]
-                      [--decode-attention auto|sdpa|triton]
+                      [--decode-attention auto|sdpa|triton] [--kv-fp8 on|off]
 
 Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
 supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
@@ -131,7 +131,7 @@ class TargetGenerator:
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
                  batch_size: int, static_cache: bool = False, decoder: str = "generate", fuse: bool = False,
-                 decode_attention: str = "sdpa"):
+                 decode_attention: str = "sdpa", kv_fp8: bool = False):
         import torch
 
         from .evaluate import stop_token_ids
@@ -161,6 +161,10 @@ class TargetGenerator:
         if decode_attention not in DECODE_ATTENTIONS:
             raise RegenerateError(f"--decode-attention: one of {', '.join(DECODE_ATTENTIONS)}, got {decode_attention!r}")
         self.decode_attention = decode_attention
+        # kv_fp8: the captured decoder's KV cache in fp8 e4m3 (read by the triton attention only)
+        if kv_fp8 and decode_attention != "triton":
+            raise RegenerateError("--kv-fp8 on: needs --decode-attention triton")
+        self.kv_fp8 = bool(kv_fp8)
         self._fast = None
 
     def _fast_decoder(self):
@@ -169,7 +173,7 @@ class TargetGenerator:
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
                                       self.temperature, self.stop_ids, self.pad_id, fuse=self.fuse,
-                                      decode_kernel=self.decode_attention)
+                                      decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8)
         return self._fast
 
     def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
@@ -342,6 +346,7 @@ def regenerate(
     decoder: str | None = None,
     fuse: bool | None = None,
     decode_attention: str | None = None,
+    kv_fp8: bool = False,
 ) -> dict:
     """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
@@ -351,8 +356,12 @@ def regenerate(
     decoder None: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
     fuse None: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
     measured on the 8B shape); it changes no token's choice beyond bf16 rounding and is not recorded.
-    decode_attention None: "sdpa" (PyTorch's SDPA); "triton": the split-KV kernel (trainer/decode_attn.py;
-    its torch reference on CPUs), captured decoder only; bf16 rounding only, not recorded either.
+    decode_attention None: "triton" (the split-KV kernel, trainer/decode_attn.py; 1.28x per decode step
+    measured on the 8B shape) with the captured decoder when every device is a GPU and Triton is installed,
+    else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference. bf16 rounding only,
+    not recorded either.
+    kv_fp8: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
+    numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
@@ -390,11 +399,16 @@ def regenerate(
     if fuse and decoder != "captured":
         raise RegenerateError(f"--fuse on: needs --decoder captured, got --decoder {decoder}")
     if decode_attention is None:
-        decode_attention = "sdpa"
+        import importlib.util
+        gpus = all(d.startswith("cuda") for d in devs)
+        decode_attention = ("triton" if decoder == "captured" and gpus and importlib.util.find_spec("triton")
+                            else "sdpa")
     if decode_attention not in DECODE_ATTENTIONS:
         raise RegenerateError(f"--decode-attention: one of {', '.join(DECODE_ATTENTIONS)}, got {decode_attention!r}")
     if decode_attention != "sdpa" and decoder != "captured":
         raise RegenerateError(f"--decode-attention {decode_attention}: needs --decoder captured, got --decoder {decoder}")
+    if kv_fp8 and decode_attention != "triton":
+        raise RegenerateError(f"--kv-fp8 on: needs --decode-attention triton, got {decode_attention}")
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -418,6 +432,8 @@ def regenerate(
         "static_cache": bool(static_cache),
         "decoder": decoder,
     }
+    if kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
+        config["kv_cache"] = "fp8"
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
     if manifest["complete"] and (out / INDEX_NAME).is_file() and all(
@@ -442,7 +458,7 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention)
+        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention, kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 
@@ -701,7 +717,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(auto: on when the decoder is captured and every device is a GPU)")
     ap.add_argument("--decode-attention", choices=["auto", *DECODE_ATTENTIONS], default="auto",
                     help="the captured decode step's attention: sdpa (PyTorch) or triton (a split-KV "
-                         "flash-decoding kernel; its torch reference on CPUs) (auto: sdpa)")
+                         "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the decoder "
+                         "is captured, every device is a GPU and Triton is installed, else sdpa)")
+    ap.add_argument("--kv-fp8", choices=["on", "off"], default="off",
+                    help="the captured decoder's KV cache in fp8 e4m3 (half the bytes a decode step reads; "
+                         "changes the numerics; needs --decode-attention triton)")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:
@@ -714,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             static_cache={"auto": None, "on": True, "off": False}[args.static_cache],
             decoder=None if args.decoder == "auto" else args.decoder,
             fuse={"auto": None, "on": True, "off": False}[args.fuse],
-            decode_attention=None if args.decode_attention == "auto" else args.decode_attention)
+            decode_attention=None if args.decode_attention == "auto" else args.decode_attention,
+            kv_fp8=args.kv_fp8 == "on")
     except RegenerateError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -79,7 +79,8 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "triton": ("triton", True, False),   # triton: the split-KV decode attention (trainer/decode_attn.py)
             "fused-triton": ("triton", True, True),
             "fused-trim": ("sdpa", True, True, True),   # trim: each prefill row chunk at its own width
-            "fused-triton-trim": ("triton", True, True, True)}
+            "fused-triton-trim": ("triton", True, True, True),
+            "fused-triton-trim-fp8": ("triton", True, True, True, True)}   # fp8: the KV cache in fp8 e4m3
 
 
 def graph_ms(fn, reps: int = 20, rounds: int = 3) -> float:
@@ -152,41 +153,42 @@ def attention_check(a, res, save, dev, dims) -> None:
         b = q.shape[0]
         return F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=mask).reshape(b, heads, d)
 
-    # sweep: full view read, no skipping
-    b, L = a.attn_sweep_batch, a.attn_sweep_len
-    q, k, v, mask, start, last = inputs(b, L)
-    gb = da.kv_read_bytes(b, kvh, L, d, 2) / 1e9
-    sweep = []
-    base = {"sdpa": round(graph_ms(lambda: sdpa(q, k, v, mask)), 4)}
-    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
-    for bn, nw, ns in tiles:
-        try:
-            t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
-                                                    split_len=512))
-            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "ms": round(t, 4)})
-        except Exception as e:  # noqa: BLE001
-            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "error": repr(e)[:200]})
-        print("attention sweep:", json.dumps(sweep[-1]), flush=True)
-    best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
-    for sl in (128, 256, 1024, 1 << 20):
-        bn, nw, ns = best["block_n"], best["num_warps"], best["num_stages"]
-        try:
-            t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
-                                                    split_len=sl))
-            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "ms": round(t, 4)})
-        except Exception as e:  # noqa: BLE001
-            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "error": repr(e)[:200]})
-        print("attention sweep:", json.dumps(sweep[-1]), flush=True)
-    best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
-    for r in sweep:
-        if "ms" in r:
-            r["tb_s"] = round(gb / r["ms"], 3)
-    da.CONFIG.update({k: best[k] for k in ("block_n", "split_len", "num_warps", "num_stages")})
-    out["sweep"] = {"batch": b, "view": L, "kv_gb": round(gb, 4), "sdpa_ms": base["sdpa"],
-                    "sdpa_tb_s": round(gb / base["sdpa"], 3), "rows": sweep, "best": dict(da.CONFIG)}
-    print(f"attention sweep best {da.CONFIG}: {best['ms']} ms ({best['tb_s']} TB/s) vs sdpa {base['sdpa']} ms "
-          f"({gb / base['sdpa']:.3f} TB/s); {gb:.3f} GB of K and V", flush=True)
-    save()
+    if not a.attn_no_sweep:
+        # sweep: full view read, no skipping
+        b, L = a.attn_sweep_batch, a.attn_sweep_len
+        q, k, v, mask, start, last = inputs(b, L)
+        gb = da.kv_read_bytes(b, kvh, L, d, 2) / 1e9
+        sweep = []
+        base = {"sdpa": round(graph_ms(lambda: sdpa(q, k, v, mask)), 4)}
+        tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
+        for bn, nw, ns in tiles:
+            try:
+                t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
+                                                        split_len=512))
+                sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "ms": round(t, 4)})
+            except Exception as e:  # noqa: BLE001
+                sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": 512, "error": repr(e)[:200]})
+            print("attention sweep:", json.dumps(sweep[-1]), flush=True)
+        best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
+        for sl in (128, 256, 1024, 1 << 20):
+            bn, nw, ns = best["block_n"], best["num_warps"], best["num_stages"]
+            try:
+                t = graph_ms(lambda: da.split_kv_triton(q, k, v, mask, block_n=bn, num_warps=nw, num_stages=ns,
+                                                        split_len=sl))
+                sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "ms": round(t, 4)})
+            except Exception as e:  # noqa: BLE001
+                sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "split_len": sl, "error": repr(e)[:200]})
+            print("attention sweep:", json.dumps(sweep[-1]), flush=True)
+        best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"])
+        for r in sweep:
+            if "ms" in r:
+                r["tb_s"] = round(gb / r["ms"], 3)
+        da.CONFIG.update({k: best[k] for k in ("block_n", "split_len", "num_warps", "num_stages")})
+        out["sweep"] = {"batch": b, "view": L, "kv_gb": round(gb, 4), "sdpa_ms": base["sdpa"],
+                        "sdpa_tb_s": round(gb / base["sdpa"], 3), "rows": sweep, "best": dict(da.CONFIG)}
+        print(f"attention sweep best {da.CONFIG}: {best['ms']} ms ({best['tb_s']} TB/s) vs sdpa {base['sdpa']} ms "
+              f"({gb / base['sdpa']:.3f} TB/s); {gb:.3f} GB of K and V", flush=True)
+        save()
 
     # parity and speed at each case, with the configuration chosen above
     out["cases"] = []
@@ -213,6 +215,15 @@ def attention_check(a, res, save, dev, dims) -> None:
         row["sdpa_tb_s"] = round(gb / row["sdpa_ms"], 3)
         row["triton_noskip_tb_s"] = round(gb / row["triton_noskip_ms"], 3)
         row["speedup"] = round(row["sdpa_ms"] / row["triton_ms"], 3)
+        if a.attn_fp8:   # the same keys and values stored in fp8 e4m3 (the --kv-fp8 cache)
+            kq, vq = da.to_fp8(k), da.to_fp8(v)
+            o_q = da.split_kv_triton(q, kq, vq, mask, None, start, last)
+            row["fp8_max_abs_err_vs_fp32"] = (o_q.float() - ref).abs().max().item()
+            row["fp8_mean_abs_err_vs_fp32"] = (o_q.float() - ref).abs().mean().item()
+            row["fp8_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask, None, start, last)), 4)
+            row["fp8_noskip_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask)), 4)
+            row["fp8_noskip_tb_s"] = round(gb / 2 / row["fp8_noskip_ms"], 3)
+            del kq, vq, o_q
         out["cases"].append(row)
         print("attention case:", json.dumps(row), flush=True)
         del q, k, v, mask, ref, o_s, o_t, o_f
@@ -256,6 +267,7 @@ def set_variant(gen, name):
     v = VARIANTS[name]
     f.decode_kernel, f.float_mask, f.fuse = v[:3]
     f.prefill_trim = v[3] if len(v) > 3 else False
+    f.kv_fp8 = v[4] if len(v) > 4 else False
     return f
 
 
@@ -399,6 +411,8 @@ def main(argv=None) -> int:
                         "triton decoder's tokens against sdpa's and its own eager loop (needs a GPU)")
     p.add_argument("--attn-sweep-batch", type=int, default=256)
     p.add_argument("--attn-sweep-len", type=int, default=640)
+    p.add_argument("--attn-fp8", action="store_true", help="the cases also with K and V in fp8 e4m3")
+    p.add_argument("--attn-no-sweep", action="store_true", help="no tile/split sweep: decode_attn.CONFIG as it is")
     p.add_argument("--attn-cases", default="256x640,256x1536,384x1536", help="batch x view, comma list")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)

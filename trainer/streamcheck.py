@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One op on one rank's device queue (a CUDA stream or an NCCL communicator's stream)."""
     id: int
@@ -70,7 +70,10 @@ class Program:
     # -- device ops ---------------------------------------------------------------------------------
     def _add(self, queue: str, kind: str, label: str, deps: Iterable[int] = (), key=None, dur=0.0,
              coll: str = "") -> int:
-        deps = list(dict.fromkeys([d for d in deps if d is not None] + self._pending_deps.pop(queue, [])))
+        deps = [d for d in deps if d is not None]
+        pending = self._pending_deps.pop(queue, None)
+        if pending:
+            deps = list(dict.fromkeys(deps + pending))
         op = Op(len(self.ops), self.rank, queue, kind, label, deps, key, dur, coll)
         self.ops.append(op)
         self._tail[queue] = op.id

@@ -14,7 +14,11 @@ and changes only what is around them:
 * on a GPU the decode step (the forward, greedy argmax or Gumbel-max sampling, the stop test, the output
   write, the position and slot increments) is one CUDA graph per KV view length, captured once per
   generator and replayed; the host looks at the stop flags every `check_every` steps only;
-* the prefill runs eagerly in row chunks and computes logits for the last prompt position only.
+* the prefill runs eagerly in row chunks and computes logits for the last prompt position only; with
+  `prefill_trim` (default) each chunk runs at its own width (its longest prompt), not the batch's;
+* `decode_kernel="triton"`: the decode attention is trainer/decode_attn.py's split-KV kernel (1.8-1.9x
+  SDPA per layer on the H200; its plain-torch reference on the CPU); `kv_fp8`: the cache in fp8 e4m3, read
+  by that kernel only (half the memory, no faster as measured; off).
 
 Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
 the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs

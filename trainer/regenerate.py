@@ -17,8 +17,8 @@ mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(log
 top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
 of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
 decode loop instead (trainer/fastgen.py: one preallocated KV cache, the decode step captured as CUDA
-graphs, its small ops compiled with --fuse, its attention the split-KV Triton kernel with
---decode-attention triton; use a large --batch-size there, e.g. 256 on an 8B target, 128
+graphs, its small ops compiled with --fuse, its attention a split-KV Triton kernel with
+--decode-attention (auto: on GPUs with Triton); use a large --batch-size there, e.g. 256 on an 8B target, 128
 on a 27B one); --devices runs one worker process per
 device, each taking the next unfinished shard. Output: the shard format of dflash-prepare (trainer/data.py)
 with the loss mask on the generated tokens only, and index.json with a "regenerated" key recording

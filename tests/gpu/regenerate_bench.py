@@ -16,6 +16,10 @@ same GPU in the same call:
 3. headline: TargetGenerator.complete (dflash-regenerate's own call: prompts sorted by length, batches,
    graphs captured as needed and counted in the time) on --mixed-prompts prompts of uniform random
    length in [--min-len, --max-len], --new-tokens each, at each of --batches.
+--attention-check (issue 29, goal 3): first the split-KV decode attention (trainer/decode_attn.py) against
+SDPA at the shape's attention (errors against fp32 math, a tile/split sweep, times in CUDA graphs; --attn-fp8
+also an fp8 cache), then the triton decoder's tokens against its own eager loop and the sdpa decoder's.
+--step-variants / --headline-variants name VARIANTS below (fused, fused-triton, fused-triton-trim, ...).
 Each variant is warmed on a batch of its own shapes first except the headline, which is timed cold (the
 captures included, as a real run pays them once). Prefill / decode / capture seconds are synchronised
 breakdowns of the captured decoder.

@@ -61,10 +61,11 @@ def collect(out: Path) -> dict:
     steps = [r for r in recs if r.get("kind", "step") == "step" and "loss" in r]
     evals = [{k: r.get(k) for k in ("step", "tau", "final", "per_position_acceptance")}
              for r in recs if r.get("kind") == "eval"]
-    res = {"steps_done": len(steps), "losses": [r["loss"] for r in steps], "evals": evals}
-    if steps:
-        tail = steps[-max(1, len(steps) // 10):]
-        res["final_loss"] = sum(r["loss"] for r in tail) / len(tail)
+    res = {"steps_done": len(steps), "losses": [r["loss"] for r in steps], "evals": evals,
+           "zero_loss_steps": sum(1 for r in steps if r["loss"] == 0)}
+    tail = [x for x in res["losses"][-max(1, len(steps) // 10):] if _counted(x)]
+    if tail:
+        res["final_loss"] = sum(tail) / len(tail)
     if (out / "eval.json").exists():
         ev = json.loads((out / "eval.json").read_text())
         res["tau"] = ev["tau"]
@@ -72,16 +73,23 @@ def collect(out: Path) -> dict:
     return res
 
 
+def _counted(loss) -> bool:
+    """A step record's loss that enters the means: finite and not exactly 0. The H200 run with
+    --compile none --no-async recorded 0.0 for 43-118 of 250 steps (results/h200-fp8-parity-wide-3.json;
+    not diagnosed), which would drag every window mean down."""
+    return loss == loss and loss not in (0.0, float("inf"), float("-inf"))
+
+
 def curve_table(res: dict, steps: int) -> dict:
-    """{step: {run: mean loss of the window ending at step}} at a few steps along the run."""
+    """{step: {run: mean of the counted losses of the window ending at step}} at a few steps along the run."""
     marks = sorted({1, *(max(1, round(steps * f)) for f in (0.05, 0.1, 0.25, 0.5, 0.75)), steps})
     table = {}
     for m in marks:
         row = {}
         for name, r in res.items():
             ls = r.get("losses") or []
-            if len(ls) >= m:
-                w = ls[max(0, m - CURVE_WINDOW):m]
+            w = [x for x in ls[max(0, m - CURVE_WINDOW):m] if _counted(x)]
+            if len(ls) >= m and w:
                 row[name] = sum(w) / len(w)
         table[str(m)] = row
     return table
@@ -102,6 +110,20 @@ def verdict_of(res: dict) -> dict:
                                  "parity": dl <= max(noise_loss, 0.01 * ok["bf16"]["final_loss"])
                                  and dt <= max(noise_tau, 0.05)}
     return verdict
+
+
+def paired_deltas(res: dict) -> dict:
+    """Per run, against bf16 seed 0: mean and max |loss difference| over the steps both counted. Runs with
+    seed 0 see the same batches in the same order, so this is FP8's own effect; bf16-seed1 gives the scale
+    of a different seed (other batches, other init)."""
+    base = res.get("bf16", {}).get("losses") or []
+    out = {}
+    for name, r in res.items():
+        pairs = [(x, y) for x, y in zip(base, r.get("losses") or []) if _counted(x) and _counted(y)]
+        if name != "bf16" and pairs:
+            d = [abs(x - y) for x, y in pairs]
+            out[name] = {"steps": len(d), "mean_abs": sum(d) / len(d), "max_abs": max(d)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -187,7 +209,8 @@ def main(argv=None) -> int:
         meta["wall_s"] = time.time() - t0
         tmp = Path(a.out + ".tmp")
         tmp.write_text(json.dumps({"status": status, "meta": meta, "parity": verdict,
-                                   "loss_table": curve_table(res, a.steps), "runs": res}, indent=1) + "\n")
+                                   "loss_table": curve_table(res, a.steps),
+                                   "paired_loss_delta": paired_deltas(res), "runs": res}, indent=1) + "\n")
         tmp.replace(a.out)
         return verdict
 

@@ -282,6 +282,16 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
     L, new = a.ratio_prompt_len, a.step_new_tokens
     res["steps"], res["profiles"] = [], {}
     names = a.step_variants.split(",")
+
+    def record(section: str, row: dict) -> None:
+        """A row into the results (printed, saved now: a cut-short call keeps it), the GPU memory freed."""
+        res[section].append(row)
+        print(f"{section}:", json.dumps(row), flush=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        save()
+
     for bs in batches:
         warm, batch = prompts_of(rng, bs, L, L, vocab), prompts_of(rng, bs, L, L, vocab)
         for name in names:
@@ -316,13 +326,8 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
                         one()
             except Exception as e:  # noqa: BLE001
                 row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
-            res["steps"].append(row)
-            print("step:", json.dumps(row), flush=True)
             g = f = None
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            save()
+            record("steps", row)
     ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
     best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
     res["best_variant"] = best
@@ -343,14 +348,10 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
                 row["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
         except Exception as e:  # noqa: BLE001
             row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
-        res["headline"].append(row)
-        print("headline:", json.dumps(row), flush=True)
         g = f = None
-        gc.collect()
+        record("headline", row)
         if cuda:
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        save()
     if a.prefill_compare and a.headline_batch:   # the prefill alone (1 new token), trim off and on, same prompts
         bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
         mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
@@ -366,13 +367,8 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
                 row = {"variant": name, "batch_size": bs, "prompts": n, "seconds": round(secs, 3)} | fast_breakdown(g)
             except Exception as e:  # noqa: BLE001
                 row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
-            res["prefill"].append(row)
-            print("prefill:", json.dumps(row), flush=True)
             g = f = None
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            save()
+            record("prefill", row)
     print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
                        [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
                          r.get("profile_gpu_ms")] for r in res["steps"]]))

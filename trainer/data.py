@@ -513,9 +513,7 @@ class BatchPlanner:
             cap = max(1, min(self.max_batch_size, self.token_budget // int(bounds[b])))
             self._buckets.append((cap, members))
         self._num_batches = sum(int(math.ceil(len(m) / cap)) for cap, m in self._buckets)
-        # the last two epochs' plans (the prefetch thread reads the next epoch while the main thread is
-        # still in this one), replaced as a whole, never edited in place
-        self._cache: dict[int, list[tuple[int, ...]]] = {}
+        self._cache: tuple[int, list[tuple[int, ...]]] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -531,8 +529,8 @@ class BatchPlanner:
     def _plan(self, epoch: int) -> list[tuple[int, ...]]:
         # one read of the cache: the prefetch thread may replace it between two reads of this thread
         cache = self._cache
-        if epoch in cache:
-            return cache[epoch]
+        if cache is not None and cache[0] == epoch:
+            return cache[1]
         rng = np.random.default_rng(
             [self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF]
         )
@@ -543,16 +541,12 @@ class BatchPlanner:
                 batches.append(tuple(perm[i : i + cap]))
         order = rng.permutation(len(batches))
         batches = [batches[i] for i in order]
-        self._cache = {**{e: b for e, b in cache.items() if e == epoch - 1}, epoch: batches}
+        self._cache = (epoch, batches)
         return batches
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """All batches (lists of sample indices) of ``epoch``, in training order."""
         return [list(b) for b in self._plan(epoch)]
-
-    def batch(self, epoch: int, index: int) -> list[int]:
-        """Batch ``index`` of ``epoch``: ``epoch_batches(epoch)[index]`` without copying the epoch."""
-        return list(self._plan(epoch)[index])
 
     def max_batch_shapes(self, pad_multiple: int = 1) -> int:
         """Upper bound on the distinct [B, S] batch shapes over any number of epochs, with each batch

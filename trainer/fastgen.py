@@ -289,6 +289,8 @@ class GraphDecoder:
         self.prefill_trim = prefill_trim
         # kv_fp8: the KV cache in fp8 e4m3 (half the bytes a decode step reads; changes numerics), read by the
         # split-KV kernel only
+        if kv_fp8 and decode_kernel != "triton":
+            raise ValueError("kv_fp8 needs decode_kernel='triton' (SDPA does not read an fp8 cache)")
         self.kv_fp8 = kv_fp8
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
@@ -316,8 +318,6 @@ class GraphDecoder:
         c, dev, b = self.cfg, self.device, self.batch
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        if self.kv_fp8 and self.decode_kernel != "triton":
-            raise ValueError("kv_fp8 needs decode_kernel='triton' (SDPA does not read an fp8 cache)")
         self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev, fp8=self.kv_fp8)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.tok, self.pos, self.step, self.keys = z(b), z(b), z(1), z(b)

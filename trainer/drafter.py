@@ -277,7 +277,12 @@ class DrafterStage:
         return self.layout.summed(self.metric, counts)
 
     def reset_counters(self):
-        self.metric.zero_()
+        """After the step's numbers were queued for the host (step_vector, on this stage's stream). The
+        zeroing goes on the same stream: issued on another (the caller's current one), it could run before
+        step_vector's read of the same vector and the step's record would show loss 0.0 (seen on the H200,
+        docs/performance.md, "FP8 parity")."""
+        with device_ctx(self.device), stream_ctx(self.stream):
+            self.metric.zero_()
         self.tokens = 0
         self.weight = 0.0
         self.pos_counts = np.zeros_like(self.pos_counts)

@@ -90,8 +90,13 @@ def freeze_compiled(on: bool) -> None:
     with FX, which patches nn.Module.__call__ process-wide, so a compile in one pipeline thread breaks
     a forward running in another ("using FX to symbolically trace a dynamo-optimized function", seen on
     the H200 when a drafter chunk shape recompiled mid-run). on=False restores the default (a new
-    warmup may compile again)."""
+    warmup may compile again). DFLASH_FROZEN_STANCE=fail_on_recompile (a diagnostic) makes such a shape an
+    error that names the guard it failed, instead of an eager run."""
+    import os
+    frozen = os.environ.get("DFLASH_FROZEN_STANCE", "eager_on_recompile")
+    if frozen not in ("eager_on_recompile", "fail_on_recompile"):
+        raise ValueError(f"DFLASH_FROZEN_STANCE={frozen}: eager_on_recompile or fail_on_recompile")
     try:
-        torch.compiler.set_stance("eager_on_recompile" if on else "default")
+        torch.compiler.set_stance(frozen if on else "default")
     except (AttributeError, RuntimeError) as e:  # torch < 2.6 has no stances
         log.warning("cannot freeze compiled graphs (%s): a mid-run recompile could race other threads", e)

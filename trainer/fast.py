@@ -37,8 +37,14 @@ def compile_layers(layers, dynamic: bool | None = None) -> int:
     (regional compilation; a hybrid stack gets one per layer class).
     dynamic=None: compiled for the first shape, then once more with the dims that changed symbolic
     (the warmup runs two shapes so this happens before step 1); True: symbolic from the start.
-    Returns how many layers were wrapped."""
+    Returns how many layers were wrapped.
+    Duck shaping is turned off (process-wide): with it, input sizes that are equal when a graph is compiled
+    share one symbol and the graph is guarded on their equality. The warmup's synthetic micro-batches
+    (512-token sequences) had as many block rows as context rows at --max-anchors 32, so every real
+    micro-batch failed that guard and ran eagerly after the warmup (eager FlexAttention: the width-1,024
+    OOM in results/log-fp8-parity-wide-failed.txt.gz)."""
     _raise_cache_limits()
+    torch.fx.experimental._config.use_duck_shape = False
     fns = {}
     n = 0
     for layer in layers:

@@ -14,6 +14,7 @@ from .config import TrainConfig
 from .data import Batch
 from .fast import freeze_compiled, wants
 from .feed import Feed, make_item
+from .plan import FLEX_BLOCK
 
 log = logging.getLogger("trainer")
 
@@ -24,7 +25,10 @@ def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     after the warmup a shape they do not cover runs eagerly, and eager FlexAttention materializes the whole
     [heads, rows, ctx] score matrix (tens of GiB at 27B width: the OOM in results/log-issue15-27b-b16-oom).
     Dynamo specializes sizes 0 and 1 even when compiled dynamic, so the warmup brings a chunk holding one
-    sequence, full chunks holding several equal sequences, and mixed lengths with a partial tail chunk."""
+    sequence, full chunks holding several equal sequences, mixed lengths with a partial tail chunk, and a
+    chunk of a single 128-row query tile. (Sizes equal in every warmup shape, e.g. block rows and context
+    rows at --max-anchors 32 with 512-token sequences, no longer tie the graphs to that equality:
+    fast.compile_layers turns dynamo's duck shaping off.)"""
     seq = min(cfg.max_seq_len, cfg.token_budget)
     shapes = [[seq]]
     if not wants(cfg.compile, "drafter"):
@@ -38,6 +42,10 @@ def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     while sum(mixed) > cfg.token_budget and len(mixed) > 2:
         mixed.pop(0)
     shapes.append(mixed)
+    # a chunk of one 128-row query tile: a micro-batch's tail chunk (the sequences left after a full chunk)
+    # can be that small, and its tile lists then have one query tile, a size-1 dimension that dynamo
+    # specializes (a sequence of L tokens has at most L - 2 anchors)
+    shapes.append([min(seq, FLEX_BLOCK // cfg.block_size + 2)])
     return shapes
 
 

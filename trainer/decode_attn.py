@@ -34,7 +34,13 @@ LOG2E = 1.4426950408889634
 
 # the kernel's tile and split; tests/gpu/regenerate_bench.py may set them from its own sweep
 # (the fastest of the sweep in results/h200-8b-regenerate-triton.json: 4.23 TB/s at batch 256 x view 640)
-CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2}
+# fp8_convert: how the kernel turns an fp8 cache's tiles into tensor-core operands (results/h200-8b-regenerate-fp8.json:
+# "bf16", Triton's e4m3 -> bf16 cast, left the fp8 read no faster than bf16's). "fp16": Triton's e4m3 -> fp16 cast
+# (a hardware conversion on sm_89+), q and p in fp16; "shift": the e4m3 bits moved into an fp16's (fp8_bits_to_fp16),
+# which is the value / 256, the 256 folded into the score scale and the output. Both fp16 modes change only the
+# rounding of q and p (fp16 has more mantissa than bf16; |q| must stay under 65,504).
+CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2, "fp8_convert": "bf16"}
+FP8_CONVERT = {"bf16": 0, "fp16": 1, "shift": 2}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -42,6 +48,16 @@ FP8_MAX = 448.0
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """A KV cache entry in fp8 (e4m3, scale 1, saturated at +-448: a cast would make NaN of larger values)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_bits_to_fp16(u8: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (uint8) -> fp16 of the value / 256, by bits alone (what the kernel's "shift" mode does per
+    element): sign to bit 15, the 4 exponent and 3 mantissa bits to bits 13-7. An fp16 exponent has bias 15
+    where e4m3's has 7, so the fp16 read of those bits is the e4m3 value x 2^-8, subnormals included. The
+    e4m3 NaN code (0x7f/0xff) becomes a finite 480 / 256; to_fp8 never writes it."""
+    x = u8.to(torch.int32)
+    bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+    return bits.to(torch.int16).view(torch.float16)
 
 
 def available(device) -> bool:
@@ -123,7 +139,7 @@ if triton is not None:
                          scale_log2,
                          HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_RS: tl.constexpr,
-                         HAS_LAST: tl.constexpr, DIRECT: tl.constexpr):
+                         HAS_LAST: tl.constexpr, DIRECT: tl.constexpr, FP8_MODE: tl.constexpr = 0):
         pid = tl.program_id(0)              # row * HK + kv head
         sid = tl.program_id(1)              # chunk
         row = pid // HK
@@ -133,6 +149,8 @@ if triton is not None:
         rn = tl.arange(0, BLOCK_N)
         gmask = rg < G
         q = tl.load(Q + row * sqb + (kvh * G + rg)[:, None] * sqh + rd[None, :], mask=gmask[:, None], other=0.0)
+        if FP8_MODE > 0:      # fp8 cache read as fp16 operands (CONFIG["fp8_convert"])
+            q = q.to(tl.float16)
         lo = sid * chunk
         hi = tl.minimum(lo + chunk, length)
         if HAS_RS:
@@ -148,7 +166,11 @@ if triton is not None:
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + rn
             ok = n < hi
-            k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            if FP8_MODE == 2:     # e4m3 bytes -> fp16 bits (the value / 256; fp8_bits_to_fp16)
+                kb = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
+                k = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+            else:
+                k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2                   # [GP, BLOCK_N], log2 units
             if MASK == 1:     # additive
                 mk = tl.load(M + row * smb + n * smn, mask=ok, other=0.0).to(tl.float32)
@@ -161,9 +183,15 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            if FP8_MODE == 2:
+                vb = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
+                v = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+            else:
+                v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
+        if FP8_MODE == 2:     # V was read as its value / 256
+            acc = acc * 256.0
         if DIRECT:            # one chunk: the normalised output, no merge
             out = acc / l_i[:, None]
             tl.store(O + row * sob + (kvh * G + rg)[:, None] * soh + rd[None, :], out.to(O.dtype.element_ty),
@@ -224,6 +252,9 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
     kind = 0 if m2 is None else (2 if m2.dtype == torch.bool else 1)
     if kind == 2:
         m2 = m2.view(torch.uint8)
+    fp8_mode = FP8_CONVERT[cfg.get("fp8_convert", "bf16")] if k.dtype == FP8 else 0
+    if fp8_mode == 2:     # the kernel reads the bytes; K's 1/256 goes into the score scale
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
     gp = max(16, triton.next_power_of_2(g))
     n = num_splits(length, split_len, block_n)
     chunk = -(-length // n)
@@ -243,9 +274,9 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
         length, chunk, n,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         m2.stride(0) if m2 is not None else 0, m2.stride(1) if m2 is not None else 0, out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E * (256.0 if fp8_mode == 2 else 1.0),
         HK=hk, G=g, GP=gp, D=d, BLOCK_N=block_n, MASK=kind, HAS_RS=row_start is not None,
-        HAS_LAST=last is not None, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+        HAS_LAST=last is not None, DIRECT=direct, FP8_MODE=fp8_mode, num_warps=num_warps, num_stages=num_stages)
     if not direct:
         _decode_attention_merge[(b * hk * g,)](out, op, mp, lp, n, out.stride(0), out.stride(1),
                                      HK=hk, G=g, GP=gp, D=d, SP=max(2, triton.next_power_of_2(n)), num_warps=4)
@@ -264,5 +295,5 @@ def kv_read_bytes(b: int, hk: int, length: int, d: int, itemsize: int) -> int:
     return 2 * b * hk * length * d * itemsize
 
 
-__all__ = ["CONFIG", "FP8", "to_fp8", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
+__all__ = ["CONFIG", "FP8", "FP8_CONVERT", "fp8_bits_to_fp16", "to_fp8", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
            "num_splits", "kv_read_bytes"]

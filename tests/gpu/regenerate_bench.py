@@ -84,7 +84,10 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "fused-triton": ("triton", True, True),
             "fused-trim": ("sdpa", True, True, True),   # trim: each prefill row chunk at its own width
             "fused-triton-trim": ("triton", True, True, True),
-            "fused-triton-trim-fp8": ("triton", True, True, True, True)}   # fp8: the KV cache in fp8 e4m3
+            "fused-triton-trim-fp8": ("triton", True, True, True, True),   # fp8: the KV cache in fp8 e4m3
+            # the fp8 cache read as fp16 operands (decode_attn.CONFIG["fp8_convert"]; the row above: "bf16")
+            "fused-triton-trim-fp8-fp16": ("triton", True, True, True, True, "fp16"),
+            "fused-triton-trim-fp8-shift": ("triton", True, True, True, True, "shift")}
 
 
 def graph_ms(fn, reps: int = 20, rounds: int = 3) -> float:
@@ -221,13 +224,22 @@ def attention_check(a, res, save, dev, dims) -> None:
         row["speedup"] = round(row["sdpa_ms"] / row["triton_ms"], 3)
         if a.attn_fp8:   # the same keys and values stored in fp8 e4m3 (the --kv-fp8 cache)
             kq, vq = da.to_fp8(k), da.to_fp8(v)
-            o_q = da.split_kv_triton(q, kq, vq, mask, None, start, last)
-            row["fp8_max_abs_err_vs_fp32"] = (o_q.float() - ref).abs().max().item()
-            row["fp8_mean_abs_err_vs_fp32"] = (o_q.float() - ref).abs().mean().item()
-            row["fp8_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask, None, start, last)), 4)
-            row["fp8_noskip_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask)), 4)
-            row["fp8_noskip_tb_s"] = round(gb / 2 / row["fp8_noskip_ms"], 3)
-            del kq, vq, o_q
+            mode0 = da.CONFIG.get("fp8_convert", "bf16")
+            for mode in a.attn_fp8_modes.split(","):   # "bf16" keeps the first call's keys (fp8_ms, ...)
+                da.CONFIG["fp8_convert"] = mode
+                key = "fp8" if mode == "bf16" else f"fp8_{mode}"
+                try:
+                    o_q = da.split_kv_triton(q, kq, vq, mask, None, start, last)
+                    row[f"{key}_max_abs_err_vs_fp32"] = (o_q.float() - ref).abs().max().item()
+                    row[f"{key}_mean_abs_err_vs_fp32"] = (o_q.float() - ref).abs().mean().item()
+                    row[f"{key}_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask, None, start, last)), 4)
+                    row[f"{key}_noskip_ms"] = round(graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask)), 4)
+                    row[f"{key}_noskip_tb_s"] = round(gb / 2 / row[f"{key}_noskip_ms"], 3)
+                    del o_q
+                except Exception as e:  # noqa: BLE001  a mode that fails is a field, not the end of the run
+                    row[f"{key}_error"] = repr(e)[:300]
+            da.CONFIG["fp8_convert"] = mode0
+            del kq, vq
         out["cases"].append(row)
         print("attention case:", json.dumps(row), flush=True)
         del q, k, v, mask, ref, o_s, o_t, o_f
@@ -272,6 +284,8 @@ def set_variant(gen, name):
     f.decode_kernel, f.float_mask, f.fuse = v[:3]
     f.prefill_trim = v[3] if len(v) > 3 else False
     f.kv_fp8 = v[4] if len(v) > 4 else False
+    from trainer import decode_attn as da
+    da.CONFIG["fp8_convert"] = v[5] if len(v) > 5 else "bf16"   # read when the step's graphs are captured
     return f
 
 
@@ -412,6 +426,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn-sweep-batch", type=int, default=256)
     p.add_argument("--attn-sweep-len", type=int, default=640)
     p.add_argument("--attn-fp8", action="store_true", help="the cases also with K and V in fp8 e4m3")
+    p.add_argument("--attn-fp8-modes", default="bf16",
+                   help="with --attn-fp8: decode_attn.CONFIG['fp8_convert'] modes to time (bf16, fp16, shift)")
     p.add_argument("--attn-no-sweep", action="store_true", help="no tile/split sweep: decode_attn.CONFIG as it is")
     p.add_argument("--attn-cases", default="256x640,256x1536,384x1536", help="batch x view, comma list")
     p.add_argument("--out", default="")

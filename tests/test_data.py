@@ -266,6 +266,8 @@ def test_planner_deterministic_per_seed_epoch():
         bs = a.epoch_batches(e)
         assert len(bs) == len(a)
         assert sorted(i for x in bs for i in x) == list(range(400))
+    # one batch at a time (dispatch and collate), epochs asked out of order: the same batches
+    assert [b.batch(e, i) for e in (2, 0, 1) for i in range(len(b))] == [x for e in (2, 0, 1) for x in a.epoch_batches(e)]
     # buckets: batches group similar lengths (much less padding than random grouping)
     bs = a.epoch_batches(0)
     pad = sum(len(x) * min(lengths[x].max(), 256) for x in bs) / np.minimum(lengths, 256).sum()

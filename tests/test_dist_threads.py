@@ -30,7 +30,7 @@ class _Interleaved(BatchPlanner):
         self._reads += 1
         value = self.__dict__.get("_real_cache")
         if self._reads == 2 and self.__dict__.get("armed"):
-            self.__dict__["_real_cache"] = (1, self.other)      # the prefetch thread moved on to epoch 1
+            self.__dict__["_real_cache"] = {1: self.other}      # the prefetch thread moved on to epoch 1
         return value
 
     @_cache.setter

@@ -513,7 +513,7 @@ class BatchPlanner:
             cap = max(1, min(self.max_batch_size, self.token_budget // int(bounds[b])))
             self._buckets.append((cap, members))
         self._num_batches = sum(int(math.ceil(len(m) / cap)) for cap, m in self._buckets)
-        self._cache: tuple[int, list[tuple[int, ...]]] | None = None
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # epoch -> _plan(epoch)
 
     @property
     def num_samples(self) -> int:
@@ -526,27 +526,41 @@ class BatchPlanner:
     def __len__(self) -> int:
         return self._num_batches
 
-    def _plan(self, epoch: int) -> list[tuple[int, ...]]:
-        # one read of the cache: the prefetch thread may replace it between two reads of this thread
+    def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``epoch``'s batches as one array of sample indices and the batches' offsets into it. The cache
+        holds the epochs next to the last one asked for too: near an epoch's end the prefetch thread
+        asks for the next epoch while the main thread is still in this one. It is replaced as a whole,
+        never edited, and read once per call (the other thread may replace it in between)."""
         cache = self._cache
-        if cache is not None and cache[0] == epoch:
-            return cache[1]
+        hit = cache.get(epoch)
+        if hit is not None:
+            return hit
         rng = np.random.default_rng(
             [self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF]
         )
-        batches: list[tuple[int, ...]] = []
+        parts: list[np.ndarray] = []
         for cap, members in self._buckets:
-            perm = members[rng.permutation(len(members))].tolist()
-            for i in range(0, len(perm), cap):
-                batches.append(tuple(perm[i : i + cap]))
-        order = rng.permutation(len(batches))
-        batches = [batches[i] for i in order]
-        self._cache = (epoch, batches)
-        return batches
+            perm = members[rng.permutation(len(members))]
+            parts.extend(perm[i : i + cap] for i in range(0, len(perm), cap))
+        order = rng.permutation(len(parts))
+        parts = [parts[i] for i in order]
+        flat = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(b) for b in parts], out=offsets[1:])
+        plan = (flat, offsets)
+        self._cache = {**{e: v for e, v in cache.items() if abs(e - epoch) == 1}, epoch: plan}
+        return plan
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """All batches (lists of sample indices) of ``epoch``, in training order."""
-        return [list(b) for b in self._plan(epoch)]
+        flat, offsets = self._plan(epoch)
+        return [b.tolist() for b in np.split(flat, offsets[1:-1])] if len(offsets) > 1 else []
+
+    def batch(self, epoch: int, index: int) -> list[int]:
+        """Batch ``index`` of ``epoch``: ``epoch_batches(epoch)[index]`` without building the epoch's list
+        (a micro-batch's dispatch and collate ask for one batch; an epoch can hold 10K of them)."""
+        flat, offsets = self._plan(epoch)
+        return flat[offsets[index] : offsets[index + 1]].tolist()
 
     def max_batch_shapes(self, pad_multiple: int = 1) -> int:
         """Upper bound on the distinct [B, S] batch shapes over any number of epochs, with each batch

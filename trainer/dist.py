@@ -279,7 +279,7 @@ class DispatchPlan:
 
     def _work(self, seq: int) -> tuple[int, int, int]:
         n = self.planner.num_batches
-        idx = np.asarray(self.planner.epoch_batches(seq // n)[seq % n], np.int64)
+        idx = np.asarray(self.planner.batch(seq // n, seq % n), np.int64)
         rows = int(np.minimum(self.elig[idx], self.cfg.max_anchors).sum()) * self.cfg.block_size
         lens = np.minimum(np.asarray(self.dataset.lengths)[idx], self.cfg.max_seq_len)
         pm = self.cfg.pad_multiple

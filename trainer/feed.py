@@ -121,7 +121,7 @@ class Feed:
         cfg = self.cfg
         t0 = time.perf_counter()
         ep, bi = self.position(seq)
-        batch = collate(self.dataset, self.planner.epoch_batches(ep)[bi], cfg.max_seq_len, cfg.pad_multiple)
+        batch = collate(self.dataset, self.planner.batch(ep, bi), cfg.max_seq_len, cfg.pad_multiple)
         plan = self.plan(batch.input_ids.numpy(), batch.loss_mask.numpy(), batch.lengths.numpy(), batch.sample_ids,
                          ep, seed=cfg.seed, max_anchors=cfg.max_anchors)
         self.batch_shapes.add(tuple(batch.input_ids.shape))

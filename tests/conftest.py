@@ -82,6 +82,12 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_terminal_summary(terminalreporter):
     if not _CPU:
         return
+    import json
+    import os
+
+    if os.environ.get("DFLASH_TEST_CPU_JSON"):   # every test's figure, for a closer look than the top 15
+        with open(os.environ["DFLASH_TEST_CPU_JSON"], "w") as f:
+            json.dump(_CPU, f, indent=1)
     top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
     terminalreporter.write_sep("=", f"most CPU (this process and its children): {sum(_CPU.values()):.0f}s in all")
     for nodeid, s in top:

@@ -1,7 +1,13 @@
 """Speed options on the CPU: the compiled paths must compute what the eager ones do, hooks must still
-fire around compiled layers, nothing compiles after the warmup, and the per-step logs stay bounded."""
+fire around compiled layers, what compiles after the warmup is chosen by the stance and logged, every module
+forward of a rank runs on its main thread (what makes a compile after the warmup safe), and the per-step logs
+stay bounded."""
 
 from __future__ import annotations
+
+import logging
+import socket
+import threading
 
 import pytest
 import torch
@@ -13,9 +19,9 @@ from trainer.metrics import HeadTailLog, MetricsFile, Profiler
 
 @pytest.fixture(autouse=True)
 def _default_stance():
-    fast.freeze_compiled(False)
+    fast.begin_warmup()
     yield
-    fast.freeze_compiled(False)
+    fast.begin_warmup()
 
 
 def _graphs() -> int:
@@ -83,7 +89,7 @@ class _Layer(torch.nn.Module):
         return torch.nn.functional.silu(self.lin(x)) * x
 
 
-def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes():
+def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes(monkeypatch):
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(_Layer() for _ in range(12))
     x = torch.randn(5, 8)
@@ -103,7 +109,8 @@ def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes():
     # identical layers share compiled code: the first call specialises, the second goes generic,
     # layers 3..12 reuse it (one graph per layer would be 12)
     assert _graphs() - before <= 2
-    fast.freeze_compiled(True)
+    monkeypatch.setenv(fast.AFTER_WARMUP_ENV, "eager_on_recompile")
+    assert fast.end_warmup() == "eager_on_recompile"
     frozen = _graphs()
     y = torch.randn(3, 2, 8)  # a new rank: would need a new graph
     out = layers[0](y)
@@ -234,3 +241,86 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
             full |= len(c.q_seq) == chunk
             partial |= len(c.q_seq) < chunk
     assert seqs_per_chunk == {1, 2} and full and partial
+
+
+@pytest.mark.parametrize("stance", ["default", "eager_on_recompile", "fail_on_recompile"])
+def test_after_the_warmup_an_uncovered_shape_follows_the_stance(stance, monkeypatch, caplog):
+    """default: it compiles once and the step is logged; eager_on_recompile: it runs eagerly; fail_on_recompile:
+    an error naming the guard. The tau eval (no_new_graphs) never compiles, whatever the stance."""
+    if stance == "default":
+        monkeypatch.delenv(fast.AFTER_WARMUP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(fast.AFTER_WARMUP_ENV, stance)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.sin(x) * x.shape[0], backend="eager", dynamic=True)
+    fast.begin_warmup()
+    f(torch.ones(3, 4))                                  # the warmup's shape
+    assert fast.end_warmup() == stance and fast.note_new_graphs(1) == 0
+    f(torch.ones(6, 4))                                  # covered: the graph is dynamic
+    assert fast.note_new_graphs(2) == 0
+    with fast.no_new_graphs():                           # the eval: another dtype, run eagerly
+        before = _graphs()
+        x64 = torch.ones(2, 2, dtype=torch.float64)
+        assert torch.allclose(f(x64), torch.sin(x64) * 2)
+        assert _graphs() == before
+    uncovered = torch.ones(1, 4)                         # dynamo specializes size 1: not covered
+    with caplog.at_level(logging.WARNING, logger="trainer.fast"):
+        if stance == "fail_on_recompile":
+            with pytest.raises(RuntimeError, match="[Rr]ecompil"):
+                f(uncovered)
+        else:
+            assert torch.equal(f(uncovered), torch.sin(uncovered))
+        new = fast.note_new_graphs(3)
+    assert new == (1 if stance == "default" else 0)
+    assert ("step 3: 1 graph(s) compiled after the warmup" in caplog.text) == (stance == "default")
+    caplog.clear()
+    f(uncovered) if stance != "fail_on_recompile" else None
+    assert fast.note_new_graphs(4) == new and not caplog.text     # each new graph is logged once
+    torch._dynamo.reset()
+
+
+def test_an_unknown_after_warmup_stance_names_the_variable(monkeypatch):
+    monkeypatch.setenv(fast.AFTER_WARMUP_ENV, "frozen")
+    with pytest.raises(ValueError, match=fast.AFTER_WARMUP_ENV):
+        fast.end_warmup()
+
+
+def test_a_rank_runs_every_module_forward_on_its_main_thread(tiny_small_dir, tmp_path, monkeypatch):
+    """fast.end_warmup lets a new shape compile mid-run. Compiling traces with FX, which patches
+    nn.Module.__call__ process-wide: safe only while no other thread of the rank runs a module (the old
+    thread-per-replica engine's race). A whole rank in-process (world size 1, target and drafter on the CPU,
+    the async pipeline on): every module call is on the main thread, while the prefetch thread does run."""
+    import signal
+
+    from trainer.__main__ import main as train_main
+    from tests.test_trainer import tiny_args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("DFLASH_SUPERVISOR_PID", raising=False)
+    threads: set[str] = set()
+    call = torch.nn.Module.__call__
+
+    def recording_call(self, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return call(self, *args, **kwargs)
+    seen_prefetch = []
+    start = threading.Thread.start
+
+    def recording_start(self):
+        seen_prefetch.append(self.name)
+        return start(self)
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = train_main(tiny_args(tiny_small_dir, tmp_path / "out", "--max-steps", "3", "--grad-accum", "1"))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert rc == 0
+    assert "prefetch" in seen_prefetch
+    assert threads == {threading.main_thread().name}, threads

@@ -1,7 +1,7 @@
 """The compiled drafter's warmup must leave graphs that cover the micro-batches training brings (issue 29).
 
-After the warmup the graphs are frozen (fast.freeze_compiled) and a shape they do not cover runs eagerly:
-eager FlexAttention materializes the whole score matrix (the width-1,024 OOM in
+After the warmup a shape the graphs do not cover compiles mid-run (fast.end_warmup); under the old freeze it
+ran eagerly, and eager FlexAttention materializes the whole score matrix (the width-1,024 OOM in
 results/log-fp8-parity-wide-failed.txt.gz). There, at --max-anchors 32 with the warmup's 512-token
 sequences, every warmup chunk had as many block rows as context rows; dynamo's duck shaping gave both one
 symbol, so the graphs were guarded on that equality and every real micro-batch failed the guard.

@@ -103,7 +103,7 @@ class InTrainingEval:
 
     def _evaluate(self, step: int, state: dict, target_stage, dcfg, final: bool) -> dict:
         from .evaluate import evaluate_state
-        from .fast import sdpa_context
+        from .fast import no_new_graphs, sdpa_context
         cfg, dev = self.cfg, self.device
         log.info("eval at step %d on rank %d: speculative generation on up to %d held-out prompt(s), "
                  "%d new tokens each%s", step, self.topo.rank, cfg.eval_prompts, cfg.eval_max_new_tokens,
@@ -111,7 +111,7 @@ class InTrainingEval:
         try:
             # the training forward's kernel choice too: on GPUs never cuDNN, whose plan cache would grow
             # with every KV length the generation loop sees (fast.py)
-            with target_stage.full_model() as target, sdpa_context(cfg.sdpa_backend, dev.type), \
+            with target_stage.full_model() as target, sdpa_context(cfg.sdpa_backend, dev.type), no_new_graphs(), \
                     torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else [], device_type=dev.type):
                 check_drafter_fits(dcfg, target.config.to_dict())   # TargetMismatch -> {"error": ...}
                 return evaluate_state(dcfg, state, target, self.dataset, dev, self.dtype, cfg.eval_prompts,

@@ -90,19 +90,64 @@ def compile_counters() -> dict:
         return {}
 
 
-def freeze_compiled(on: bool) -> None:
-    """After the warmup: no more compiles in this process ('eager_on_recompile'); a shape the warmup's
-    graphs do not cover runs eagerly instead. This is for correctness, not only speed: compiling traces
-    with FX, which patches nn.Module.__call__ process-wide, so a compile in one pipeline thread breaks
-    a forward running in another ("using FX to symbolically trace a dynamo-optimized function", seen on
-    the H200 when a drafter chunk shape recompiled mid-run). on=False restores the default (a new
-    warmup may compile again). DFLASH_FROZEN_STANCE=fail_on_recompile (a diagnostic) makes such a shape an
-    error that names the guard it failed, instead of an eager run."""
-    import os
-    frozen = os.environ.get("DFLASH_FROZEN_STANCE", "eager_on_recompile")
-    if frozen not in ("eager_on_recompile", "fail_on_recompile"):
-        raise ValueError(f"DFLASH_FROZEN_STANCE={frozen}: eager_on_recompile or fail_on_recompile")
+AFTER_WARMUP_ENV = "DFLASH_AFTER_WARMUP_STANCE"
+AFTER_WARMUP_STANCES = ("default", "eager_on_recompile", "fail_on_recompile")
+_graphs_after_warmup: list[int] = []   # dynamo's graph count when the warmup ended (process-wide, as dynamo is)
+
+
+def _set_stance(stance: str) -> None:
     try:
-        torch.compiler.set_stance(frozen if on else "default")
+        torch.compiler.set_stance(stance)
     except (AttributeError, RuntimeError) as e:  # torch < 2.6 has no stances
-        log.warning("cannot freeze compiled graphs (%s): a mid-run recompile could race other threads", e)
+        log.warning("cannot set the compile stance %s (%s)", stance, e)
+
+
+def begin_warmup() -> None:
+    """Before the warmup: compiling allowed (a second warmup in the same process compiles again)."""
+    _set_stance("default")
+    _graphs_after_warmup.clear()
+
+
+def end_warmup() -> str:
+    """After the warmup. By default a micro-batch shape the warmup's graphs do not cover compiles a new graph
+    (once per shape regime; `note_new_graphs` logs it): running it eagerly instead would materialize
+    FlexAttention's whole score matrix (the width-1,024 OOMs). Inductor itself splits the shapes into regimes
+    the warmup cannot know in advance: its fusion and kernel choices add size guards (on the H200, a chunk of
+    5,120 block rows or more at width 1,024, and block plus context rows of 10,240 or more:
+    results/log-warmup-recompiles-5.txt.gz).
+    A compile in the middle of a run is safe because a rank runs every module forward on its main thread
+    (tests/test_fast.py checks it): compiling traces with FX, which patches nn.Module.__call__ process-wide,
+    and that broke forwards running in other threads in the old thread-per-replica engine
+    (results/h200x2-1.7b-memory-fx-race.json), which is why the graphs used to be frozen after the warmup.
+    DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze; fail_on_recompile (a diagnostic,
+    tests/gpu/warmup_recompiles.sh) turns an uncovered shape into an error that names the guard it failed.
+    Returns the stance set."""
+    import os
+    stance = os.environ.get(AFTER_WARMUP_ENV, "default")
+    if stance not in AFTER_WARMUP_STANCES:
+        raise ValueError(f"{AFTER_WARMUP_ENV}={stance}: one of {', '.join(AFTER_WARMUP_STANCES)}")
+    _set_stance(stance)
+    _graphs_after_warmup[:] = [compile_counters().get("unique_graphs", 0)]
+    return stance
+
+
+def note_new_graphs(step: int) -> int:
+    """Graphs compiled since the warmup ended (0 before it ends); a warning names the step of each new one."""
+    if not _graphs_after_warmup:
+        return 0
+    now = compile_counters().get("unique_graphs", 0)
+    if now > _graphs_after_warmup[-1]:
+        log.warning("step %d: %d graph(s) compiled after the warmup, %d in all (a micro-batch shape its graphs "
+                    "did not cover; TORCH_LOGS=recompiles names the guard)", step, now - _graphs_after_warmup[-1],
+                    now - _graphs_after_warmup[0])
+        _graphs_after_warmup.append(now)
+    return now - _graphs_after_warmup[0]
+
+
+def no_new_graphs():
+    """Context: existing graphs run where their guards hold, anything else eagerly, nothing compiles (the
+    tau eval's generation loop, whose KV lengths change at every token)."""
+    try:
+        return torch.compiler.set_stance("eager_on_recompile")
+    except (AttributeError, RuntimeError):
+        return contextlib.nullcontext()

@@ -39,7 +39,7 @@ from .drafter import DrafterStage, build_stage, resolve_mask_token, target_embed
 from .errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from .evaltrain import InTrainingEval, eval_record
 from .faults import Faults
-from .fast import compile_layers, resolve_compile, wants
+from .fast import compile_layers, note_new_graphs, resolve_compile, wants
 from .feed import Feed
 from .metrics import Profiler, StepMetrics
 from .model import DFlashConfig
@@ -333,6 +333,7 @@ class Trainer:
                 oprecord.mark(f"step {self.step}")   # streamcheck's step boundary (no-op unless recording)
                 epoch, _ = self.feed.position(self.step * self.batches_per_step)
                 self.train_step()
+                note_new_graphs(self.step)
                 self.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.step))  # known on every rank
                 self.step += 1
                 counters = {"items": self.items_done,

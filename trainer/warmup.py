@@ -12,7 +12,7 @@ import torch
 
 from .config import TrainConfig
 from .data import Batch
-from .fast import freeze_compiled, wants
+from .fast import begin_warmup, end_warmup, wants
 from .feed import Feed, make_item
 from .plan import FLEX_BLOCK
 
@@ -21,9 +21,11 @@ log = logging.getLogger("trainer")
 
 def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     """Sequence lengths of the drafter's warmup micro-batches. Uncompiled: one sequence (autotuning only).
-    Compiled (--compile all|drafter): the compiled layers must cover every shape a step can bring, because
-    after the warmup a shape they do not cover runs eagerly, and eager FlexAttention materializes the whole
-    [heads, rows, ctx] score matrix (tens of GiB at 27B width: the OOM in results/log-issue15-27b-b16-oom).
+    Compiled (--compile all|drafter): the compiled layers should cover the shapes a step can bring, because
+    after the warmup a shape they do not cover stops the step for a compile (fast.end_warmup; inductor's own
+    size regimes make full coverage impossible to promise). Under the old freeze it ran eagerly, and eager
+    FlexAttention materializes the whole [heads, rows, ctx] score matrix (tens of GiB at 27B width: the OOM
+    in results/log-issue15-27b-b16-oom).
     Dynamo specializes sizes 0 and 1 even when compiled dynamic, so the warmup brings a chunk holding one
     sequence, full chunks holding several equal sequences, mixed lengths with a partial tail chunk, and a
     chunk of a single 128-row query tile. (Sizes equal in every warmup shape, e.g. block rows and context
@@ -56,7 +58,7 @@ def warmup(cfg: TrainConfig, dcfg, feed: Feed, target, drafter, opt, device: tor
     t0 = time.perf_counter()
     compiled = cfg.compile != "none"
     if compiled:
-        freeze_compiled(False)
+        begin_warmup()
     vocab = dcfg.vocab_size
     if target is not None:
         long_b = max(1, cfg.token_budget // cfg.max_seq_len)
@@ -91,7 +93,8 @@ def warmup(cfg: TrainConfig, dcfg, feed: Feed, target, drafter, opt, device: tor
             log.info("warmup: drafter %s %d sequences, %d block rows in %d chunks in %.2fs", device, n,
                      sum(len(c.q_seq) for c in plan.chunks), len(plan.chunks), time.perf_counter() - t1)
             extend(900)
-    if compiled:
-        freeze_compiled(True)
+    stance = end_warmup() if compiled else ""
     log.info("warmup done in %.1fs%s", time.perf_counter() - t0,
-             f" (--compile {cfg.compile}: graphs frozen, shapes they do not cover run eagerly)" if compiled else "")
+             {"": "", "default": f" (--compile {cfg.compile}: a shape its graphs do not cover compiles once, logged)",
+              "eager_on_recompile": f" (--compile {cfg.compile}: graphs frozen, shapes they do not cover run eagerly)",
+              "fail_on_recompile": f" (--compile {cfg.compile}: a shape its graphs do not cover is an error)"}[stance])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import shutil
 import tempfile
 from pathlib import Path
 from dataclasses import dataclass
@@ -305,7 +306,8 @@ def _role(topo) -> str:
 
 
 def replay_config(setting: str, **over):
-    """The trainer config of a bench setting ("orig": the seed recipe, "b16"), CPU ranks, no checkpoints."""
+    """The trainer config of a bench setting ("orig": the seed recipe, "b16"), CPU ranks, no checkpoints; its
+    output_dir is a scratch directory of its own, which the caller removes."""
     from .bench import SETTINGS
     from .config import TrainConfig
     out = tempfile.mkdtemp(prefix="dflash-replay-")
@@ -326,4 +328,7 @@ def plan_programs(layout: str, setting: str = "orig", steps: int = 1000, seed: i
     # a corpus of about 2M tokens (the plan goes through it epoch after epoch, reshuffled each time)
     ds = synthetic_lengths_dataset(dataset_tokens or 2_000_000, cfg.max_seq_len, seed)
     net = len({t for t in topos[0].hosts}) > 1
-    return [rank_program(cfg, t, ds, steps, net) for t in topos]
+    try:
+        return [rank_program(cfg, t, ds, steps, net) for t in topos]
+    finally:
+        shutil.rmtree(cfg.output_dir, ignore_errors=True)    # replay_config's scratch directory

@@ -87,7 +87,17 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "fused-triton-trim-fp8": ("triton", True, True, True, True),   # fp8: the KV cache in fp8 e4m3
             # the fp8 cache read as fp16 operands (decode_attn.CONFIG["fp8_convert"]; the row above: "bf16")
             "fused-triton-trim-fp8-fp16": ("triton", True, True, True, True, "fp16"),
-            "fused-triton-trim-fp8-shift": ("triton", True, True, True, True, "shift")}
+            "fused-triton-trim-fp8-shift": ("triton", True, True, True, True, "shift"),
+            # w8: the target's decoder-layer linears in fp8 (--weights-fp8, fastgen.quantize_weights_fp8; the
+            # shared target is quantized in place at the first such variant, so they run after the bf16 ones),
+            # each MLP compiled whole (fuse_mlp, the default with fp8 weights); -nomlp: the MLP as in `fused`
+            "fused-triton-trim-w8": ("triton", True, True, True, False, "bf16", True, True),
+            "fused-triton-trim-w8-nomlp": ("triton", True, True, True, False, "bf16", True, False)}
+
+
+def weights_fp8(name: str) -> bool:
+    v = VARIANTS[name]
+    return len(v) > 6 and v[6]
 
 
 def graph_ms(fn, reps: int = 20, rounds: int = 3) -> float:
@@ -279,14 +289,58 @@ def token_parity(res, save, target, dev, rng, vocab) -> None:
 
 
 def set_variant(gen, name):
-    f = gen._fast_decoder()
+    from trainer import decode_attn as da
+    from trainer.fastgen import is_fp8_weight, quantize_weights_fp8
+
     v = VARIANTS[name]
+    quantized = is_fp8_weight(gen._fast_decoder().base.layers[0].mlp.gate_proj.weight)
+    if weights_fp8(name) and not quantized:   # once, in place: every later variant sees fp8 weights
+        t0 = time.perf_counter()
+        n = quantize_weights_fp8(gen.model)
+        print(f"weights: {n} linear layers quantized to fp8 in {time.perf_counter() - t0:.1f}s", flush=True)
+        gen._fast = None
+    elif quantized and not weights_fp8(name):
+        raise RuntimeError(f"{name}: a bf16-weight variant after the target was quantized (list w8 variants last)")
+    f = gen._fast_decoder()
     f.decode_kernel, f.float_mask, f.fuse = v[:3]
     f.prefill_trim = v[3] if len(v) > 3 else False
     f.kv_fp8 = v[4] if len(v) > 4 else False
-    from trainer import decode_attn as da
     da.CONFIG["fp8_convert"] = v[5] if len(v) > 5 else "bf16"   # read when the step's graphs are captured
+    f.fuse_mlp = v[7] if len(v) > 7 else False
     return f
+
+
+def weights_parity(res, save, target, dev, rng, vocab) -> None:
+    """--weights-parity: what fp8 weights (--weights-fp8) do to the target's logits, teacher-forced on 8
+    random prompts of 256 tokens: bf16 and fp8 each against fp32 (the same weights: bf16 -> fp32 -> bf16 is
+    exact), relative L2 error of the logits and top-1 agreement. Quantizes the shared target: call it after
+    every bf16 variant. Random weights make near-flat logits, so top-1 agreement is a lower bound."""
+    from trainer.fastgen import quantize_weights_fp8
+
+    ids = torch.as_tensor(np.stack(prompts_of(rng, 8, 256, 256, vocab)), device=dev)
+
+    @torch.no_grad()
+    def logits():
+        return torch.cat([target(input_ids=ids[i:i + 2]).logits.float() for i in range(0, len(ids), 2)])
+
+    bf16 = logits()
+    buffers = [(m, n, b) for m in target.modules() for n, b in m._buffers.items() if b is not None]
+    target.float()
+    fp32 = logits()
+    target.to(torch.bfloat16)
+    for m, n, b in buffers:   # the rotary tables etc. as they were (.to converts buffers too)
+        m._buffers[n] = b
+    quantize_weights_fp8(target)
+    w8 = logits()
+
+    def cmp(x):
+        return {"rel_l2": float((x - fp32).norm() / fp32.norm()),
+                "top1_agree": float((x.argmax(-1) == fp32.argmax(-1)).float().mean())}
+    res["weights_parity"] = {"prompts": 8, "tokens": 256, "bf16_vs_fp32": cmp(bf16), "fp8_vs_fp32": cmp(w8),
+                             "fp8_vs_bf16_top1": float((w8.argmax(-1) == bf16.argmax(-1)).float().mean()),
+                             "fp32_logit_std": float(fp32.std())}
+    print("weights parity:", json.dumps(res["weights_parity"]), flush=True)
+    save()
 
 
 def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
@@ -306,6 +360,40 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
             torch.cuda.empty_cache()
         save()
 
+    heads = (a.headline_variants.split(",") if a.headline_variants else []) if a.headline_batch else []
+    # bf16-weight variants first (steps, then their headlines), then the fp8-weight ones: quantizing the shared
+    # target is one-way
+    for phase in (False, True):
+        phase_names = [n for n in names if weights_fp8(n) == phase]
+        phase_heads = [n for n in heads if weights_fp8(n) == phase]
+        if phase and a.weights_parity and phase_names:
+            try:   # a failure is recorded; the w8 rows below then fail alone
+                weights_parity(res, save, target, dev, rng, vocab)
+            except Exception as e:  # noqa: BLE001
+                res["weights_parity"] = {"error": repr(e)[:500]}
+                save()
+        step_rows(a, res, record, target, dev, rng, vocab, batches, cuda, phase_names)
+        headlines(a, res, record, dev, vocab, cuda, target, phase_heads)
+    if a.headline_batch and not a.headline_variants:   # the fastest variant's headline
+        ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
+        best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
+        res["best_variant"] = best
+        headlines(a, res, record, dev, vocab, cuda, target, [best])
+    prefill_compare(a, res, record, dev, vocab, target)
+    print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
+                       [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
+                         r.get("profile_gpu_ms")] for r in res["steps"]]))
+    for name, p in res["profiles"].items():
+        print(name, {k: round(v, 2) for k, v in p["by_class_ms"].items()})
+    for r in res["headline"]:
+        print("headline:", r.get("variant"), r.get("tokens_per_s"), r.get("error", ""))
+    return 0
+
+
+def step_rows(a, res, record, target, dev, rng, vocab, batches, cuda, names) -> None:
+    """ms per captured decode step of each variant in `names` at each batch, a kernel-class profile of one
+    eager decode step at the first batch."""
+    L, new = a.ratio_prompt_len, a.step_new_tokens
     for bs in batches:
         warm, batch = prompts_of(rng, bs, L, L, vocab), prompts_of(rng, bs, L, L, vocab)
         for name in names:
@@ -342,10 +430,11 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
                 row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
             g = f = None
             record("steps", row)
-    ok = [r for r in res["steps"] if "decode_ms_per_step" in r and r["batch_size"] == batches[0]]
-    best = min(ok, key=lambda r: r["decode_ms_per_step"])["variant"] if ok else "sdpa"
-    res["best_variant"] = best
-    for name in (a.headline_variants.split(",") if a.headline_variants else [best]) if a.headline_batch else []:
+
+
+def headlines(a, res, record, dev, vocab, cuda, target, names) -> None:
+    """The mixed workload (dflash-regenerate's own call), cold, at --headline-batch for each of `names`."""
+    for name in names:
         bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
         try:
             g = make_gen(target, dev, bs, a.new_tokens, "captured")
@@ -366,6 +455,9 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
         record("headline", row)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
+
+
+def prefill_compare(a, res, record, dev, vocab, target) -> None:
     if a.prefill_compare and a.headline_batch:   # the prefill alone (1 new token), trim off and on, same prompts
         bs, n = a.headline_batch, a.mixed_prompts or 2 * a.headline_batch
         mixed = prompts_of(np.random.default_rng(1), n, a.min_len, a.max_len, vocab)
@@ -383,12 +475,6 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
                 row = {"variant": name, "batch_size": bs, "error": repr(e)[:500]}
             g = f = None
             record("prefill", row)
-    print(format_table(["variant", "batch", "decode ms/step", "tok/s (512+%d)" % new, "profile GPU ms (eager step)"],
-                       [[r["variant"], r["batch_size"], r.get("decode_ms_per_step"), r.get("tokens_per_s"),
-                         r.get("profile_gpu_ms")] for r in res["steps"]]))
-    for name, p in res["profiles"].items():
-        print(name, {k: round(v, 2) for k, v in p["by_class_ms"].items()})
-    return 0
 
 
 def main(argv=None) -> int:
@@ -420,6 +506,9 @@ def main(argv=None) -> int:
                         "token), fused and fused-trim, twice each")
     p.add_argument("--variant", default="", choices=["", *VARIANTS],
                    help="the headline rows of the default mode with this variant (e.g. fused-triton)")
+    p.add_argument("--weights-parity", action="store_true",
+                   help="with --step-variants: before the first w8 variant, the logits of fp8 weights and of bf16 "
+                        "against fp32 (teacher-forced)")
     p.add_argument("--attention-check", action="store_true",
                    help="first: the split-KV kernel against SDPA (errors, a tile/split sweep, times) and the "
                         "triton decoder's tokens against sdpa's and its own eager loop (needs a GPU)")

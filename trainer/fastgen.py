@@ -18,11 +18,7 @@ and changes only what is around them:
   `prefill_trim` (default) each chunk runs at its own width (its longest prompt), not the batch's;
 * `decode_kernel="triton"`: the decode attention is trainer/decode_attn.py's split-KV kernel (1.8-1.9x
   SDPA per layer on the H200; its plain-torch reference on the CPU); `kv_fp8`: the cache in fp8 e4m3, read
-  by that kernel only (half the memory, no faster as measured; off);
-* `quantize_weights_fp8` (dflash-regenerate --weights-fp8): the decoder layers' linear weights in fp8 e4m3
-  scaled per output row, their inputs quantized per row on the fly (torchao), for FP8 tensor-core GEMMs;
-  the embeddings, norms and LM head stay bf16. With `fuse`, each MLP (its three fp8 GEMMs, the input
-  quantizations and the SiLU gate) is then one compiled graph.
+  by that kernel only (half the memory, no faster as measured; off).
 
 Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
 the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs
@@ -142,14 +138,8 @@ def _silu_mul(g, u):
 
 
 def _mlp(x, gate_w, up_w, down_w):
-    """A SiLU-gated MLP from its weights (bias-free): with fp8 weights (torchao) the input quantizations
-    fuse with the surrounding elementwise work once compiled."""
+    """A SiLU-gated MLP from its weights (bias-free), compiled whole with fuse_mlp."""
     return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
-
-
-def is_fp8_weight(w) -> bool:
-    """`w` is a quantized (tensor subclass) weight, as quantize_weights_fp8 leaves it, not a plain tensor."""
-    return w is not None and type(w) not in (torch.Tensor, torch.nn.Parameter)
 
 
 @contextmanager
@@ -159,7 +149,8 @@ def fused_small_ops(model, whole_mlp: bool = False):
     and functions recognised here are replaced (RMSNorm with `variance_epsilon`; the attention module's
     `apply_rotary_pos_emb`; an MLP with gate/up/down projections and SiLU); others stay as they are.
     whole_mlp: the MLP's projections are compiled with it (one graph per shape for every layer: the
-    weights are its arguments); meant for fp8 weights, whose per-call input quantizations it fuses."""
+    weights are its arguments), so that work around its GEMMs (e.g. the input quantizations of quantized
+    weights, tests/gpu/regenerate_bench.py's `w8` variants) fuses too."""
     import sys
 
     from .target import decoder
@@ -200,46 +191,6 @@ def fused_small_ops(model, whole_mlp: bool = False):
                 delattr(owner, name)
             else:
                 setattr(owner, name, orig)
-
-
-FP8_MIN_CAPABILITY = (8, 9)   # FP8 tensor cores: Ada, Hopper and newer
-
-
-def weights_fp8_problem(devices) -> str | None:
-    """Why --weights-fp8 cannot run on `devices` (names like "cuda:0"), or None: it needs torchao and
-    CUDA devices of compute capability 8.9+."""
-    import importlib.util
-
-    from . import allow_optional
-
-    allow_optional("torchao")   # asked for: trainer/__init__.py defers it
-    if importlib.util.find_spec("torchao") is None:
-        return "needs the torchao package (pip install 'dflash-trainer[fp8]' or pip install torchao)"
-    for name in devices:
-        dev = torch.device(name)
-        if dev.type != "cuda":
-            return f"needs CUDA devices (FP8 GEMMs), got {name}"
-        cap = torch.cuda.get_device_capability(dev)
-        if tuple(cap) < FP8_MIN_CAPABILITY:
-            return (f"{name} ({torch.cuda.get_device_name(dev)}) has compute capability {cap[0]}.{cap[1]}; "
-                    "FP8 GEMMs need 8.9 (Ada, Hopper) or newer")
-    return None
-
-
-def quantize_weights_fp8(model) -> int:
-    """Every nn.Linear in the decoder's layers to torchao's float8 inference form, in place: weights e4m3
-    with one scale per output row, inputs quantized per row at each call, products on FP8 tensor cores.
-    The embeddings, norms and LM head are left in their dtype. Returns the number of layers converted."""
-    from . import allow_optional
-    from .target import decoder
-
-    allow_optional("torchao")
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    layers = decoder(model).layers
-    n = sum(isinstance(m, torch.nn.Linear) for m in layers.modules())
-    quantize_(layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    return n
 
 
 def _fp8(x):
@@ -330,7 +281,7 @@ class GraphDecoder:
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
                  float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
-                 fuse_mlp: bool | None = None):
+                 fuse_mlp: bool = False):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -347,13 +298,10 @@ class GraphDecoder:
         assert decode_kernel in DECODE_KERNELS, decode_kernel
         self.decode_kernel, self.float_mask = decode_kernel, float_mask
         # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager.
-        # fuse_mlp: with fuse, each MLP compiled whole, projections included (None: when its weights are fp8,
-        # quantize_weights_fp8, so that their input quantizations fuse)
+        # fuse_mlp: with fuse, each MLP compiled whole, its GEMMs included (no gain with bf16 weights: a switch
+        # for the benchmark's fp8-weight variants, docs/performance.md "Sixth call")
         self.fuse = fuse
-        if fuse_mlp is None:
-            mlp = getattr(self.base.layers[0], "mlp", None)
-            fuse_mlp = mlp is not None and is_fp8_weight(getattr(getattr(mlp, "gate_proj", None), "weight", None))
-        self.fuse_mlp = bool(fuse_mlp)
+        self.fuse_mlp = fuse_mlp
         # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to
         # PAD_TO), not the batch's: the left padding of a chunk of short prompts is not computed
         self.prefill_trim = prefill_trim

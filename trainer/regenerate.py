@@ -4,7 +4,7 @@
                       [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
                       [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
                       [--max-records N] [--decoder auto|generate|captured] [--fuse auto|on|off]
-                      [--decode-attention auto|sdpa|triton] [--kv-fp8 on|off] [--weights-fp8 on|off]
+                      [--decode-attention auto|sdpa|triton] [--kv-fp8 on|off]
 
 Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
 supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
@@ -131,7 +131,7 @@ class TargetGenerator:
 
     def __init__(self, target_model: str, device: str, max_new_tokens: int, temperature: float,
                  batch_size: int, static_cache: bool = False, decoder: str = "generate", fuse: bool = False,
-                 decode_attention: str = "sdpa", kv_fp8: bool = False, weights_fp8: bool = False):
+                 decode_attention: str = "sdpa", kv_fp8: bool = False):
         import torch
 
         from .evaluate import stop_token_ids
@@ -142,14 +142,6 @@ class TargetGenerator:
         # a path, or a model already on `device` (the benchmark's random-init target)
         self.model = (target_model if isinstance(target_model, torch.nn.Module)
                       else load_target(target_model, self.device, dtype))
-        # weights_fp8: the decoder layers' linear layers in fp8 (trainer/fastgen.py quantize_weights_fp8)
-        self.weights_fp8 = bool(weights_fp8)
-        if self.weights_fp8:
-            from .fastgen import quantize_weights_fp8, weights_fp8_problem
-            problem = weights_fp8_problem([str(self.device)])
-            if problem:
-                raise RegenerateError(f"--weights-fp8 on: {problem}")
-            quantize_weights_fp8(self.model)
         self.stop_ids = stop_token_ids(self.model)
         gc, cfg = self.model.generation_config, self.model.config
         pad = gc.pad_token_id if gc.pad_token_id is not None else cfg.pad_token_id
@@ -355,7 +347,6 @@ def regenerate(
     fuse: bool | None = None,
     decode_attention: str | None = None,
     kv_fp8: bool = False,
-    weights_fp8: bool = False,
 ) -> dict:
     """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
@@ -371,10 +362,6 @@ def regenerate(
     not recorded either.
     kv_fp8: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
     numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
-    weights_fp8: the target's decoder-layer linear layers in fp8 (torchao, weights and inputs scaled per
-    row; the LM head stays bf16): FP8 GEMMs on GPUs of compute capability 8.9+. It changes the numerics
-    (the tokens are those of an FP8 target, as an FP8 serving engine's), so it is recorded
-    ("target_weights": "fp8-rowwise") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
@@ -422,11 +409,6 @@ def regenerate(
         raise RegenerateError(f"--decode-attention {decode_attention}: needs --decoder captured, got --decoder {decoder}")
     if kv_fp8 and decode_attention != "triton":
         raise RegenerateError(f"--kv-fp8 on: needs --decode-attention triton, got {decode_attention}")
-    if weights_fp8:
-        from .fastgen import weights_fp8_problem
-        problem = weights_fp8_problem(devs)
-        if problem:
-            raise RegenerateError(f"--weights-fp8 on: {problem}")
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -452,8 +434,6 @@ def regenerate(
     }
     if kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
         config["kv_cache"] = "fp8"
-    if weights_fp8:   # the tokens of an FP8 target: a resume must use the same weights
-        config["target_weights"] = "fp8-rowwise"
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
     if manifest["complete"] and (out / INDEX_NAME).is_file() and all(
@@ -478,8 +458,7 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention, kv_fp8,
-                    weights_fp8)
+        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention, kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 
@@ -743,11 +722,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-fp8", choices=["on", "off"], default="off",
                     help="the captured decoder's KV cache in fp8 e4m3 (half the bytes a decode step reads; "
                          "changes the numerics; needs --decode-attention triton)")
-    ap.add_argument("--weights-fp8", choices=["on", "off"], default="off",
-                    help="the target's decoder-layer linear layers in fp8 e4m3, weights and inputs scaled per "
-                         "row (torchao): FP8 GEMMs, about half the weight bytes; the LM head stays bf16. "
-                         "Changes the numerics (an FP8 target's tokens); needs GPUs of compute capability 8.9+ "
-                         "and torchao")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:
@@ -761,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             decoder=None if args.decoder == "auto" else args.decoder,
             fuse={"auto": None, "on": True, "off": False}[args.fuse],
             decode_attention=None if args.decode_attention == "auto" else args.decode_attention,
-            kv_fp8=args.kv_fp8 == "on", weights_fp8=args.weights_fp8 == "on")
+            kv_fp8=args.kv_fp8 == "on")
     except RegenerateError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -88,9 +88,9 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             # the fp8 cache read as fp16 operands (decode_attn.CONFIG["fp8_convert"]; the row above: "bf16")
             "fused-triton-trim-fp8-fp16": ("triton", True, True, True, True, "fp16"),
             "fused-triton-trim-fp8-shift": ("triton", True, True, True, True, "shift"),
-            # w8: the target's decoder-layer linears in fp8 (--weights-fp8, fastgen.quantize_weights_fp8; the
-            # shared target is quantized in place at the first such variant, so they run after the bf16 ones),
-            # each MLP compiled whole (fuse_mlp, the default with fp8 weights); -nomlp: the MLP as in `fused`
+            # w8: the target's decoder-layer linears in fp8 (quantize_weights_fp8 below; the shared target is
+            # quantized in place at the first such variant, so they run after the bf16 ones), each MLP compiled
+            # whole (GraphDecoder fuse_mlp); -nomlp: the MLP as in `fused`
             "fused-triton-trim-w8": ("triton", True, True, True, False, "bf16", True, True),
             "fused-triton-trim-w8-nomlp": ("triton", True, True, True, False, "bf16", True, False)}
 
@@ -288,9 +288,30 @@ def token_parity(res, save, target, dev, rng, vocab) -> None:
     save()
 
 
+def is_fp8_weight(w) -> bool:
+    """A quantized (tensor subclass) weight, as quantize_weights_fp8 leaves it, not a plain tensor."""
+    return type(w) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def quantize_weights_fp8(model) -> int:
+    """The `w8` variants: every nn.Linear in the decoder's layers to torchao's float8 inference form, in place
+    (weights e4m3 with one scale per output row, inputs quantized per row at each call, torch._scaled_mm);
+    embeddings, norms and the LM head stay bf16, as serving engines' FP8 checkpoints keep them. Returns the
+    number of layers converted. Needs torchao and compute capability 8.9+ (torchao refuses a CPU)."""
+    from trainer import allow_optional
+    from trainer.target import decoder
+
+    allow_optional("torchao")   # trainer/__init__.py defers it
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    layers = decoder(model).layers
+    n = sum(isinstance(m, torch.nn.Linear) for m in layers.modules())
+    quantize_(layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return n
+
+
 def set_variant(gen, name):
     from trainer import decode_attn as da
-    from trainer.fastgen import is_fp8_weight, quantize_weights_fp8
 
     v = VARIANTS[name]
     quantized = is_fp8_weight(gen._fast_decoder().base.layers[0].mlp.gate_proj.weight)
@@ -315,8 +336,6 @@ def weights_parity(res, save, target, dev, rng, vocab) -> None:
     random prompts of 256 tokens: bf16 and fp8 each against fp32 (the same weights: bf16 -> fp32 -> bf16 is
     exact), relative L2 error of the logits and top-1 agreement. Quantizes the shared target: call it after
     every bf16 variant. Random weights make near-flat logits, so top-1 agreement is a lower bound."""
-    from trainer.fastgen import quantize_weights_fp8
-
     ids = torch.as_tensor(np.stack(prompts_of(rng, 8, 256, 256, vocab)), device=dev)
 
     @torch.no_grad()

@@ -44,13 +44,21 @@ from tests.test_decode_attention import _case
 q, k, v, mask, start, last, keep = _case(2, 2, 4, 200, 32, "float", dtype=torch.float16)
 kq, vq = da.to_fp8(k), da.to_fp8(v)
 r = da.split_kv_reference(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
-worst = {}
+# "dot": against the reference that rounds q and the probabilities as the kernel does. Not to the bit: the
+# kernel rounds each tile's probabilities against its running max, the reference against the chunk's, and
+# the interpreter's fp32 -> e4m3 emulation (Triton 3.x) drops the carry into the exponent (7.89 -> 4, where
+# the GPU's cvt.rn gives 8). The bounds catch a wrong scale (q's, the x256 of the probabilities), which is
+# off by orders of magnitude; r8 - r is the rounding's own size (mean about 4e-3 here).
+r8 = da.split_kv_reference(q, kq, vq, mask, None, start, last, split_len=64, block_n=16, fp8_products=True)
+worst, mean = {}, {}
 for mode in da.FP8_CONVERT:
     da.CONFIG["fp8_convert"] = mode
     t = da.split_kv_triton(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
-    worst[mode] = (r.float() - t.float()).abs().max().item()
-print(worst)
-assert all(w < 2e-3 for w in worst.values()), worst
+    d = ((r8 if mode == "dot" else r).float() - t.float()).abs()
+    worst[mode], mean[mode] = d.max().item(), d.mean().item()
+print(worst, mean, (r8 - r).float().abs().mean().item())
+assert all(w < 2e-3 for m, w in worst.items() if m != "dot"), worst
+assert worst["dot"] < 0.08 and mean["dot"] < 4 * (r8 - r).float().abs().mean().item(), (worst, mean)
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -58,4 +66,4 @@ assert all(w < 2e-3 for w in worst.values()), worst
 
 
 def test_the_modes_are_named():
-    assert set(FP8_CONVERT) == {"bf16", "fp16", "shift"}
+    assert set(FP8_CONVERT) == {"bf16", "fp16", "shift", "dot"}

@@ -38,9 +38,14 @@ LOG2E = 1.4426950408889634
 # "bf16", Triton's e4m3 -> bf16 cast, left the fp8 read no faster than bf16's). "fp16": Triton's e4m3 -> fp16 cast
 # (a hardware conversion on sm_89+), q and p in fp16; "shift": the e4m3 bits moved into an fp16's (fp8_bits_to_fp16),
 # which is the value / 256, the 256 folded into the score scale and the output. Both fp16 modes change only the
-# rounding of q and p (fp16 has more mantissa than bf16; |q| must stay under 65,504).
-CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2, "fp8_convert": "bf16"}
-FP8_CONVERT = {"bf16": 0, "fp16": 1, "shift": 2}
+# rounding of q and p (fp16 has more mantissa than bf16; |q| must stay under 65,504). "dot": no conversion of
+# the cache at all: q is quantized to e4m3 once per program (one scale, its amax to 448) and the
+# probabilities times 256 to e4m3, and both products run on fp8 tensor cores (fp8_products_reference).
+# fp8_block_n / fp8_num_warps / fp8_num_stages: an fp8 cache's tile where it differs (None: the same as bf16's)
+CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2, "fp8_convert": "bf16",
+          "fp8_block_n": None, "fp8_num_warps": None, "fp8_num_stages": None}
+FP8_CONVERT = {"bf16": 0, "fp16": 1, "shift": 2, "dot": 3}
+P_SCALE = 256.0   # "dot": the probabilities (<= 1) times this before e4m3, so small ones keep 3 mantissa bits
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -58,6 +63,15 @@ def fp8_bits_to_fp16(u8: torch.Tensor) -> torch.Tensor:
     x = u8.to(torch.int32)
     bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
     return bits.to(torch.int16).view(torch.float16)
+
+
+def quantize_q_fp8(q: torch.Tensor, hk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "dot" mode's query: [B, H, D] -> (e4m3 values, per-(row, KV head) scale [B, HK]) with one scale per
+    program of the kernel (the G query heads of one KV head): amax -> 448. q ~= values / scale."""
+    b, h, d = q.shape
+    qf = q.float().reshape(b, hk, h // hk, d)
+    qs = FP8_MAX / qf.abs().amax((-1, -2)).clamp(min=1e-30)
+    return (qf * qs[..., None, None]).to(FP8).reshape(b, h, d), qs
 
 
 def available(device) -> bool:
@@ -83,12 +97,15 @@ def _mask_2d(mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor | N
 
 
 def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None,
-                       split_len: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                       split_len: int | None = None, block_n: int | None = None,
+                       fp8_products: bool = False) -> torch.Tensor:
     """Plain-torch split-KV decode attention. q [B, H, D] (one query token per row), k, v [B, HK, L, D]
     (H = HK * G; query head h reads KV head h // G; bf16, fp32 or fp8 e4m3, an fp8 cache), mask [B, 1, 1, L] additive (float) or bool (True =
     attend) or None, row_start [B] (positions before it are not read), last [1] (the newest position;
     those after it are not read). Returns [B, H, D] in q's dtype. Every row must attend at least one
-    position."""
+    position. fp8_products: the kernel's "dot" mode (an fp8 cache): q rounded to e4m3 at one scale per
+    (row, KV head) (quantize_q_fp8) and each chunk's probabilities x P_SCALE rounded to e4m3 before the
+    product with V (the sum of the probabilities stays fp32)."""
     split_len = CONFIG["split_len"] if split_len is None else split_len
     block_n = CONFIG["block_n"] if block_n is None else block_n
     b, h, d = q.shape
@@ -96,6 +113,9 @@ def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None
     g = h // hk
     scale = d ** -0.5 if scale is None else scale
     qf = q.reshape(b, hk, g, d).float()
+    if fp8_products:
+        q8, qs = quantize_q_fp8(q, hk)
+        qf = q8.float().reshape(b, hk, g, d) / qs[..., None, None]
     s = torch.einsum("bkgd,bkld->bkgl", qf, k.float()) * scale                 # [B, HK, G, L]
     pos = torch.arange(length, device=q.device)
     keep = torch.ones(b, length, dtype=torch.bool, device=q.device)
@@ -122,7 +142,8 @@ def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None
         p = torch.exp(sc - m[..., None])
         ms.append(m)
         ls.append(p.sum(-1))
-        accs.append(torch.einsum("bkgl,bkld->bkgd", p.to(q.dtype).float(), v[:, :, c * chunk:(c + 1) * chunk].float()))
+        pq = (p * P_SCALE).to(FP8).float() / P_SCALE if fp8_products else p.to(q.dtype).float()
+        accs.append(torch.einsum("bkgl,bkld->bkgd", pq, v[:, :, c * chunk:(c + 1) * chunk].float()))
     m = torch.stack(ms)                                                           # [S, B, HK, G]
     top = m.amax(0)
     w = torch.exp(m - top)
@@ -149,8 +170,13 @@ if triton is not None:
         rn = tl.arange(0, BLOCK_N)
         gmask = rg < G
         q = tl.load(Q + row * sqb + (kvh * G + rg)[:, None] * sqh + rd[None, :], mask=gmask[:, None], other=0.0)
-        if FP8_MODE > 0:      # fp8 cache read as fp16 operands (CONFIG["fp8_convert"])
+        if FP8_MODE == 1 or FP8_MODE == 2:      # fp8 cache read as fp16 operands (CONFIG["fp8_convert"])
             q = q.to(tl.float16)
+        if FP8_MODE == 3:     # "dot": q to e4m3 at one scale for the program (quantize_q_fp8), folded into the scores
+            qf = q.to(tl.float32)
+            qs = 448.0 / tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30)
+            q = (qf * qs).to(tl.float8e4nv)
+            scale_log2 = scale_log2 / qs
         lo = sid * chunk
         hi = tl.minimum(lo + chunk, length)
         if HAS_RS:
@@ -169,6 +195,8 @@ if triton is not None:
             if FP8_MODE == 2:     # e4m3 bytes -> fp16 bits (the value / 256; fp8_bits_to_fp16)
                 kb = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
                 k = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+            elif FP8_MODE == 3:   # the e4m3 tile as it is: an fp8 tensor-core operand
+                k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0)
             else:
                 k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2                   # [GP, BLOCK_N], log2 units
@@ -186,12 +214,19 @@ if triton is not None:
             if FP8_MODE == 2:
                 vb = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
                 v = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+            elif FP8_MODE == 3:
+                v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0)
             else:
                 v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            if FP8_MODE == 3:     # probabilities x 256 in e4m3 (P_SCALE), undone below
+                acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
         if FP8_MODE == 2:     # V was read as its value / 256
             acc = acc * 256.0
+        if FP8_MODE == 3:     # the probabilities were x 256
+            acc = acc * (1.0 / 256.0)
         if DIRECT:            # one chunk: the normalised output, no merge
             out = acc / l_i[:, None]
             tl.store(O + row * sob + (kvh * G + rg)[:, None] * soh + rd[None, :], out.to(O.dtype.element_ty),
@@ -231,10 +266,11 @@ def split_kv_triton(q, k, v, mask=None, scale=None, row_start=None, last=None, o
     """The Triton kernel; same arguments and result as `split_kv_reference` (`out` [B, H, D] optional)."""
     assert triton is not None, "triton is not installed"
     cfg = CONFIG
+    pre = "fp8_" if k.dtype == FP8 else ""
     split_len = cfg["split_len"] if split_len is None else split_len
-    block_n = cfg["block_n"] if block_n is None else block_n
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    block_n = (cfg.get(pre + "block_n") or cfg["block_n"]) if block_n is None else block_n
+    num_warps = (cfg.get(pre + "num_warps") or cfg["num_warps"]) if num_warps is None else num_warps
+    num_stages = (cfg.get(pre + "num_stages") or cfg["num_stages"]) if num_stages is None else num_stages
     b, h, d = q.shape
     hk, length = k.shape[1], k.shape[2]
     g = h // hk
@@ -287,7 +323,8 @@ def split_kv_attention(q, k, v, mask=None, scale=None, row_start=None, last=None
     """The Triton kernel where it can run (CUDA, Triton installed), else the torch reference."""
     if available(q.device):
         return split_kv_triton(q, k, v, mask, scale, row_start, last)
-    return split_kv_reference(q, k, v, mask, scale, row_start, last)
+    return split_kv_reference(q, k, v, mask, scale, row_start, last,   # the kernel's numerics, "dot" included
+                              fp8_products=k.dtype == FP8 and CONFIG["fp8_convert"] == "dot")
 
 
 def kv_read_bytes(b: int, hk: int, length: int, d: int, itemsize: int) -> int:
@@ -295,5 +332,5 @@ def kv_read_bytes(b: int, hk: int, length: int, d: int, itemsize: int) -> int:
     return 2 * b * hk * length * d * itemsize
 
 
-__all__ = ["CONFIG", "FP8", "FP8_CONVERT", "fp8_bits_to_fp16", "to_fp8", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
+__all__ = ["CONFIG", "FP8", "FP8_CONVERT", "P_SCALE", "fp8_bits_to_fp16", "quantize_q_fp8", "to_fp8", "available", "split_kv_reference", "split_kv_triton", "split_kv_attention",
            "num_splits", "kv_read_bytes"]

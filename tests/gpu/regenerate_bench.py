@@ -88,6 +88,8 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             # the fp8 cache read as fp16 operands (decode_attn.CONFIG["fp8_convert"]; the row above: "bf16")
             "fused-triton-trim-fp8-fp16": ("triton", True, True, True, True, "fp16"),
             "fused-triton-trim-fp8-shift": ("triton", True, True, True, True, "shift"),
+            # the fp8 cache read by fp8 tensor-core products, q and the probabilities rounded to e4m3 ("dot")
+            "fused-triton-trim-fp8-dot": ("triton", True, True, True, True, "dot"),
             # w8: the target's decoder-layer linears in fp8 (quantize_weights_fp8 below; the shared target is
             # quantized in place at the first such variant, so they run after the bf16 ones), each MLP compiled
             # whole (GraphDecoder fuse_mlp); -nomlp: the MLP as in `fused`
@@ -248,6 +250,25 @@ def attention_check(a, res, save, dev, dims) -> None:
                     del o_q
                 except Exception as e:  # noqa: BLE001  a mode that fails is a field, not the end of the run
                     row[f"{key}_error"] = repr(e)[:300]
+                if mode == "dot" and not out["cases"] and f"{key}_ms" in row:
+                    # the fp8 products' own tile (first case, whole view): the best goes into CONFIG's fp8_* keys
+                    sweep = []
+                    for bn, nw, ns in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+                                       (256, 8, 2)):
+                        try:
+                            t = graph_ms(lambda: da.split_kv_triton(q, kq, vq, mask, block_n=bn, num_warps=nw,
+                                                                    num_stages=ns))
+                            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "ms": round(t, 4),
+                                          "tb_s": round(gb / 2 / t, 3)})
+                        except Exception as e:  # noqa: BLE001
+                            sweep.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "error": repr(e)[:200]})
+                        print("fp8 dot sweep:", json.dumps(sweep[-1]), flush=True)
+                    row["fp8_dot_sweep"] = sweep
+                    best = min((r for r in sweep if "ms" in r), key=lambda r: r["ms"], default=None)
+                    if best is not None:
+                        da.CONFIG.update(fp8_block_n=best["block_n"], fp8_num_warps=best["num_warps"],
+                                         fp8_num_stages=best["num_stages"])
+                        row["fp8_dot_best"] = best
             da.CONFIG["fp8_convert"] = mode0
             del kq, vq
         out["cases"].append(row)

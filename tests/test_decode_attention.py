@@ -97,7 +97,10 @@ q, k, v, mask, start, last, keep = _case(2, 2, 4, 200, 32, "float", dtype=torch.
 r = split_kv_reference(q, k, v, mask, None, start, last, split_len=64, block_n=16)
 t = split_kv_triton(q, k, v, mask, None, start, last, split_len=64, block_n=16)
 half = (r.float() - t.float()).abs().max().item()
-# an fp8 e4m3 cache (--kv-fp8), read by the same kernel
+# an fp8 e4m3 cache (--kv-fp8), read by the same kernel converting its tiles to q's dtype (the "bf16" mode;
+# tests/test_decode_fp8.py checks each mode, the default "dot" included, against its reference)
+from trainer.decode_attn import CONFIG
+CONFIG["fp8_convert"] = "bf16"
 kq, vq = to_fp8(k), to_fp8(v)
 r = split_kv_reference(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
 t = split_kv_triton(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)

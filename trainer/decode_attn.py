@@ -156,6 +156,20 @@ def split_kv_reference(q, k, v, mask=None, scale=None, row_start=None, last=None
 
 if triton is not None:
     @triton.jit
+    def _kv_tile(ptrs, ok, q, FP8_MODE: tl.constexpr):
+        """A [BLOCK_N, D] tile of K or V (rows past the chunk masked to 0) as the tensor-core operand that goes
+        with q (after q's own conversion): mode 2 moves each e4m3 byte's bits into an fp16's (the value / 256,
+        as fp8_bits_to_fp16), mode 3 ("dot") keeps the e4m3 tile as loaded, the others convert to q's dtype."""
+        if FP8_MODE == 2:
+            b = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.uint16)
+            t = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+        elif FP8_MODE == 3:
+            t = tl.load(ptrs, mask=ok[:, None], other=0.0)
+        else:
+            t = tl.load(ptrs, mask=ok[:, None], other=0.0).to(q.dtype)
+        return t
+
+    @triton.jit
     def _decode_attention_split_kv(Q, K, V, M, RS, LAST, O, OP, MP, LP,
                          length, chunk, n_splits,
                          sqb, sqh, skb, skh, skn, svb, svh, svn, smb, smn, sob, soh,
@@ -194,13 +208,7 @@ if triton is not None:
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + rn
             ok = n < hi
-            if FP8_MODE == 2:     # e4m3 bytes -> fp16 bits (the value / 256; fp8_bits_to_fp16)
-                kb = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
-                k = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-            elif FP8_MODE == 3:   # the e4m3 tile as it is: an fp8 tensor-core operand
-                k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0)
-            else:
-                k = tl.load(kbase + n[:, None] * skn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            k = _kv_tile(kbase + n[:, None] * skn + rd[None, :], ok, q, FP8_MODE)
             s = tl.dot(q, tl.trans(k)) * scale_log2                   # [GP, BLOCK_N], log2 units
             if MASK == 1:     # additive
                 mk = tl.load(M + row * smb + n * smn, mask=ok, other=0.0).to(tl.float32)
@@ -213,13 +221,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8_MODE == 2:
-                vb = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0).to(tl.uint16)
-                v = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-            elif FP8_MODE == 3:
-                v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0)
-            else:
-                v = tl.load(vbase + n[:, None] * svn + rd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            v = _kv_tile(vbase + n[:, None] * svn + rd[None, :], ok, q, FP8_MODE)
             if FP8_MODE == 3:     # probabilities x 256 in e4m3 (P_SCALE), undone below
                 acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v)
             else:

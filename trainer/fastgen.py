@@ -18,8 +18,8 @@ and changes only what is around them:
   `prefill_trim` (default) each chunk runs at its own width (its longest prompt), not the batch's;
 * `decode_kernel="triton"`: the decode attention is trainer/decode_attn.py's split-KV kernel (1.8-1.9x
   SDPA per layer on the H200; its plain-torch reference on the CPU); `kv_fp8`: the cache in fp8 e4m3, read
-  by that kernel only, with fp8 tensor-core products (decode_attn's "dot" mode: half the memory, 1.12x the
-  decode on the 8B shape; changes the numerics, off by default).
+  by that kernel only (half the memory and, with the fp8 tile of decode_attn.CONFIG, 1.12x the decode on the
+  8B shape; changes the numerics, off by default).
 
 Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
 the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs

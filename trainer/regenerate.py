@@ -360,9 +360,8 @@ def regenerate(
     measured on the 8B shape) with the captured decoder when every device is a GPU and Triton is installed,
     else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference. bf16 rounding only,
     not recorded either.
-    kv_fp8: the captured decoder's KV cache in fp8 e4m3, read by fp8 tensor-core products (needs
-    decode_attention "triton"; trainer/decode_attn.py "dot"); it changes the numerics, so it is recorded
-    ("kv_cache": "fp8") and a resume must use it too.
+    kv_fp8: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
+    numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from .config import ConfigError, check_model_dir
@@ -721,9 +720,9 @@ def main(argv: list[str] | None = None) -> int:
                          "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the decoder "
                          "is captured, every device is a GPU and Triton is installed, else sdpa)")
     ap.add_argument("--kv-fp8", choices=["on", "off"], default="off",
-                    help="the captured decoder's KV cache in fp8 e4m3, read by fp8 tensor-core products (half "
-                         "the memory: 1.1x the tok/s of an 8B target at batch 384, or twice the batch of a 27B "
-                         "one; changes the numerics, recorded in the output; needs --decode-attention triton)")
+                    help="the captured decoder's KV cache in fp8 e4m3 (half the memory: 1.1x the tok/s of an 8B "
+                         "target at batch 384, or twice the batch of a 27B one; changes the numerics, recorded in "
+                         "the output; needs --decode-attention triton)")
     ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     args = ap.parse_args(argv)
     try:

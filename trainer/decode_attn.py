@@ -40,8 +40,8 @@ LOG2E = 1.4426950408889634
 # which is the value / 256, the 256 folded into the score scale and the output. Both fp16 modes change only the
 # rounding of q and p (fp16 has more mantissa than bf16; |q| must stay under 65,504). "dot": no conversion of
 # the cache at all: q is quantized to e4m3 once per program (one scale, its amax to 448) and the
-# probabilities times 256 to e4m3, and both products run on fp8 tensor cores (fp8_products_reference).
-# fp8_block_n / fp8_num_warps / fp8_num_stages: an fp8 cache's tile where it differs (None: the same as bf16's)
+# probabilities times 256 to e4m3, and both products run on fp8 tensor cores (split_kv_reference(fp8_products=True)).
+# fp8_block_n / fp8_num_warps / fp8_num_stages: an fp8 cache's tile where it differs (None: the same as bf16's).
 # The fp8 cache's own tile, 64 keys x 4 warps x 3 stages, is what made it faster than the bf16 cache: at 384 x 1536
 # 0.32-0.33 ms against the bf16 kernel's 0.44 (results/h200-8b-decode-attn-modes-refactor.json), where the bf16
 # tile had left every fp8 mode no faster. With it "fp16" and "dot" run the decode in the same time (42.3 vs 42.7 s,

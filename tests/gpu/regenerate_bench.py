@@ -353,7 +353,7 @@ def set_variant(gen, name):
 
 
 def weights_parity(res, save, target, dev, rng, vocab) -> None:
-    """--weights-parity: what fp8 weights (--weights-fp8) do to the target's logits, teacher-forced on 8
+    """--weights-parity: what fp8 weights (the `w8` variants) do to the target's logits, teacher-forced on 8
     random prompts of 256 tokens: bf16 and fp8 each against fp32 (the same weights: bf16 -> fp32 -> bf16 is
     exact), relative L2 error of the logits and top-1 agreement. Quantizes the shared target: call it after
     every bf16 variant. Random weights make near-flat logits, so top-1 agreement is a lower bound."""

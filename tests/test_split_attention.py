@@ -191,11 +191,42 @@ def test_split_loss_and_gradients_equal_the_reference(lens, block, anchors, star
         assert a.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12), name
 
 
+@pytest.mark.parametrize("opts, compile_opt, gpus, refused", [
+    ("SPLIT_BLOCKS=2", "all", [0], "needs --compile none or target"),
+    ("SPLIT_BLOCKS=2", "drafter", [], "needs --compile none or target"),
+    ("SPLIT_BLOCKS=2", "auto", [0], "needs --compile none or target"),   # auto compiles the drafter on GPUs
+    ("SPLIT_BLOCKS=2", "auto", [], None),                                # ... and nothing on the CPU
+    ("SPLIT_BLOCKS=2", "target", [0], None),
+    ("SPLIT_BLOCKS=2", "none", [0], None),
+    ("SPLIT_BLOCKS=true", "all", [0], None),                             # the autograd merge compiles right
+    ("SPLIT_BLOCKS=3", "none", [], "must be true, false, 0, 1 or 2"),
+])
+def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus, refused):
+    """SPLIT_BLOCKS=2 inside compiled drafter layers gives wrong gradients on the GPU (relative error 1.0 for
+    fc and q_proj in results/h200-split-attention-parity.json, while eager BlockMerge and SPLIT_BLOCKS=1 match
+    float64), so the flag check refuses that combination before anything runs, naming the flag; the drafter
+    build refuses it too (BadInput: exit 2, no restart loop)."""
+    import dataclasses
+    from trainer.config import ConfigError, TrainConfig, validate_flags
+    from trainer.drafter import build_drafter
+    from trainer.errors import BadInput
+    cfg = dataclasses.replace(TrainConfig(target_model="t", data_dir="d", output_dir="o"), flex_kernel_options=opts,
+                              compile=compile_opt, target_gpus=gpus, drafter_gpus=gpus)
+    if refused is None:
+        validate_flags(cfg, gpu_count=-1)
+        return
+    with pytest.raises(ConfigError, match=f"^--flex-kernel-options: .*{refused}"):
+        validate_flags(cfg, gpu_count=-1)
+    rank_cfg = dataclasses.replace(cfg, compile="all" if compile_opt == "auto" else compile_opt)   # resolved
+    with pytest.raises(BadInput, match=refused):
+        build_drafter(_tiny(8).cfg, rank_cfg, torch.device("cpu"), torch.float32, None)
+
+
 def test_split_needs_one_shared_context():
     from trainer.errors import TrainingFailed
     from trainer.drafter import build_drafter
     from types import SimpleNamespace
     cfg = SimpleNamespace(split_fc=False, seed=0, fp8="off", flex_kernel_options="SPLIT_BLOCKS=true",
                           flex_ctx_group=16, compile="off")
-    with pytest.raises(TrainingFailed, match="flex-ctx-group 0"):
+    with pytest.raises(TrainingFailed, match="flex-ctx-group 0"):   # BadInput, a TrainingFailed that exits 2
         build_drafter(_tiny(8).cfg, cfg, torch.device("cpu"), torch.float32, None)

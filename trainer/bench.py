@@ -70,7 +70,9 @@ VARIANTS = {
     # issue 29: FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
     # by log-sum-exp (our key of --flex-kernel-options; combine with fk* variants by hand)
     "split": {"flex_kernel_options": "SPLIT_BLOCKS=true"},
-    "split2": {"flex_kernel_options": "SPLIT_BLOCKS=2"},   # the same, block part + merge with their own backward
+    # the same, block part + merge with their own backward; refused with the drafter's layers compiled (wrong
+    # gradients there on the GPU: config.split_blocks), so it times only with --set compile=target
+    "split2": {"flex_kernel_options": "SPLIT_BLOCKS=2"},
     "old": {"loss_dedup": False, "flex_full_blocks": False, "fp32_logits": False, "flex_ctx_group": 0},
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},

@@ -411,7 +411,7 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
     for ok, flag, why in checks:
         if not ok:
             raise ConfigError(f"{flag}: {why}")
-    parse_kernel_options(cfg.flex_kernel_options)
+    split_blocks(cfg)   # parses --flex-kernel-options too
     if cfg.fp8 != "off":
         _check_fp8(cfg, gpu_count)
     if cfg.tensorboard_dir:
@@ -439,6 +439,24 @@ def parse_kernel_options(text: str) -> dict:
                 raise ConfigError(f"--flex-kernel-options: {key}: expected an integer or true/false, "
                                   f"got {val!r}") from None
     return out
+
+
+def split_blocks(cfg) -> int:
+    """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's; issue 29): 0 one FlexAttention over the
+    whole mask, 1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp,
+    2 the same with the in-block part and the merge as model.BlockMerge. ConfigError names the flag for a
+    value or a combination that cannot train right. Read by validate_flags and by drafter.build_drafter."""
+    split = parse_kernel_options(cfg.flex_kernel_options).get("SPLIT_BLOCKS", 0)
+    if split not in (0, 1, 2):   # True == 1, False == 0
+        raise ConfigError(f"--flex-kernel-options: SPLIT_BLOCKS must be true, false, 0, 1 or 2, got {split}")
+    if split and getattr(cfg, "flex_ctx_group", 0):
+        raise ConfigError("--flex-kernel-options: SPLIT_BLOCKS needs --flex-ctx-group 0")
+    # 'auto' compiles the drafter's layers on GPUs (fast.resolve_compile)
+    compiled = cfg.compile in ("all", "drafter") or (cfg.compile == "auto" and bool(getattr(cfg, "drafter_gpus", ())))
+    if split == 2 and compiled:
+        raise ConfigError("--flex-kernel-options: SPLIT_BLOCKS=2 needs --compile none or target: inside compiled "
+                          "drafter layers its gradients are wrong on the GPU (results/h200-split-attention-parity.json)")
+    return int(split)
 
 
 def _check_fp8(cfg: TrainConfig, gpu_count: int | None) -> None:

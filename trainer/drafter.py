@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import parse_kernel_options
-from .errors import TrainingFailed
+from .config import ConfigError, parse_kernel_options, split_blocks
+from .errors import BadInput, TrainingFailed
 from .fast import compile_layers, wants
 from .loss import dflash_loss
 from .metrics import StepLayout
@@ -89,6 +89,10 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
     """The drafter, initialised from the seed (identical on every rank), then sharded over `mesh`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    try:   # before any weight is made: a combination refused here is refused on every restart (exit 2)
+        split = split_blocks(cfg)   # --flex-kernel-options SPLIT_BLOCKS: its values and the flags it needs
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
     with torch.device(device):
         model = DFlashDrafter(dcfg, split_fc=cfg.split_fc)
     init_drafter_weights(model, seed=cfg.seed)
@@ -97,12 +101,8 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
     if fp8 != "off":
         log.info("--fp8 %s: %d drafter linear layers train in float8 (torchao)", fp8, to_float8(model, fp8))
     kernel_options = parse_kernel_options(getattr(cfg, "flex_kernel_options", ""))
-    # SPLIT_BLOCKS=true|1|2 is ours, not FlexAttention's: the context part through FlexAttention, the in-block
-    # part apart, merged by log-sum-exp (model.DFlashAttention; bench variants 'split' and, with the block
-    # part and merge as one autograd function, 'split2')
-    split = kernel_options.pop("SPLIT_BLOCKS", False)
-    if split and getattr(cfg, "flex_ctx_group", 0):
-        raise TrainingFailed("--flex-kernel-options SPLIT_BLOCKS=true needs --flex-ctx-group 0")
+    # SPLIT_BLOCKS=true|1|2 is ours, not FlexAttention's: checked above
+    kernel_options.pop("SPLIT_BLOCKS", None)
     for layer in model.layers:
         layer.self_attn.kernel_options = kernel_options or None
         layer.self_attn.split_blocks = "flex" if split else None

@@ -111,7 +111,7 @@ def test_no_query_sees_a_key_the_reference_mask_hides(fused):
     """Gradient of each query's output with respect to every key and value row: exactly zero where the
     reference mask hides the pair, nonzero where it shows it. start_div=0 supervises from position 0, so
     some blocks anchor at 0 and see no context (their context log-sum-exp is -inf)."""
-    plan = _plan([300, 130, 40], 8, 40, seed=3, start_div=0)
+    plan = _plan([150, 70, 24], 8, 20, seed=3, start_div=0)
     c = plan.chunks[0]
     meta = _meta(c, 8)
     mask = dense_mask(meta)
@@ -123,7 +123,7 @@ def test_no_query_sees_a_key_the_reference_mask_hides(fused):
     assert torch.allclose(out, _reference_attention(q, k, v, mask), atol=1e-12)
     no_ctx = ~mask[:, :meta.num_ctx].any(1)
     assert no_ctx.any() and (~no_ctx).any()          # both kinds of rows are in the test
-    for i in range(0, len(meta.q_seq), 3):
+    for i in range(len(meta.q_seq)):                 # every query row
         gq, gk, gv = torch.autograd.grad(out[i].sum(), (q, k, v), retain_graph=True)
         touched = (gk.abs().sum((1, 2)) + gv.abs().sum((1, 2))) > 0
         assert torch.equal(touched, mask[i]), i

@@ -687,6 +687,35 @@ def _dispose(t):
         torch.cuda.empty_cache()
 
 
+def flex_check_case(kv_heads: int, ctx_group: int = 0, supervised_from: int = 4):
+    """The small drafter and one planned chunk that the attention parity checks run (check_flex_on_gpu,
+    tests/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
+    seeded. supervised_from 0: the loss mask starts at position 0 (blocks anchored at 0 see no context)."""
+    from . import model as M
+    from .plan import plan_micro_batch
+    cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
+                         rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
+                         mask_token_id=999, target_num_hidden_layers=4)
+    base = M.DFlashDrafter(cfg)
+    M.init_drafter_weights(base, std=0.05)
+    rng = np.random.default_rng(0)
+    lens = np.array([700, 300, 1200])
+    ids = rng.integers(0, 998, size=(len(lens), lens.max()))
+    mask = np.zeros(ids.shape, bool)
+    for b, n in enumerate(lens):
+        mask[b, n // supervised_from if supervised_from else 0:n] = True
+    plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
+                            max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
+                            chunk_rows=10**6, flex=True, ctx_group=ctx_group)
+    c = plan.chunks[0]
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
+    emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
+    proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)  # loss = <out, proj>
+    return base, c, taps, emb, proj
+
+
 def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), (2, 2), (4, 1)),
                       supervised_from: int = 4, eager: bool = True) -> dict:
     """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
@@ -694,29 +723,9 @@ def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), 
     (--flex-ctx-group). split: the flex runs take the split path (SPLIT_BLOCKS=1 or 2). supervised_from 0: the
     loss mask starts at position 0, so some blocks anchor at 0 and see no context."""
     from . import model as M
-    from .plan import plan_micro_batch
     out = {}
     for kv_heads, ctx_group in cases:
-        cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
-                             rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
-                             mask_token_id=999, target_num_hidden_layers=4)
-        base = M.DFlashDrafter(cfg)
-        M.init_drafter_weights(base, std=0.05)
-        rng = np.random.default_rng(0)
-        lens = np.array([700, 300, 1200])
-        ids = rng.integers(0, 998, size=(len(lens), lens.max()))
-        mask = np.zeros(ids.shape, bool)
-        for b, n in enumerate(lens):
-            mask[b, n // supervised_from if supervised_from else 0:n] = True
-        plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
-                                max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
-                                chunk_rows=10**6, flex=True, ctx_group=ctx_group)
-        c = plan.chunks[0]
-        g = torch.Generator().manual_seed(0)
-        taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
-        emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
-        proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)  # loss = <out, proj>
+        base, c, taps, emb, proj = flex_check_case(kv_heads, ctx_group, supervised_from)
 
         def grads(dev, dtype, backend, compiled=True, layers_compiled=False):
             m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)

@@ -30,33 +30,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    import numpy as np
     import torch
     import torch._dynamo
     from trainer import model as M
     from trainer.fast import compile_layers
-    from trainer.plan import plan_micro_batch
+    from trainer.bench import flex_check_case
 
-    cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
-                         max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1], mask_token_id=999,
-                         target_num_hidden_layers=4)
-    base = M.DFlashDrafter(cfg)
-    M.init_drafter_weights(base, std=0.05)
-    rng = np.random.default_rng(0)
-    lens = np.array([700, 300, 1200])
-    ids = rng.integers(0, 998, size=(len(lens), lens.max()))
-    mask = np.zeros(ids.shape, bool)
-    for b, n in enumerate(lens):
-        mask[b, :n] = True
-    plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16, max_anchors=64,
-                            mask_token_id=999, gamma=7.0, soft_labels=False, chunk_rows=10 ** 6, flex=True,
-                            ctx_group=0)
-    c = plan.chunks[0]
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
-    emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
-    proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
+    base, c, taps, emb, proj = flex_check_case(kv_heads=2, ctx_group=0, supervised_from=0)
 
     def grads(dev, dtype, split, compiled=None, blockmerge_eager=False, dense_ctx=False):
         m = copy.deepcopy(base).to(device=dev, dtype=dtype)

@@ -452,10 +452,12 @@ def split_blocks(cfg) -> int:
     if split and getattr(cfg, "flex_ctx_group", 0):
         raise ConfigError("--flex-kernel-options: SPLIT_BLOCKS needs --flex-ctx-group 0")
     # 'auto' compiles the drafter's layers on GPUs (fast.resolve_compile)
-    compiled = cfg.compile in ("all", "drafter") or (cfg.compile == "auto" and bool(getattr(cfg, "drafter_gpus", ())))
+    compiled = cfg.compile in ("all", "drafter") or (cfg.compile == "auto"
+                                                      and bool(getattr(cfg, "drafter_gpus", ())))
     if split == 2 and compiled:
         raise ConfigError("--flex-kernel-options: SPLIT_BLOCKS=2 needs --compile none or target: inside compiled "
-                          "drafter layers its gradients are wrong on the GPU (results/h200-split-attention-parity.json)")
+                          "drafter layers its gradients are wrong on the GPU "
+                          "(results/h200-split-attention-parity.json)")
     return int(split)
 
 

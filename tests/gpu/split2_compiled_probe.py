@@ -66,7 +66,8 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "cases": {}}
     # the cases most likely to tell first (each writes the file): eager FlexAttention with gradients is slow
-    cases = {"layers_dynamic": dict(compiled=True), "layers_dynamic_blockmerge_eager": dict(compiled=True, blockmerge_eager=True),
+    cases = {"layers_dynamic": dict(compiled=True),
+             "layers_dynamic_blockmerge_eager": dict(compiled=True, blockmerge_eager=True),
              "layers_dynamic_dense_ctx": dict(compiled=True, dense_ctx=True), "layers_static": dict(compiled=False),
              "eager": dict()}
     for split in (2, 1):

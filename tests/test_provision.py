@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -304,8 +305,11 @@ def test_lxc_lines_carry_a_prestart_hook_that_refuses_a_moved_major(tmp_path):
     assert node_filters.dflash_stale_lines([stale], lines) == [stale]
 
     def run(proc_devices, *devices):
+        # as LXC runs a hook (lxc.hook.version 0, src/lxc/utils.c run_script_argv): through a shell,
+        # `exec <the line's value> <name> lxc pre-start`
         (tmp_path / "devices").write_text(proc_devices)
-        return subprocess.run(["sh", str(hook), "195", "237", *devices], capture_output=True, text=True,
+        value = " ".join([str(hook), "195", "237", *devices])
+        return subprocess.run(["/bin/sh", "-c", f"exec {value} 200 lxc pre-start"], capture_output=True, text=True,
                               env={"PATH": "/usr/bin:/bin", "LXC_NAME": "200",
                                    "DFLASH_PROC_DEVICES": str(tmp_path / "devices")})
     assert run(PROC_DEVICES, "/dev/null").returncode == 0          # /dev/null: a character device that exists
@@ -315,6 +319,50 @@ def test_lxc_lines_carry_a_prestart_hook_that_refuses_a_moved_major(tmp_path):
             "run playbooks/provision.yml") in moved.stderr
     gone = run(PROC_DEVICES, "/dev/nvidia-uvm-not-here")
     assert gone.returncode == 1 and "/dev/nvidia-uvm-not-here is missing on the node" in gone.stderr
+    # the name, section and hook type LXC appends are not device paths (issue 41 item 1)
+    assert "200 is missing" not in gone.stderr
+    assert run(PROC_DEVICES, "/dev/null", "/dev/zero").returncode == 0
+    # without LXC's words (lxc.hook.version 1 passes them in the environment) every word is a device
+    assert subprocess.run(["sh", str(hook), "195", "237", "/dev/null", "200", "lxc", "pre-start"], capture_output=True,
+                          env={"PATH": "/usr/bin:/bin", "DFLASH_PROC_DEVICES": str(tmp_path / "devices")}).returncode == 0
+
+
+REAL_LXC = os.geteuid() == 0 and all(shutil.which(t) for t in ("lxc-start", "lxc-info"))
+
+
+@pytest.mark.skipif(not REAL_LXC, reason="needs root and LXC")
+def test_the_prestart_hook_line_passes_under_real_lxc(tmp_path):
+    """The role's hook line, run by lxc-start itself (issue 41 item 1). A second pre-start hook
+    records that the first let the start through, then stops it: nothing boots (milliseconds)."""
+    hook = REPO / "roles/dflash_node/files/dflash-nvidia-prestart"
+    line = node_filters.dflash_nvidia_lxc_lines(PROC_DEVICES, [0], hook=str(hook))[-1]
+    key, _, value = line.partition(": ")
+    # the node's /dev/nvidia* stand in as character devices that exist here
+    value = value.replace("/dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools",
+                          "/dev/null /dev/zero /dev/full /dev/urandom")
+    (tmp_path / "devices").write_text(PROC_DEVICES)
+    reached = tmp_path / "reached"
+
+    def start(hook_value):
+        ct = tmp_path / "hk"
+        (ct / "rootfs").mkdir(parents=True, exist_ok=True)
+        reached.unlink(missing_ok=True)
+        (ct / "config").write_text(
+            f"lxc.uts.name = hk\nlxc.rootfs.path = dir:{ct}/rootfs\nlxc.net.0.type = empty\n"
+            f"{key} = {hook_value}\n"
+            f"{key} = /bin/sh -c 'echo \"$*\" > {reached}; exit 1' sh\n")
+        r = subprocess.run(["lxc-start", "-n", "hk", "-P", str(tmp_path), "-F", "-o", str(tmp_path / "log"),
+                            "-l", "DEBUG", "--", "/bin/true"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "DFLASH_PROC_DEVICES": str(tmp_path / "devices")})
+        return r.returncode, (reached.read_text().strip() if reached.exists() else None), \
+            (tmp_path / "log").read_text()
+
+    rc, args, _ = start(value)
+    assert args == "hk lxc pre-start"          # the hook passed; the recorder saw LXC's trailing words
+    assert rc != 0                             # (the recorder stopped the start)
+    rc, args, log = start(value.replace("/dev/full", "/dev/nvidia-not-here"))
+    assert rc != 0 and args is None
+    assert "CT hk: /dev/nvidia-not-here is missing on the node" in log
 
 
 def test_dev_entries_and_stale_lines():

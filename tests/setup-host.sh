@@ -3,8 +3,9 @@
 # local stand-in, the molecule scenario and the tests. Idempotent: a second run installs nothing.
 #   - apt: lxc, debootstrap, openssh (the node's sshd), rsync, python3-venv
 #   - <repo>/.venv: torch 2.13.0 CPU first (so nothing pulls a CUDA build), then the trainer
-#     (pip install -e .) and the Ansible side: ansible (ansible-core + community.proxmox),
-#     paramiko, proxmoxer, molecule, ansible-runner, ansible-lint, pytest.
+#     (pip install -e .), the controller's pinned requirements (requirements.txt: ansible-core,
+#     proxmoxer, requests, paramiko, setuptools, wheel) and the test tools (molecule,
+#     ansible-runner, ansible-lint, pytest); the collections of requirements.yml.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,12 +43,30 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
 fi
 
 stamp="$VENV/.dflash-setup"
-want="$(sha256sum "$REPO/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+want="$(sha256sum "$REPO/pyproject.toml" "$REPO/requirements.txt" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    log "pip install -e $REPO and the Ansible toolchain"
-    "${PIP[@]}" install -q -e "$REPO[fp8]" ansible paramiko proxmoxer requests molecule ansible-runner ansible-lint pytest
+    log "pip install -e $REPO, -r requirements.txt and the test tools"
+    "${PIP[@]}" install -q -e "$REPO[fp8]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest
     echo "$want" > "$stamp"
 fi
-"$VENV/bin/ansible-galaxy" collection list community.proxmox >/dev/null 2>&1 \
-    || "$VENV/bin/ansible-galaxy" collection install community.proxmox ansible.posix
+# The collections of requirements.yml, at their pinned versions. Where Galaxy cannot be reached
+# (this CI reaches PyPI only) the community `ansible` package of the release that bundles the same
+# version is the fallback; either way the version is checked.
+collections_ok() {
+    "$VENV/bin/python" - "$REPO/requirements.yml" "$VENV/bin/ansible-galaxy" <<'PY'
+import json, subprocess, sys, yaml
+want = yaml.safe_load(open(sys.argv[1]))["collections"]
+for c in want:
+    r = subprocess.run([sys.argv[2], "collection", "list", c["name"], "--format", "json"], capture_output=True, text=True)
+    have = {v[c["name"]]["version"] for v in (json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}).values()}
+    if str(c["version"]) not in have:
+        sys.exit(1)
+PY
+}
+if ! collections_ok; then
+    log "ansible-galaxy collection install -r requirements.yml"
+    "$VENV/bin/ansible-galaxy" collection install -r "$REPO/requirements.yml" --timeout 30 \
+        || { log "Galaxy unreachable: pip install ansible==12.3.0 (bundles community.proxmox 1.4.0)"; "${PIP[@]}" install -q ansible==12.3.0; }
+    collections_ok || { log "the collections of requirements.yml are not installed at their versions"; exit 1; }
+fi
 log "ok: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), $("$VENV/bin/ansible" --version | sed -n 1p))"

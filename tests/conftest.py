@@ -1,7 +1,8 @@
 """Shared pytest fixtures.
 
 Data / dflash-tiny fixtures (owned by the data tests): ``tiny_small_dir`` builds one small
-dflash-tiny output per test session (target model + tokenizer, 48 train / 8 held-out sequences).
+dflash-tiny output per test session (target model + tokenizer, 48 train / 8 held-out sequences);
+``tiny_hybrid_dir`` the same on the hybrid Qwen3.5 architecture (dflash-tiny --arch qwen3_5).
 """
 
 import pytest
@@ -14,6 +15,18 @@ def tiny_small_dir(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("dflash-tiny") / "out"
     make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory):
+    """``tiny_small_dir``'s twin on the seeds' real architecture (dflash-tiny --arch qwen3_5): a
+    Qwen3_5ForConditionalGeneration with a tiny vision tower, 2 x (3 Gated DeltaNet + 1 gated full
+    attention) layers and partial mRoPE; 48 train / 8 held-out sequences it generated itself."""
+    from trainer.tiny import make_tiny
+
+    out = tmp_path_factory.mktemp("dflash-tiny-hybrid") / "out"
+    make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch="qwen3_5")
     return out
 
 

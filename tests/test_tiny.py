@@ -126,3 +126,48 @@ def test_bad_width_options_exit_2_naming_the_option(tmp_path, capsys, args, opti
     err = capsys.readouterr().err
     assert err.startswith(f"dflash-tiny: error: {option} ") and err.count("\n") == 1, err
     assert not (tmp_path / "t").exists()
+
+
+def test_hybrid_target_is_the_real_architecture_at_a_tiny_size(tiny_hybrid_dir):
+    """--arch qwen3_5 writes what Qwen3.6-27B's checkpoint is: the VL wrapper with a vision tower,
+    3 linear : 1 full attention layers, partial interleaved mRoPE, an untied head; it loads with
+    transformers' own class, and the data are its own greedy continuations."""
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    target = tiny_hybrid_dir / "target"
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"] and cfg["model_type"] == "qwen3_5"
+    text = cfg["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    rope = text["rope_parameters"]
+    assert rope["partial_rotary_factor"] == 0.25 and rope["mrope_interleaved"] is True
+    assert sum(rope["mrope_section"]) == text["head_dim"] * 0.25 / 2
+    assert text["tie_word_embeddings"] is False and cfg["tie_word_embeddings"] is False
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(target), local_files_only=True, dtype=torch.float32)
+    assert sum(p.numel() for p in model.model.visual.parameters()) > 0
+    assert model.lm_head.weight.data_ptr() != model.model.language_model.embed_tokens.weight.data_ptr()
+    kinds = [type(layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn).__name__
+             for layer in model.model.language_model.layers]
+    assert kinds == ["Qwen3_5GatedDeltaNet"] * 3 + ["Qwen3_5Attention"] + ["Qwen3_5GatedDeltaNet"] * 3 + ["Qwen3_5Attention"]
+    assert AutoConfig.from_pretrained(str(target)).text_config.vocab_size == 512
+    tiny = json.loads((tiny_hybrid_dir / "tiny.json").read_text())
+    assert tiny["arch"] == "qwen3_5" and tiny["teacher_forced_agreement"] >= 0.9
+    ds = load_dataset(tiny_hybrid_dir / "data")
+    assert len(ds) == 48
+    ids, mask = ds[0]
+    with torch.no_grad():   # the completion is the target's own argmax, teacher-forced from position 0
+        logits = model(input_ids=torch.as_tensor(np.asarray(ids))[None].long()).logits[0]
+    k = int(np.argmax(mask))
+    pred = logits[k - 1:-1].argmax(-1).numpy()
+    assert (pred == np.asarray(ids)[k:]).mean() >= 0.9
+
+
+def test_hybrid_width_options_keep_the_hybrid(tmp_path):
+    """The shape options apply to --arch qwen3_5 too (query width 2 x hidden), and a head_dim the
+    mRoPE sections cannot split exits 2 naming the option."""
+    from trainer.tiny import model_shape
+
+    s = model_shape(hidden_size=96, num_heads=4, arch="qwen3_5")
+    assert s["head_dim"] == 48 and s["hidden_size"] == 96
+    with pytest.raises(ValueError, match="--num-heads"):
+        model_shape(hidden_size=64, num_heads=32, arch="qwen3_5")   # head_dim 4: nothing to rotate

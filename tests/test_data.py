@@ -303,3 +303,31 @@ def test_planned_batches_honour_the_truncation():
         for idx in p.epoch_batches(e):
             b = collate(ds, idx, p.max_seq_len)
             assert b.seq_len <= 48 and b.batch_size * b.seq_len <= 256
+
+
+def test_anchors_are_counted_per_document_as_speculators_1071_defines():
+    """speculators #1071: --max-anchors is per packed document, not per row: every document gets
+    min(max_anchors, its candidates) anchors, a uniform sample of its own supervised positions, whatever
+    else shares its micro-batch. A batch row here holds one document (collate pads, it never packs), so
+    a document's anchors are those it gets planned alone, and a short one keeps every candidate."""
+    from trainer.plan import anchor_candidates, plan_micro_batch
+
+    recs = make_records(n=6, seed=3, lo=30, hi=120)
+    kw = dict(seed=7, block_size=4, max_anchors=10, mask_token_id=999, gamma=4.0, soft_labels=False,
+              chunk_rows=10**6, flex=False)
+
+    def anchors_of(ids_list):
+        ds = Dataset.from_records([recs[i] for i in ids_list])
+        b = collate(ds, list(range(len(ids_list))), 10**4)
+        plan = plan_micro_batch(b.input_ids.numpy(), b.loss_mask.numpy(), b.lengths.numpy(), ids_list, 0, **kw)
+        (c,) = plan.chunks
+        starts = c.q_anchor[::4]
+        return {i: sorted(set(starts[c.q_seq[::4] == local].tolist())) for local, i in enumerate(ids_list)}
+
+    together = anchors_of(list(range(6)))
+    for i in range(6):
+        cand = anchor_candidates(recs[i][1])
+        assert len(together[i]) == min(10, len(cand))
+        assert set(together[i]) <= set(cand.tolist())
+        assert anchors_of([i])[i] == together[i]
+    assert any(len(anchor_candidates(recs[i][1])) < 10 for i in range(6))   # a short document is in the case

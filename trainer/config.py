@@ -36,6 +36,8 @@ ATTENTION_CHOICES = ("auto", "flex", "sdpa")
 FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 NOISE_TYPES = ("uniform", "gaussian", "none")
+# --loss: the CE weighted per slot by exp(-(k-1)/gamma), or by D-PACE (trainer/loss.py says how)
+LOSS_CHOICES = ("ce", "ce+dpace")
 # the bounds of one tau evaluation (trainer/evaluate.py and dflash-eval default to them too)
 EVAL_PROMPTS = 16
 EVAL_MAX_NEW_TOKENS = 128
@@ -102,6 +104,10 @@ class TrainConfig:
     noise_type: str = opt("uniform", "noise distribution", group=RUN, choices=NOISE_TYPES)
     use_soft_labels: bool = opt(True, "train against the target's distribution (KL) instead of the data tokens",
                                 group=RUN)
+    loss: str = opt("ce", "ce: cross-entropy weighted per block slot by --gamma's decay; ce+dpace: weighted by "
+                          "D-PACE from the drafter's own confidence (speculators' default since #980; needs "
+                          "--no-use-soft-labels)", group=RUN, choices=LOSS_CHOICES)
+    dpace_alpha: float = opt(0.5, "D-PACE's confidence smoothing (--loss ce+dpace), in (0, 1]", group=RUN, gt=0)
     # ---- operations ----
     max_steps: int = opt(0, "stop after N optimizer steps (0: the epochs decide)", ge=0)
     seed: int = opt(0, "seed of the batch plan, anchors, noise and init")
@@ -405,6 +411,9 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         (cfg.node_rank < cfg.nnodes, "--node-rank", f"must be in [0, --nnodes), got {cfg.node_rank}"),
         (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
          f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
+        (cfg.dpace_alpha <= 1, "--dpace-alpha", f"must be in (0, 1], got {cfg.dpace_alpha}"),
+        (cfg.loss != "ce+dpace" or not cfg.use_soft_labels, "--loss",
+         "ce+dpace is defined on hard labels: add --no-use-soft-labels"),
         (cfg.eval_every == 0 or bool(cfg.eval_data_dir), "--eval-every",
          f"({cfg.eval_every}) needs --eval-data-dir (the held-out shards to evaluate on)"),
     ]

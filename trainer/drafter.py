@@ -240,7 +240,8 @@ class DrafterStage:
                 layout = (dev["loss_rows"], c.loss_bounds, dev.get("soft_local"))
                 loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
                                             soft_rows=soft, fused=self.fused_loss, layout=layout,
-                                            fp32_logits=self.fp32_logits)
+                                            fp32_logits=self.fp32_logits, block_size=bs,
+                                            dpace_alpha=cfg.dpace_alpha if cfg.loss == "ce+dpace" else None)
                 if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
                     loss = loss * float("nan")
                 if i == len(chunks) - 1:   # (no-op unless recording) the work, then the last backward's collectives

@@ -1,6 +1,13 @@
 """The drafter's loss: weighted cross-entropy of the block rows through the target's frozen LM head,
 against hard labels or the target's own distribution (soft labels), chunked over rows so the fp32
 [rows, vocab] logits never exist whole. Rows and chunks come from the plan (plan.loss_layout).
+
+Row weights: the plan's (exp(-(k-1)/gamma) per slot: `--loss ce`), or with `dpace_alpha` D-PACE's
+(`--loss ce+dpace`; D-PACE: Dynamic Position-Aware Cross-Entropy, arXiv 2605.18810, the default of
+speculators since its #980): per block, from the drafter's own confidence q_k = exp(-CE_k) in the label,
+smoothed q~_k = (1 - alpha) q_k + alpha, w_k = sum over supervised m >= k of prod over supervised
+i <= m of q~_i, detached. The plan then gives each supervised row weight 1, so the loss is
+sum(w * CE) / (supervised rows).
 """
 
 from __future__ import annotations
@@ -20,13 +27,8 @@ def head_logits(hidden, weight, fp32: bool = True):
     return (hidden @ weight.t()).float()
 
 
-def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight, soft_local=None, fp32: bool = True):
-    """One chunk of rows: weighted CE of (hidden @ W^T) against hard labels (soft_rows None) or the
-    softmax of (soft_rows @ W^T); returns (weighted loss sum, d loss / d hidden, correct as float).
-    soft_local [rows]: row r's target is soft_rows[soft_local[r]] (soft_rows holds each position once);
-    None: soft_rows is one row per row. Pure function of its inputs, so it can be compiled (the
-    elementwise passes over the fp32 [rows, vocab] logits fuse, the gather of the target rows into
-    them); the GEMMs stay cuBLAS either way."""
+def _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32):
+    """Per row: (CE [rows] fp32, d CE / d logits [rows, vocab] fp32, argmax agrees [rows] bool)."""
     logits = head_logits(hidden, weight, fp32)
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
@@ -44,20 +46,52 @@ def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight, soft_local=None
         nll = -(t_p * logp).sum(-1)
         g = p - t_p
         ok = logits.argmax(-1) == t_arg
+    return nll, g, ok
+
+
+def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight, soft_local=None, fp32: bool = True):
+    """One chunk of rows: weighted CE of (hidden @ W^T) against hard labels (soft_rows None) or the
+    softmax of (soft_rows @ W^T); returns (weighted loss sum, d loss / d hidden, correct as float).
+    soft_local [rows]: row r's target is soft_rows[soft_local[r]] (soft_rows holds each position once);
+    None: soft_rows is one row per row. Pure function of its inputs, so it can be compiled (the
+    elementwise passes over the fp32 [rows, vocab] logits fuse, the gather of the target rows into
+    them); the GEMMs stay cuBLAS either way."""
+    nll, g, ok = _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32)
     grad = ((g * row_weight[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
     return (nll * row_weight).sum(), grad, ok.float()
 
 
-_compiled_chunk = None
+def lm_head_chunk_rows(hidden, weight, labels, fp32: bool = True):
+    """One chunk of rows against hard labels, unweighted: (CE [rows] fp32, d CE_r / d hidden_r [rows, H],
+    correct as float). For weights that depend on the CE itself (D-PACE): they are detached, so each
+    row's gradient is its own CE's scaled afterwards."""
+    nll, g, ok = _rows_ce(hidden, weight, labels, None, None, fp32)
+    return nll, (g.to(weight.dtype) @ weight).to(hidden.dtype), ok.float()
 
 
-def _chunk_fn(fused: bool):
-    global _compiled_chunk
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
+    """D-PACE's per-position weights (detached) for rows laid out in whole blocks of `block_size`:
+    ce [rows] the CE of each row in its label, supervised [rows] bool. Per block, with q~ = (1 - alpha)
+    exp(-ce) + alpha on supervised rows and 1 elsewhere: w_k = supervised_k * sum_{m >= k} supervised_m *
+    prod_{i <= m} q~_i (the expected accepted length a position still carries). 0 on unsupervised rows."""
+    with torch.no_grad():
+        sup = supervised.view(-1, block_size)
+        q = (1.0 - alpha) * torch.exp(-ce.float().view(-1, block_size)) + alpha
+        prefix = torch.cumprod(torch.where(sup, q, torch.ones_like(q)), dim=-1) * sup
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        return (suffix * sup).view(-1)
+
+
+_compiled: dict = {}
+
+
+def _chunk_fn(fused: bool, fn=lm_head_chunk):
+    """fn itself, or (fused) its compiled form, compiled once."""
     if not fused:
-        return lm_head_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(lm_head_chunk)
-    return _compiled_chunk
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn)
+    return _compiled[fn]
 
 
 def _mark_rows_dynamic(*ts):
@@ -75,11 +109,15 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     full [rows, vocab] logits never exist; backward only scales the stored gradient. Only the rows in
     `layout` go through the head (see plan.loss_layout); the others get zero gradient and count as not
     correct. Returns (loss_sum / weight_norm, correct [rows] as float). fused=True runs the compiled
-    chunk function.
+    chunk function. dpace = (alpha, block_size): the row weights are multiplied by D-PACE's (dpace_weights),
+    computed from every row's CE once all chunks are through (hard labels only).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout, fused, fp32):
+    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout, fused, fp32, dpace=None):
+        if dpace is not None:
+            return ChunkedLMHeadLoss._forward_dpace(ctx, hidden, weight, labels, row_weight, norm, layout, fused,
+                                                    fp32, *dpace)
         loss_rows, bounds, soft_local = layout
         n = hidden.shape[0]
         fn = _chunk_fn(fused)
@@ -104,14 +142,41 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         return total, correct
 
     @staticmethod
+    def _forward_dpace(ctx, hidden, weight, labels, row_weight, norm, layout, fused, fp32, alpha, block_size):
+        loss_rows, bounds, _ = layout
+        n = hidden.shape[0]
+        fn = _chunk_fn(fused, lm_head_chunk_rows)
+        grad = torch.zeros_like(hidden)
+        ce = torch.zeros(n, device=hidden.device, dtype=torch.float32)
+        correct = torch.zeros(n, device=hidden.device, dtype=torch.float32)
+        for s, e, _, _ in bounds:
+            rows = loss_rows[s:e]
+            h = hidden.index_select(0, rows)
+            lab = labels.index_select(0, rows)
+            if fused:
+                _mark_rows_dynamic(h, lab)
+            part, g, ok = fn(h, weight, lab, fp32)
+            ce.index_copy_(0, rows, part)
+            grad.index_copy_(0, rows, g)
+            correct.index_copy_(0, rows, ok)
+        w = dpace_weights(ce, row_weight > 0, block_size, alpha) * row_weight.float() / norm
+        grad.mul_(w.to(grad.dtype)[:, None])
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return (w * ce).sum(), correct
+
+    @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None, None
 
 
 def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None, chunk: int = LOSS_CHUNK_ROWS,
-                fused: bool = False, layout=None, fp32_logits: bool = True, dedup: bool = True):
+                fused: bool = False, layout=None, fp32_logits: bool = True, dedup: bool = True,
+                dpace_alpha: float | None = None, block_size: int | None = None):
     """Loss over block rows. labels[r] = token id (hard) or -1 (ignored: weight must be 0 there).
+    dpace_alpha (with block_size; hidden's rows are whole blocks): D-PACE weights times row_weight (the
+    plan's 0/1 supervision under --loss ce+dpace); hard labels only.
 
     layout = (loss_rows, bounds, soft_local) from the plan (plan.loss_layout, on the device): soft_rows
     is then the plan's soft_unique rows of the final-hidden buffer. Without a layout, soft_rows is one
@@ -131,5 +196,10 @@ def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None
             soft_rows = soft_rows[torch.from_numpy(uniq).to(dev)]
             local = torch.from_numpy(local).to(dev)
         layout = (torch.from_numpy(rows).to(dev), bounds, local)
+    dpace = None
+    if dpace_alpha is not None:
+        if soft_rows is not None or not block_size:
+            raise ValueError("D-PACE weights need hard labels and the block size")
+        dpace = (float(dpace_alpha), int(block_size))
     return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, layout, fused,
-                                   fp32_logits)
+                                   fp32_logits, dpace)

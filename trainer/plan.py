@@ -100,15 +100,23 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
                      epoch: int, *, seed: int, block_size: int, max_anchors: int, mask_token_id: int,
                      gamma: float, soft_labels: bool, chunk_rows: int, flex: bool, dedup: bool = True,
                      full_blocks: bool = True, loss_chunk_rows: int = LOSS_CHUNK_ROWS,
-                     ctx_group: int = 0) -> MicroPlan:
+                     ctx_group: int = 0, loss: str = "ce") -> MicroPlan:
     """input_ids/loss_mask [B, S] (right padded), lengths [B]. chunk_rows bounds block rows per drafter chunk.
     dedup: only rows with a loss go through the LM head, and the soft-label target distribution is computed
     once per unique position of a loss chunk (off: every row, per row; the same loss). full_blocks: list the
     fully visible FlexAttention tiles separately (they skip mask_mod). ctx_group > 0: each group of that many
-    128-row query tiles attends to its own copy of the context tiles it needs (context_copies)."""
+    128-row query tiles attends to its own copy of the context tiles it needs (context_copies).
+    loss "ce": row weights exp(-(k-1)/gamma) for slot k >= 1; "ce+dpace": 1 on every supervised row (the
+    drafter multiplies them by D-PACE's, which need its own CE: loss.dpace_weights), so weight_total counts
+    the supervised rows. Anchors are counted per sequence, which is one document (speculators #1071)."""
     bsz, seqlen = input_ids.shape
     slot = np.arange(block_size)
-    w_slot = np.exp(-(slot - 1) / gamma).astype(np.float32)
+    if loss == "ce+dpace":
+        w_slot = np.ones(block_size, np.float32)
+    elif loss == "ce":
+        w_slot = np.exp(-(slot - 1) / gamma).astype(np.float32)
+    else:
+        raise ValueError(f"unknown loss {loss!r}")
     w_slot[0] = 0.0
 
     per_seq = []

@@ -500,3 +500,27 @@ def test_the_readme_grants_what_the_role_checks_for_the_production_inventory():
     readme = [line.strip().split("     #")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
               if line.strip().startswith("pveum ")]
     assert readme == want
+
+
+def test_a_privileged_ct_needs_sys_modify_on_root_granted_without_propagation():
+    """Issue 41 item 3: pve-container's create_vm wants Sys.Modify on / for a privileged CT."""
+    acl = prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}, False)
+    assert acl[0] == {"path": "/", "privs": ["Sys.Modify"]}
+    assert acl[1:] == prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {})
+    lines = prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "R")
+    assert "pveum acl modify / --tokens 'root@pam!ansible' --roles R --propagate 0" in lines
+    assert "pveum acl modify /vms/200 --tokens 'root@pam!ansible' --roles R" in lines
+
+
+def test_the_workspace_belongs_to_the_cts_root_and_is_not_chowned_on_nfs():
+    unpriv = "arch: amd64\nunprivileged: 1\n"
+    assert node_filters.dflash_ct_root_ids(unpriv) == [100000, 100000]
+    assert node_filters.dflash_ct_root_ids(unpriv + "lxc.idmap: u 0 200000 65536\nlxc.idmap: g 0 300000 65536\n") \
+        == [200000, 300000]
+    assert node_filters.dflash_ct_root_ids("arch: amd64\n") == [0, 0]                 # privileged (PVE's API default)
+    owner = node_filters.dflash_workspace_owner
+    assert owner("auto", [100000, 100000], "ext2/ext3") == [100000, 100000]
+    assert owner("auto", [0, 0], "xfs") == [0, 0]
+    assert owner("auto", [100000, 100000], "nfs") == []                              # root_squash: no chown
+    assert owner(1000, [100000, 100000], "nfs") == [1000, 1000]                      # asked for: always
+    assert owner([1000, 2000], [0, 0], "ext2/ext3") == [1000, 2000]

@@ -33,6 +33,7 @@ from test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters  # 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 
 VMID = 250
+PRIVILEGED_VMID = 253
 PLAYBOOK = REPO / "playbooks" / "provision.yml"
 NETIF = {"net0": "name=eth0,bridge=vmbr0,ip=dhcp"}
 
@@ -66,6 +67,10 @@ def node(tmp_path_factory):
     # exactly the documented `pveum acl modify` lines, one ACL per path
     cfg += ["acl:1:%s:root@pam!ansible:DFlashProvision:" % e["path"] for e in acl]
     cfg += ["acl:1:%s:root@pam!nosdn:NoSDN:" % e["path"] for e in acl]
+    # a privileged CT 253: its documented ACLs (Sys.Modify on / without propagation)
+    acl_priv = prov_filters.dflash_token_acl(PRIVILEGED_VMID, "local-lvm", TEMPLATE, NETIF, False)
+    cfg += ["role:DFlashPrivileged:%s:" % ",".join(prov_filters.dflash_token_role_privs(acl_priv))]
+    cfg += ["acl:%d:%s:root@pam!ansible:DFlashPrivileged:" % (e["path"] != "/", e["path"]) for e in acl_priv]
     (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
     port = _free_port()
     env = {**os.environ, "PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(lxc), "PVE_STANDIN_FAKE_LXC": "1",
@@ -254,6 +259,26 @@ def test_8_a_bind_source_under_a_0700_directory_fails_naming_it_and_changes_noth
     locked.chmod(0o701)                     # searchable: the preflight passes and the mounts move
     r = play(node, "--check", dflash_node_models_host_path=str(locked / "models"))
     assert r.returncode == 0, r.text[-3000:]
+
+
+def test_8b_a_privileged_ct_is_made_with_the_token_no_features_and_a_workspace_of_root(node):
+    """Issue 41 item 3: PVE lets only root@pam set `features` on a privileged CT (the stand-in
+    refuses the token as PVE does), so the role sends none there; the workspace belongs to the CT's
+    root, uid 0 on the node for a privileged CT (100000 is an unprivileged CT's root)."""
+    inv = json.loads((node["tmp"] / "hosts.yml").read_text())
+    hosts = inv["all"]["children"]["dflash_containers"]["hosts"]
+    ws = node["tmp"] / "ws253"
+    hosts["ct253"] = {**hosts.pop("ct250"), "proxmox_vmid": PRIVILEGED_VMID, "dflash_provision_unprivileged": False,
+                      "dflash_provision_hostname": "ct253", "dflash_node_workspace_host_path": str(ws)}
+    path = node["tmp"] / "privileged.yml"
+    path.write_text(json.dumps(inv))
+    r = play({**node, "inventory": path})
+    assert r.returncode == 0, r.text[-4000:]
+    conf = (node["conf"].parent / f"{PRIVILEGED_VMID}.conf").read_text()
+    assert "features:" not in conf and "unprivileged: 1" not in conf, conf
+    assert (ws.stat().st_uid, ws.stat().st_gid) == (0, 0)
+    r = play({**node, "inventory": path})
+    assert r.returncode == 0 and re.search(r"ct253\s*:\s*ok=\d+\s+changed=0\s", r.stdout), r.text[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,32 @@ def dflash_pct_config(text: str) -> dict:
     return {"keys": keys, "raw": raw}
 
 
+def dflash_ct_root_ids(pct_config_text: str) -> list:
+    """[uid, gid] that the CT's root is on the node: 0 for a privileged CT; for an unprivileged
+    one the base of its `lxc.idmap` u/g 0 lines (PVE's default map: 100000)."""
+    cfg = dflash_pct_config(pct_config_text or "")
+    if str(cfg["keys"].get("unprivileged", "0")) != "1":
+        return [0, 0]
+    ids = {"u": 100000, "g": 100000}
+    for line in cfg["raw"]:
+        m = re.match(r"lxc\.idmap:\s*([ug])\s+0\s+(\d+)\s", line)
+        if m:
+            ids[m.group(1)] = int(m.group(2))
+    return [ids["u"], ids["g"]]
+
+
+def dflash_workspace_owner(setting, ct_root_ids, fstype: str = "") -> list:
+    """[uid, gid] the role makes the workspace owned by, or [] to leave the ownership alone.
+    `auto` (the default): the CT's root, except on an NFS share, where the node's root may be
+    squashed (root_squash refuses its chown): the export decides there (README, "NFS"). A
+    number (or [uid, gid]): exactly that, wherever it is."""
+    if str(setting) == "auto":
+        return [] if str(fstype).strip().startswith("nfs") else [int(x) for x in ct_root_ids]
+    if isinstance(setting, (list, tuple)):
+        return [int(setting[0]), int(setting[1])]
+    return [int(setting), int(setting)]
+
+
 def dflash_pct_pending(text: str) -> list:
     """The keys of a PVE container config's [pve:pending] section: changes PVE made to a running
     container that it applies only at the next start (a `features` change, for one)."""
@@ -165,6 +191,8 @@ class FilterModule:
             "dflash_dev_entries": dflash_dev_entries,
             "dflash_pct_config": dflash_pct_config,
             "dflash_pct_pending": dflash_pct_pending,
+            "dflash_ct_root_ids": dflash_ct_root_ids,
+            "dflash_workspace_owner": dflash_workspace_owner,
             "dflash_stale_lines": dflash_stale_lines,
             "dflash_same_opts": dflash_same_opts,
             "dflash_conf_edit": dflash_conf_edit,

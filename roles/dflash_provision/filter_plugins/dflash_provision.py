@@ -46,13 +46,16 @@ def dflash_netif_bridges(netif: dict) -> list:
     return paths
 
 
-def dflash_token_acl(vmid, storage: str, ostemplate: str, netif: dict) -> list:
-    """[{path, privs}] the provisioning token needs: one ACL per path, least privilege."""
-    acl = [{"path": "/vms/%d" % int(vmid), "privs": list(VM_PRIVILEGES)},
+def dflash_token_acl(vmid, storage: str, ostemplate: str, netif: dict, unprivileged: bool = True) -> list:
+    """[{path, privs}] the provisioning token needs: one ACL per path, least privilege. Creating a
+    privileged CT also needs Sys.Modify on / (pve-container's create_vm), granted without
+    propagation (dflash_pveum_lines)."""
+    acl = [] if unprivileged else [{"path": "/", "privs": ["Sys.Modify"]}]
+    acl += [{"path": "/vms/%d" % int(vmid), "privs": list(VM_PRIVILEGES)},
            {"path": "/storage/" + storage, "privs": ["Datastore.AllocateSpace"]}]
     tpl_storage = str(ostemplate).split(":", 1)[0]
     if tpl_storage == storage:
-        acl[1]["privs"].append("Datastore.Audit")
+        acl[-1]["privs"].append("Datastore.Audit")
     else:
         acl.append({"path": "/storage/" + tpl_storage, "privs": ["Datastore.Audit"]})
     acl += [{"path": p, "privs": ["SDN.Use"]} for p in dflash_netif_bridges(netif)]
@@ -67,7 +70,9 @@ def dflash_pveum_lines(acl: list, tokenid: str, role: str) -> list:
     """The `pveum` commands (run as root on the node) that grant exactly `acl` to the token."""
     lines = ['pveum role add %s --privs "%s"' % (role, " ".join(dflash_token_role_privs(acl))),
              "pveum user token add %s %s --privsep 1   # prints the secret once" % tuple(tokenid.split("!", 1))]
-    lines += ["pveum acl modify %s --tokens '%s' --roles %s" % (e["path"], tokenid, role) for e in acl]
+    lines += ["pveum acl modify %s --tokens '%s' --roles %s%s" % (e["path"], tokenid, role,
+                                                                " --propagate 0" if e["path"] == "/" else "")
+              for e in acl]
     return lines
 
 

@@ -518,6 +518,8 @@ def test_the_workspace_belongs_to_the_cts_root_and_is_not_chowned_on_nfs():
     assert node_filters.dflash_ct_root_ids(unpriv + "lxc.idmap: u 0 200000 65536\nlxc.idmap: g 0 300000 65536\n") \
         == [200000, 300000]
     assert node_filters.dflash_ct_root_ids("arch: amd64\n") == [0, 0]                 # privileged (PVE's API default)
+    assert node_filters.dflash_ct_root_ids("arch: amd64\nlxc.idmap: u 0 100000 65536\nlxc.idmap: g 0 100000 65536\n") \
+        == [100000, 100000]                                                       # custom idmap: unprivileged
     owner = node_filters.dflash_workspace_owner
     assert owner("auto", [100000, 100000], "ext2/ext3") == [100000, 100000]
     assert owner("auto", [0, 0], "xfs") == [0, 0]

@@ -104,9 +104,11 @@ def dflash_pct_config(text: str) -> dict:
 
 def dflash_ct_root_ids(pct_config_text: str) -> list:
     """[uid, gid] that the CT's root is on the node: 0 for a privileged CT; for an unprivileged
-    one the base of its `lxc.idmap` u/g 0 lines (PVE's default map: 100000)."""
+    one the base of its `lxc.idmap` u/g 0 lines (PVE's default map: 100000). As pve-container
+    (update_lxc_config), a CT with its own lxc.idmap lines is unprivileged too."""
     cfg = dflash_pct_config(pct_config_text or "")
-    if str(cfg["keys"].get("unprivileged", "0")) != "1":
+    idmap = [line for line in cfg["raw"] if line.startswith("lxc.idmap:")]
+    if str(cfg["keys"].get("unprivileged", "0")) != "1" and not idmap:
         return [0, 0]
     ids = {"u": 100000, "g": 100000}
     for line in cfg["raw"]:

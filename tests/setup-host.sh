@@ -46,7 +46,7 @@ stamp="$VENV/.dflash-setup"
 want="$(sha256sum "$REPO/pyproject.toml" "$REPO/requirements.txt" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     log "pip install -e $REPO, -r requirements.txt and the test tools"
-    "${PIP[@]}" install -q -e "$REPO[fp8]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest
+    "${PIP[@]}" install -q -e "$REPO[fp8,test]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest
     echo "$want" > "$stamp"
 fi
 # The collections of requirements.yml, at their pinned versions. Where Galaxy cannot be reached

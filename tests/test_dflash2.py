@@ -1,0 +1,157 @@
+"""DFlash2 (issue 43) against the reference `dflash` package 0.1.0 (a test-only dependency: pip install -e .[test]).
+
+- the grouped dynamic causal convolution on packed blocks equals the reference's on each block alone, and
+  its taps never cross a block boundary;
+- the candidate selector's greedy path equals the reference's, and at T > 0 its q over the candidates
+  equals the reference's at every step of the reference's sampled path;
+- the selector's training loss equals its definition (gold injected in place of the weakest candidate,
+  teacher-forced predecessors, K-way CE) in value and gradient.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.dflash2 import CandidateSelector, GroupedDynamicConv, selector_loss, training_candidates
+
+ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
+
+H, GS, K, B = 32, 8, 2, 4
+
+
+def _conv_pair(seed=0):
+    torch.manual_seed(seed)
+    theirs = ref.GroupedDynamicCausalConv(H, K, GS).double()
+    with torch.no_grad():
+        theirs.base_kernel.normal_()
+        theirs.kernel_projection.weight.normal_()
+    ours = GroupedDynamicConv(H, K, GS).double()
+    ours.load_state_dict(theirs.state_dict())          # the same parameter names
+    return ours, theirs
+
+
+def test_conv_on_packed_blocks_equals_the_reference_on_each_block_alone():
+    ours, theirs = _conv_pair()
+    x = torch.randn(3 * B, H, dtype=torch.float64)
+    y, dyn = ours.prepare(x, B)
+    y_ref, dyn_ref = theirs.prepare(x.view(3, B, H))      # a batch of 3 separate blocks
+    assert torch.allclose(y, y_ref.reshape(3 * B, H), rtol=1e-12, atol=1e-12)
+    o = torch.randn(3 * B, H, dtype=torch.float64)
+    assert torch.allclose(ours.finish(o, dyn, B), theirs.finish(o.view(3, B, H), dyn_ref).reshape(3 * B, H),
+                          rtol=1e-12, atol=1e-12)
+
+
+def test_conv_taps_reach_the_previous_slot_but_never_the_previous_block():
+    ours, _ = _conv_pair(1)
+    x = torch.randn(2 * B, H, dtype=torch.float64)
+    y, _ = ours.prepare(x, B)
+    x2 = x.clone()
+    x2[B - 1] += 1.0                                   # the last slot of block 0
+    y2, _ = ours.prepare(x2, B)
+    assert torch.equal(y2[B:], y[B:])                  # block 1 does not see it
+    x3 = x.clone()
+    x3[B] += 1.0                                       # slot 0 of block 1
+    y3, _ = ours.prepare(x3, B)
+    assert not torch.allclose(y3[B + 1], y[B + 1])     # slot 1 does
+    assert torch.equal(y3[B + 2:], y[B + 2:])          # two taps: slot 2 does not
+
+
+def test_a_new_conv_is_the_identity():
+    conv = GroupedDynamicConv(H, K, GS)
+    x = torch.randn(2 * B, H)
+    y, dyn = conv.prepare(x, B)
+    assert torch.equal(y, x) and torch.equal(conv.finish(x, dyn, B), x)
+
+
+V, R, TOPK = 50, 6, 5
+
+
+def _selectors(seed=0):
+    torch.manual_seed(seed)
+    cfg = SimpleNamespace(vocab_size=V, hidden_size=H, dflash_config={"selector_rank": R, "selector_top_k": TOPK})
+    theirs = ref.CandidateSelector(cfg).double()
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ours = CandidateSelector(V, H, R, TOPK).double()
+    ours.load_state_dict({k.removesuffix(".weight") if "codebook" in k else k: v for k, v in theirs.state_dict().items()})
+    return ours, theirs
+
+
+def test_greedy_path_equals_the_reference_selector():
+    ours, theirs = _selectors()
+    n, L = 3, B - 1
+    hidden = torch.randn(n, L, H, dtype=torch.float64)
+    logits = torch.randn(n, L, V, dtype=torch.float64) * 2
+    anchor = torch.randint(0, V, (n,))
+    path, cand, q = ours.walk(hidden, logits, anchor)
+    path_ref, cand_ref, q_ref = theirs.select(hidden, logits, anchor, 0.0)
+    assert q is None and q_ref is None
+    assert torch.equal(path, path_ref)
+    assert torch.equal(cand.sort(-1).values, cand_ref.sort(-1).values)
+    unary = logits.argmax(-1)                            # the selector changes the path (the test can fail)
+    assert not torch.equal(path, unary)
+
+
+def test_sampled_q_over_candidates_equals_the_reference_along_its_path():
+    ours, theirs = _selectors(1)
+    n, L, T = 4, B - 1, 0.7
+    hidden = torch.randn(n, L, H, dtype=torch.float64)
+    logits = torch.randn(n, L, V, dtype=torch.float64)
+    anchor = torch.randint(0, V, (n,))
+    torch.manual_seed(5)
+    path_ref, cand_ref, q_ref = theirs.select(hidden, logits, anchor, T)
+    prev = torch.cat([anchor[:, None], path_ref[:, :-1]], 1)
+    for pos in range(L):   # ours teacher-forced on the reference's draws: the same q per candidate token
+        c = cand_ref[:, pos]
+        scores = logits[:, pos].gather(-1, c) + ours.pair_scores(hidden[:, pos], prev[:, pos], c).double()
+        assert torch.allclose(torch.softmax(scores / T, -1), q_ref[:, pos].double(), rtol=1e-6, atol=1e-7)  # its q is fp32
+    g = torch.Generator().manual_seed(0)
+    path, cand, q = ours.walk(hidden, logits, anchor, T, generator=g)
+    assert q.shape == (n, L, TOPK) and torch.allclose(q.sum(-1), torch.ones(n, L, dtype=q.dtype))
+    assert (cand.gather(-1, q.argmax(-1, keepdim=True)) >= 0).all() and (path[..., None] == cand).any(-1).all()
+
+
+def test_the_gold_token_takes_the_weakest_candidates_place_only_when_missing():
+    cand = torch.tensor([[7, 3, 9, 1], [7, 3, 9, 1]])
+    ids, label, hit = training_candidates(cand, torch.tensor([9, 4]))
+    assert ids.tolist() == [[7, 3, 9, 1], [7, 3, 9, 4]]
+    assert label.tolist() == [2, 3] and hit.tolist() == [True, False]
+
+
+def test_selector_loss_equals_its_definition_in_value_and_gradient():
+    ours, _ = _selectors(2)
+    tq = 3 * B
+    hidden = torch.randn(tq, H, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, H, dtype=torch.float64)
+    gold = torch.randint(0, V, (tq,))
+    prev = torch.randint(0, V, (tq,))
+    weight = torch.rand(tq, dtype=torch.float64)
+    weight[::B] = 0
+    rows = torch.nonzero(weight > 0)[:, 0]
+    logits = (hidden @ head.t()).detach()
+    cand = logits.topk(TOPK, -1).indices
+    loss, correct = selector_loss(ours, hidden, head, cand, gold, prev, weight, 2.0, rows)
+    loss.backward()
+    got = [hidden.grad.clone()] + [p.grad.clone() for p in ours.parameters()]
+    hidden.grad = None
+    ours.zero_grad()
+    # the definition, row by row over the full logits
+    total = 0.0
+    for r in rows.tolist():
+        ids = cand[r].clone()
+        if gold[r] not in ids:
+            ids[-1] = gold[r]
+        label = (ids == gold[r]).nonzero()[0, 0]
+        pair = (ours.predecessor_codebook[prev[r]] * ours.hidden_projection(hidden[r]))
+        scores = (hidden[r] @ head.t())[ids] + (pair * ours.successor_codebook[ids]).sum(-1)
+        total = total + weight[r] * torch.nn.functional.cross_entropy(scores[None], label[None])
+    want = total / 2.0
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10)
+    for a, b in zip(got, [hidden.grad] + [p.grad for p in ours.parameters()]):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
+    assert any(g not in c for g, c in zip(gold[rows].tolist(), cand[rows].tolist()))   # an injection happened
+    assert correct[weight == 0].sum() == 0

@@ -4,11 +4,15 @@ A checkpoint is written into ``<output-dir>/.tmp-step-<8 digits>-<pid>/``, every
 directory are fsynced, then the directory is renamed; so a directory named ``step-*`` is complete
 by construction. Files (docs/contracts.md "Checkpoints"):
 
-* ``model.safetensors``  drafter weights (dtype as trained)
+* ``model.safetensors``  the consolidated drafter weights (dtype as trained)
 * ``config.json``        drafter config an inference engine can read
-* ``training_state.pt``  optimizer, scheduler, data position, RNG states, step, run config
-* ``meta.json``          step, epoch, created_at, trainer version (+ file sizes), ``target``: the
-                         target's identity (trainer/identity.py)
+* ``dcp/``               torch.distributed.checkpoint: every drafter rank's shard of the model and the
+                         AdamW state (resumable onto another number of drafter ranks)
+* ``training_state.pt``  step, data position, tokens seen, NaN skips, warmup length, micro-batches per
+                         step, drafter rank count, every drafter rank's RNG state, run config, run id
+                         (the learning-rate schedule is a function of the step: no state of its own)
+* ``meta.json``          step, epoch, reason, created_at, trainer version (+ file sizes), ``target``:
+                         the target's identity (trainer/identity.py)
 
 Keep-K pruning happens only after a successful save. A failed save (e.g. a full disk) removes its
 temp dir, leaves earlier checkpoints untouched and raises :class:`CheckpointError`.

@@ -30,7 +30,7 @@ without graphs. Sampling (temperature > 0) is Gumbel-max over softmax(logits / T
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -199,17 +199,214 @@ def _fp8(x):
     return to_fp8(x)
 
 
-class _KVCache:
+# --------------------------------------------------------------------------------------------
+# Hybrid targets (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside gated full attention).
+# transformers' own layers run unchanged; they ask the cache for their conv and recurrent states
+# (get_/update_conv_state, get_/update_recurrent_state), and _LinearStates answers from preallocated
+# buffers, so the decode step stays capturable as a CUDA graph.
+
+LINEAR = "linear_attention"
+CHUNK_FN = "torch_chunk_gated_delta_rule"   # transformers' module-level chunked kernel (FLA's on GPUs)
+
+
+def linear_layer_ids(cfg) -> list[int]:
+    """The decoder layers that hold a recurrent state instead of a KV cache ([] for a dense target)."""
+    types = list(getattr(cfg, "layer_types", None) or [])[:cfg.num_hidden_layers]
+    return [i for i, t in enumerate(types) if t == LINEAR]
+
+
+def hybrid_unsupported(base, speculative: bool = False) -> str | None:
+    """None when these loops can run the decoder stack `base`; else why not, in a few words (the caller
+    says it in one line and falls back). `speculative`: the verify step's rollback also needs the layer's
+    module-level chunked kernel (CHUNK_FN), which the rollback re-runs on the accepted prefix."""
+    import sys
+
+    cfg = base.config
+    known = {LINEAR, "full_attention", "sliding_attention"}
+    types = list(getattr(cfg, "layer_types", None) or [])
+    odd = sorted(set(types) - known)
+    if odd:
+        return f"layer types {', '.join(odd)} are not supported"
+    for i in linear_layer_ids(cfg):
+        la = getattr(base.layers[i], "linear_attn", None)
+        need = ("conv_dim", "conv_kernel_size", "num_v_heads", "head_k_dim", "head_v_dim")
+        if la is None or not all(hasattr(la, a) for a in need):
+            return f"linear-attention layer {i} ({type(la).__name__}) is not a Gated DeltaNet this loop knows"
+        if speculative and not callable(getattr(sys.modules[type(la).__module__], CHUNK_FN, None)):
+            return f"{type(la).__module__} has no {CHUNK_FN} to roll the recurrent state back with"
+    return None
+
+
+class _LinearStates:
+    """The conv and recurrent states of a hybrid's linear-attention layers, one buffer each, allocated once:
+    conv [batch, conv_dim, kernel] (the layer's last `kernel` conv inputs, in the model's dtype) and
+    recurrent [batch, v_heads, k_dim, v_dim] (fp32, as the kernels return it).
+
+    A forward covers the rows `rows` and keeps, per row, its first `keep` new positions (None: all):
+    * `fresh` (a prefill): the rows start from zero states;
+    * `keep` known before the forward (a right-padded prefill): the positions past it are neutralised in
+      the chunked kernel (gate g = 0 and beta = 0 leave a gated-delta state unchanged), so its final state
+      is the state after `keep`; the conv state is the inputs before `keep`;
+    * `defer` (a verify step, whose accepted length is known only after it): the conv window and the
+      kernel's inputs are recorded and `commit(n)` sets each row's states to those after its first n
+      positions, re-running the chunked kernel from the pre-step state with the rest neutralised (the
+      accepted prefix recomputed: O(block) activations kept, not a state per position).
+    Decode steps of one token use transformers' in-place conv update and its recurrent kernel."""
+
+    def __init__(self, base, batch: int, dtype, device):
+        self.ids = linear_layer_ids(base.config)
+        self.conv, self.rec = {}, {}
+        for i in self.ids:
+            la = base.layers[i].linear_attn
+            self.conv[i] = torch.zeros(batch, la.conv_dim, la.conv_kernel_size, dtype=dtype, device=device)
+            self.rec[i] = torch.zeros(batch, la.num_v_heads, la.head_k_dim, la.head_v_dim, dtype=torch.float32,
+                                      device=device)
+        self.rows = slice(None)
+        self.fresh = False
+        self.keep: torch.Tensor | None = None
+        self.defer = False
+        self.chunk_fn = None                  # the original CHUNK_FN while `rollback_kernels` is active
+        self._cur: int | None = None          # the layer whose kernel runs next
+        self._pending: dict[int, dict] = {}
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.rows == slice(None) else t[self.rows]
+
+    # transformers' cache API for linear-attention layers
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None if self.fresh else self._view(self.conv[layer_idx])
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        """conv_states [rows, C, T] new inputs -> [rows, C, K + T] with the K inputs before them (zeros for a
+        fresh row: the same outputs as the kernel's own zero padding)."""
+        prev = self.conv[layer_idx]
+        prev = torch.zeros_like(self._view(prev)) if self.fresh else self._view(prev)
+        window = torch.cat([prev, conv_states.to(prev.dtype)], dim=-1)
+        if self.defer:
+            self._pending.setdefault(layer_idx, {})["window"] = window
+        else:
+            self._set_conv(layer_idx, window, self.keep)
+        return window
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        self._cur = layer_idx
+        return None if self.fresh else self._view(self.rec[layer_idx])
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        if not self.defer:   # deferred: commit() writes it once the accepted length is known
+            self._view(self.rec[layer_idx]).copy_(recurrent_states)
+        return recurrent_states
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def increase_count(self, layer_idx, state_idx=0) -> None:
+        pass
+
+    # the rollback
+    def _set_conv(self, layer_idx: int, window: torch.Tensor, n: torch.Tensor | None) -> None:
+        conv = self._view(self.conv[layer_idx])
+        k = conv.shape[-1]
+        if n is None:
+            conv.copy_(window[..., -k:])
+            return
+        idx = (n[:, None] + torch.arange(k, device=n.device)[None])[:, None, :].expand(-1, window.shape[1], -1)
+        conv.copy_(window.gather(2, idx))
+
+    def _neutral(self, g, beta, n):
+        """g and beta ([rows, T, heads]) with the positions at or past each row's n set to 0."""
+        keep = (torch.arange(g.shape[1], device=g.device)[None] < n[:, None])[..., None]
+        return g * keep, beta * keep
+
+    def on_chunk(self, query, key, value, g, beta, kwargs):
+        """Called by the chunked kernel's wrapper (`rollback_kernels`) before it runs; returns g and beta."""
+        if self.defer and self._cur is not None:
+            self._pending.setdefault(self._cur, {}).update(q=query, k=key, v=value, g=g, beta=beta, kw=kwargs)
+        elif self.keep is not None:
+            g, beta = self._neutral(g, beta, self.keep)
+        return g, beta
+
+    def commit(self, n: torch.Tensor) -> None:
+        """After a deferred forward: every row's states become those after its first n [rows] new positions."""
+        for i, rec in self._pending.items():
+            self._set_conv(i, rec["window"], n)
+            g, beta = self._neutral(rec["g"], rec["beta"], n)
+            kw = dict(rec["kw"], output_final_state=True)
+            kw.pop("initial_state", None)
+            state = self._view(self.rec[i])
+            _, final = self.chunk_fn(rec["q"], rec["k"], rec["v"], g=g, beta=beta, initial_state=state, **kw)
+            state.copy_(final)
+        self._pending.clear()
+
+
+@contextmanager
+def rollback_kernels(base, states: _LinearStates):
+    """While active, the linear-attention layers' chunked kernel (CHUNK_FN of their module) reports its inputs
+    to `states` before running (the verify step's rollback and the right-padded prefill need them)."""
+    import sys
+
+    mods = {sys.modules[type(base.layers[i].linear_attn).__module__] for i in states.ids}
+    saved = []
+    for mod in mods:
+        orig = mod.__dict__[CHUNK_FN]
+
+        def chunk(query, key, value, g, beta, _orig=orig, **kwargs):
+            g, beta = states.on_chunk(query, key, value, g, beta, kwargs)
+            return _orig(query, key, value, g=g, beta=beta, **kwargs)
+
+        saved.append((mod, orig))
+        setattr(mod, CHUNK_FN, chunk)
+        states.chunk_fn = orig
+    try:
+        yield
+    finally:
+        for mod, orig in saved:
+            setattr(mod, CHUNK_FN, orig)
+        states.chunk_fn = None
+
+
+class _LinearCacheAPI:
+    """The linear-attention part of transformers' cache API, delegated to `self.linear` (_LinearStates)."""
+
+    linear: _LinearStates | None = None
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.linear.get_conv_state(layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        return self.linear.update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.linear.get_recurrent_state(layer_idx, state_idx)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self.linear.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def increase_count(self, layer_idx, state_idx=0) -> None:
+        pass
+
+
+class _KVCache(_LinearCacheAPI):
     """Duck-typed transformers cache: `update(k, v, layer_idx)` writes into the preallocated buffers.
 
     Prefill (`rows` a slice, `prefill` True) writes positions [0, W) of those rows and attends the new
     keys themselves; a decode step writes position `slot` (a device tensor, so a captured graph advances
-    it) of every row and attends the first `view` positions."""
+    it) of every row and attends the first `view` positions. A hybrid target's linear-attention layers
+    (`linear`, _LinearStates) get no KV buffer (None in `k`, `v`)."""
 
     is_compileable = False
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 fp8: bool = False):
+                 fp8: bool = False, linear: _LinearStates | None = None):
         shape = (batch, kv_heads, capacity, head_dim)
         # fp8: the buffers hold e4m3 (trainer/decode_attn.py to_fp8); only the split-KV kernel reads them
         self.fp8 = fp8
@@ -217,8 +414,10 @@ class _KVCache:
             from .decode_attn import FP8
             dtype = FP8
         # zeros, not empty: a masked position still enters attention with probability 0, and 0 * NaN is NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.linear = linear
+        skip = set(linear.ids) if linear is not None else set()
+        self.k = [None if i in skip else torch.zeros(shape, dtype=dtype, device=device) for i in range(layers)]
+        self.v = [None if i in skip else torch.zeros(shape, dtype=dtype, device=device) for i in range(layers)]
         self.batch, self.capacity = batch, capacity
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.view = capacity
@@ -314,6 +513,11 @@ class GraphDecoder:
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
+        # a hybrid target (Qwen3.5): its linear-attention layers' states live in the cache too (_LinearStates)
+        why = hybrid_unsupported(self.base)
+        if why:
+            raise ValueError(f"the captured decoder cannot run this target: {why}")
+        self.linear_ids = linear_layer_ids(self.cfg)
         self.cache: _KVCache | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -337,7 +541,9 @@ class GraphDecoder:
         c, dev, b = self.cfg, self.device, self.batch
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev, fp8=self.kv_fp8)
+        linear = _LinearStates(self.base, b, self.dtype, dev) if self.linear_ids else None
+        self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev, fp8=self.kv_fp8,
+                              linear=linear)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.tok, self.pos, self.step, self.keys = z(b), z(b), z(1), z(b)
         self.first = z(b)            # each row's first real position (its left padding ends there)
@@ -388,6 +594,8 @@ class GraphDecoder:
         mask = self.mask[:, None, None, :view]
         if self.float_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        if self.linear_ids:   # a hybrid: the mask of its attention layers; a decode step has no padding
+            mask = {"full_attention": mask, LINEAR: None}
         h = self.base(input_ids=self.tok[:, None], position_ids=self.pos[:, None],
                       attention_mask=mask, use_cache=True,
                       **{self.cache_kw: cache}).last_hidden_state
@@ -396,14 +604,14 @@ class GraphDecoder:
         cache.slot.add_(1)
 
     def _capture(self, view: int) -> torch.cuda.CUDAGraph:
-        state = [t.clone() for t in (self.tok, self.pos, self.step, self.done, self.mask, self.cache.slot)]
+        """This step, run eagerly (the warm-up: lazy initialisations happen outside the capture), then the
+        graph of the next ones captured (capturing runs nothing). The warm-up is kept, not undone: a
+        hybrid's recurrent states advance in place, and a copy to undo them would double their memory."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):     # warm-up: lazy initialisations happen outside the capture
+        with torch.cuda.stream(side):
             self._decode_step(view)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip((self.tok, self.pos, self.step, self.done, self.mask, self.cache.slot), state):
-            t.copy_(s)                    # undo the warm-up's step (its KV write is overwritten later)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -473,10 +681,16 @@ class GraphDecoder:
                 c0 = width - -(-max(lens[r0:r1]) // PAD_TO) * PAD_TO if self.prefill_trim else 0
                 m = (causal[None, c0:, c0:] & self.mask[r0:r1, None, c0:width]) | eye[c0:, c0:]   # a padding row sees itself
                 cache.rows, cache.offset = slice(r0, r1), c0
-                h = self.base(input_ids=ids[r0:r1, c0:], position_ids=pos[r0:r1, c0:], attention_mask=m[:, None],
+                mask = m[:, None]
+                if cache.linear is not None:   # a hybrid: its linear layers zero the left padding's inputs
+                    cache.linear.rows, cache.linear.fresh = slice(r0, r1), True
+                    mask = {"full_attention": mask, LINEAR: self.mask[r0:r1, c0:width]}
+                h = self.base(input_ids=ids[r0:r1, c0:], position_ids=pos[r0:r1, c0:], attention_mask=mask,
                               use_cache=True, **{self.cache_kw: cache}).last_hidden_state
                 last[r0:r1] = self.head(h[:, -1]).float()
             cache.prefill, cache.offset = False, 0
+            if cache.linear is not None:
+                cache.linear.rows, cache.linear.fresh = slice(None), False
             self._emit(self._next(last))
             self.pos.copy_(pos[:, -1] + 1)
             cache.slot.fill_(width)
@@ -488,11 +702,12 @@ class GraphDecoder:
                 view = -(-(slot + 1) // self.view_step) * self.view_step
                 if self.graphs:
                     g = self._graphs.get(view)
-                    if g is None:
+                    if g is None:       # the capture runs this step eagerly
                         clock("decode_s")
-                        g = self._graphs[view] = self._capture(view)
+                        self._graphs[view] = self._capture(view)
                         clock("capture_s")
-                    g.replay()
+                    else:
+                        g.replay()
                 else:
                     self._decode_step(view)
                 steps += 1
@@ -515,21 +730,24 @@ class GraphDecoder:
 # dflash-eval's loop, batched: several prompts' speculative verify steps at once (greedy)
 
 
-class _RowKV:
+class _RowKV(_LinearCacheAPI):
     """Duck-typed cache for a speculative step: each row writes its keys at its own positions.
 
     prefill (`rows` a slice): positions [0, w) of those rows are written and the new keys are attended as
     they are. A step writes the first `n` new positions of every row at `wpos` [R, n] (a device tensor, so
     a captured graph follows each row's own position) and attends the first `view` cached positions, then
-    the `tail` new rows that are not stored (the drafter's block rows; 0 for the target)."""
+    the `tail` new rows that are not stored (the drafter's block rows; 0 for the target). A hybrid target's
+    linear-attention layers keep their states in `linear` (_LinearStates) and get no KV buffer."""
 
     is_compileable = False
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 tail: int = 0):
+                 tail: int = 0, linear: _LinearStates | None = None):
         shape = (batch, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.linear = linear
+        skip = set(linear.ids) if linear is not None else set()
+        self.k = [None if i in skip else torch.zeros(shape, dtype=dtype, device=device) for i in range(layers)]
+        self.v = [None if i in skip else torch.zeros(shape, dtype=dtype, device=device) for i in range(layers)]
         self.capacity, self.tail = capacity, tail
         self.wpos: torch.Tensor | None = None
         self.view = capacity
@@ -594,6 +812,11 @@ class BatchedSpecDecoder:
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(target.parameters()).dtype
+        # a hybrid target: its linear-attention states are rolled back to each row's accepted length
+        why = hybrid_unsupported(self.base, speculative=True)
+        if why:
+            raise ValueError(f"the batched loop cannot run this target: {why}")
+        self.linear_ids = linear_layer_ids(self.cfg)
         self.capacity = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -613,13 +836,14 @@ class BatchedSpecDecoder:
             torch.cuda.empty_cache()
         c, d, dev, r, bs = self.cfg, self.drafter.config, self.device, self.batch, self.block
 
-        def kv(cfg, layers, tail):
+        def kv(cfg, layers, tail, linear=None):
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             dtype = next(self.drafter.parameters()).dtype if tail else self.dtype
-            return _RowKV(layers, r, kv_heads, capacity, head_dim, dtype, dev, tail)
+            return _RowKV(layers, r, kv_heads, capacity, head_dim, dtype, dev, tail, linear)
 
-        self.tcache = kv(c, c.num_hidden_layers, 0)
+        self.tcache = kv(c, c.num_hidden_layers, 0,
+                         _LinearStates(self.base, r, self.dtype, dev) if self.linear_ids else None)
         self.dcache = kv(d, d.num_hidden_layers, bs)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.start, self.ngen, self.step = z(r), z(r), z(1)
@@ -657,6 +881,9 @@ class BatchedSpecDecoder:
         pos = self.start[:, None] + self.slot[None]                       # [R, B] the block's positions
         tc.rows, tc.view, tc.wpos = None, view, pos
         mask = self.kv_pos[None, None, None, :view] <= pos[:, None, :, None]
+        if tc.linear is not None:   # a hybrid: record the block, commit each row's accepted prefix below
+            mask = {"full_attention": mask, LINEAR: None}
+            tc.linear.defer = True
         out = self.base(input_ids=self.tokens, position_ids=pos, attention_mask=mask, use_cache=True,
                         output_hidden_states=True, **{self.cache_kw: tc})
         choice = self.head(out.last_hidden_state).float().argmax(-1)      # [R, B] the target's tokens
@@ -664,6 +891,9 @@ class BatchedSpecDecoder:
         ok = (self.tokens[:, 1:] == choice[:, :-1]).long().cumprod(-1)
         acc = ok.sum(-1)                                                  # drafts accepted per row
         nxt = choice.gather(1, acc[:, None])[:, 0]                        # the bonus token
+        if tc.linear is not None:   # linear-attention states after [last token, accepted drafts]
+            tc.linear.defer = False
+            tc.linear.commit(acc + 1)
         live = ~self.done
         emitted = self.slot[None] <= acc[:, None]                         # [R, B]: choice[:, :acc+1] is emitted
         self.accepted.index_copy_(1, self.step, torch.where(live, acc + 1, 0)[:, None])
@@ -686,15 +916,13 @@ class BatchedSpecDecoder:
         self.step.add_(1)
 
     def _capture(self, view: int) -> torch.cuda.CUDAGraph:
-        live = (self.start, self.ngen, self.step, self.done, self.tokens)
-        state = [t.clone() for t in live]
+        """This step, run eagerly (the warm-up outside the capture), then the graph of the next ones captured
+        (capturing runs nothing): the warm-up is kept, as GraphDecoder._capture says why."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):     # warm-up outside the capture; its writes are redone by the replay
+        with torch.cuda.stream(side):
             self._step(view)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip(live, state):
-            t.copy_(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -728,7 +956,8 @@ class BatchedSpecDecoder:
         self.out.zero_()
         self.accepted.zero_()
         self.step.zero_()
-        with self._target_attn():
+        rollback = rollback_kernels(self.base, tc.linear) if tc.linear is not None else nullcontext()
+        with self._target_attn(), rollback:
             # target prefill, right padded, in row chunks; first token and taps of each row
             chunk = max(1, self.prefill_tokens // width)
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()[None, None]
@@ -738,12 +967,18 @@ class BatchedSpecDecoder:
             for r0 in range(0, r, chunk):
                 r1 = min(r, r0 + chunk)
                 tc.rows = slice(r0, r1)
+                mask = causal.expand(r1 - r0, -1, -1, -1)
+                if tc.linear is not None:   # a hybrid: each row's states after its own prompt, not the padding
+                    mask = {"full_attention": mask, LINEAR: None}
+                    tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(r0, r1), True, last[r0:r1] + 1
                 o = self.base(input_ids=ids[r0:r1], position_ids=pos.expand(r1 - r0, -1),
-                              attention_mask=causal.expand(r1 - r0, -1, -1, -1), use_cache=True,
+                              attention_mask=mask, use_cache=True,
                               output_hidden_states=True, **{self.cache_kw: tc})
                 h_last = o.last_hidden_state[torch.arange(r1 - r0, device=dev), last[r0:r1]]
                 first[r0:r1] = self.head(h_last).float().argmax(-1)
                 taps.append(torch.cat([o.hidden_states[i] for i in self.taps], dim=-1))
+            if tc.linear is not None:
+                tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(None), False, None
             taps = torch.cat(taps)
             # the drafter's first block, row by row (its context is the whole prompt)
             for i in range(r):
@@ -767,9 +1002,10 @@ class BatchedSpecDecoder:
                 view = -(-(top + bs) // self.view_step) * self.view_step
                 if self.graphs:
                     g = self._graphs.get(view)
-                    if g is None:
-                        g = self._graphs[view] = self._capture(view)
-                    g.replay()
+                    if g is None:       # the capture runs this step eagerly
+                        self._graphs[view] = self._capture(view)
+                    else:
+                        g.replay()
                 else:
                     self._step(view)
                 steps += 1

@@ -38,10 +38,24 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions. Negative crop() means "remove that many" in transformers 4.x
-    and 5.x alike (5.x rejects the positive, absolute form the 4.x reference loop uses)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    and 5.x alike (5.x rejects the positive, absolute form the 4.x reference loop uses). A cache that
+    records the past (a hybrid target's linear-attention layers, `target_cache`) is cropped even by 0:
+    that is what frees the states it recorded for the rollback."""
+    extra = int(cache.get_seq_length()) - length
+    if extra > 0 or any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ())):
+        cache.crop(-max(extra, 0))
+
+
+def target_cache(target, block_size: int):
+    """The target's cache for speculative generation: transformers' DynamicCache(config=...), so that a hybrid
+    target's linear-attention layers (Qwen3.5's Gated DeltaNet) get their conv and recurrent states. On a
+    hybrid, past recording keeps the recurrent states of a forward's last `block_size` positions and the conv
+    inputs, so that crop() rolls them back to the accepted length, as the DFlash reference loop does (its
+    activate_past_recording() without a count fails in the layer on transformers 5.x: the count is needed)."""
+    cache = DynamicCache(config=target.config)
+    if any(getattr(cache, "is_linear", ()) or ()):
+        cache.activate_past_recording(recurrent_states_to_keep=block_size)
+    return cache
 
 
 def _dflash_field(config, key: str, default=None):
@@ -228,13 +242,14 @@ def dflash_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens
     bs = drafter.block_size
     stops = set(stop_token_ids or [])
     n_prompt = input_ids.shape[1]
-    cache_t = DynamicCache()
+    cache_t = target_cache(target, bs)
     cache_d = DynamicCache()
     kw = _cache_kw(target)
     out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
                  use_cache=True, output_hidden_states=True, **{kw: cache_t})
     token = int(_pick(out.logits[0, -1], temperature, generator))
     new_taps = drafter.extract_taps(out.hidden_states)
+    crop_cache(cache_t, n_prompt)   # a hybrid's recorded prefill states are not needed: free them
     generated = [token]
     res = SpecResult(output_ids=input_ids, num_prompt_tokens=n_prompt)
     start = n_prompt  # position of `token`, the newest token, not yet seen by the target

@@ -107,3 +107,110 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
     r = subprocess.run([sys.executable, str(REPO / "tests" / "faults" / "report.py"), "--check",
                         str(REPO / "docs" / "reliability.md")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# Values, not only names (issue 42): a flag value or a list of choices the docs show in code (`--transport
+# pair|world`, `--fp8 tensorwise`) must be one the command accepts. The archive is a dated record of past
+# runs (its flags are those of their day), so it is left out.
+CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
+CLIS = ("trainer.bench", "trainer.evaluate", "trainer.regenerate", "trainer.export", "trainer.prepare",
+        "trainer.tiny", "trainer.status", "trainer.streamcheck")
+VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
+
+
+class _Parser(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+@lru_cache(maxsize=None)
+def flag_choices() -> dict[str, set[str]]:
+    """Every flag with a fixed set of values, from the parsers themselves: dflash-train's from `TrainConfig`
+    (`build_parser`), each other command's caught at its `parse_args`, and the bench's `--variants` (its
+    `VARIANTS`, combined with ',' and '+'). A flag two commands share gets the union."""
+    import argparse
+    import importlib
+
+    from trainer.config import build_parser
+    parsers = [build_parser()]
+    real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+
+    def catch(self, *a, **k):
+        raise _Parser(self)
+    argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = catch
+    try:
+        for name in CLIS:
+            try:
+                importlib.import_module(name).main(["--help"])
+            except _Parser as got:
+                parsers.append(got.parser)
+    finally:
+        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = real
+    out: dict[str, set[str]] = {}
+    for p in parsers:
+        for action in p._actions:
+            if action.choices and not isinstance(action.choices, dict):     # dict: subcommands
+                for opt in action.option_strings:
+                    out.setdefault(opt, set()).update(str(c) for c in action.choices)
+    from trainer.bench import VARIANTS
+    out["--variants"] = set(VARIANTS)
+    return out
+
+
+def _code(text: str) -> list[str]:
+    """The doc's code: inline spans and the lines of fenced blocks."""
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return spans + [ln for block in re.findall(r"```.*?\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
+
+
+def _bad_values(text: str) -> list[str]:
+    choices, bad = flag_choices(), []
+    for snippet in _code(text):
+        for flag, value in VALUE_RE.findall(snippet):
+            if flag not in choices:
+                continue
+            parts = re.split(r"[,+]", value) if flag == "--variants" else value.split("|")
+            bad += [f"{flag} {value}" for v in parts if v and v not in choices[flag]]
+    return bad
+
+
+@pytest.mark.parametrize("doc", CURRENT_DOCS, ids=[str(d.relative_to(REPO)) for d in CURRENT_DOCS])
+def test_flag_values_in_the_doc_are_accepted_by_the_code(doc):
+    bad = sorted(set(_bad_values(doc.read_text())))
+    assert not bad, f"{doc.relative_to(REPO)} shows values the code does not accept: {bad}"
+
+
+def test_the_value_check_catches_the_stale_ones():
+    """The values issue 42 found stale fail here; today's pass."""
+    assert _bad_values("`--transport auto|peer|pinned`") == ["--transport auto|peer|pinned"] * 3
+    assert _bad_values("```\npython -m trainer.bench --variants pinned+flash\n```") == ["--variants pinned+flash"]
+    assert _bad_values("`--transport pair|world`, `--fp8 tensorwise`, `--kv-fp8 on`, `--variants base,fp8`") == []
+
+
+SECTION_RE = re.compile(r"((?:docs/)[\w.-]+\.md|README\.md)`?,?\s+\"([^\"\n]{2,80})\"")
+
+
+def test_every_cited_doc_section_exists():
+    """`docs/x.md, "Section"` anywhere in the repo (docs, code comments, tests) names a heading of that doc."""
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True).stdout.split()
+    files += [str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")]
+    missing = []
+    for f in sorted(set(files)):
+        p = REPO / f
+        if f.startswith("results/") or f == "tests/test_docs.py" or p.suffix not in (".md", ".py", ".sh", ".yml", ".j2", "") or not p.is_file():
+            continue
+        for doc, section in SECTION_RE.findall(p.read_text(errors="replace")):
+            target = REPO / doc
+            heads = [h.lstrip("#").strip().replace("`", "") for h in target.read_text().splitlines()
+                     if re.match(r"#{1,6} ", h)] if target.is_file() else []
+            if not any(section.replace("`", "") in h for h in heads):
+                missing.append(f"{f}: {doc}, \"{section}\"")
+    assert not missing, missing
+
+
+def test_the_torch_the_package_asks_for_is_the_torch_the_role_and_the_suite_install():
+    """pyproject's torch floor, the role's pin and setup-host's torch name one release (was torch>=2.4)."""
+    floor = re.search(r'"torch>=([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    pin = re.search(r"^torch==([\d.]+)", (REPO / "roles/dflash_trainer/files/constraints.txt").read_text(), re.M).group(1)
+    host = re.search(r"^TORCH_VERSION=([\d.]+)", (REPO / "tests/setup-host.sh").read_text(), re.M).group(1)
+    assert pin == host and pin.startswith(floor + "."), (floor, pin, host)

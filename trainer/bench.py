@@ -5,7 +5,7 @@
 
 Targets are random-init Qwen3-shaped models built in memory (no weights on disk), data is synthetic
 with a length mix up to --max-seq-len. Throughput is target context tokens per second. MFU is model
-FLOPs (counted as in docs/performance.md) over wall time and the datasheet dense bf16 peak.
+FLOPs (counted as in docs/performance-archive.md, "The benchmark") over wall time and the datasheet dense bf16 peak.
 Prints a table last and writes everything to JSON.
 """
 

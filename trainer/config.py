@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# choices of the speed options (trainer/fast.py, trainer/pipeline.py); kept here so config stays torch-free
+# choices of the speed options (trainer/fast.py; the transport's in trainer/dist.py); kept here so config stays torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("pair", "world")   # dist.Groups: a communicator per (target, drafter) pair, or the world's

@@ -499,7 +499,7 @@ class GraphDecoder:
         self.decode_kernel, self.float_mask = decode_kernel, float_mask
         # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager.
         # fuse_mlp: with fuse, each MLP compiled whole, its GEMMs included (no gain with bf16 weights: a switch
-        # for the benchmark's fp8-weight variants, docs/performance.md "Sixth call")
+        # for the benchmark's fp8-weight variants, docs/performance-archive.md "Sixth call")
         self.fuse = fuse
         self.fuse_mlp = fuse_mlp
         # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to

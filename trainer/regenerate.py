@@ -352,7 +352,7 @@ def regenerate(
     ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
     records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
-    static_cache None: on when every device is a GPU (docs/performance.md measures it).
+    static_cache None: on when every device is a GPU (docs/performance-archive.md measures it).
     decoder None: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
     fuse None: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
     measured on the 8B shape); it changes no token's choice beyond bf16 rounding and is not recorded.

@@ -120,12 +120,24 @@ def test_collectives_need_every_member_and_the_same_kind():
     assert not res.ok and "never issues it" in res.cycle[0] and "rank 1" in res.cycle[0]
 
 
+def _connect_in_order(progs: list[Program], group: str) -> None:
+    """Each pair of ranks exchanges one message, pairs in one global order: every link's first use
+    (NCCL_RUNTIME_CONNECT's host rendezvous) happens in the same order on every rank."""
+    by_rank = {p.rank: p for p in progs}
+    for a in sorted(by_rank):
+        for b in sorted(by_rank):
+            if a < b:
+                by_rank[a].host_wait(by_rank[a].send("connect", group, b, f"connect {a}-{b}", count=1))
+                by_rank[b].host_wait(by_rank[b].recv("connect", group, a, f"connect {a}-{b}", count=1))
+
+
 def test_ops_of_one_communicator_run_in_fifo_order_across_peers():
     """Rank 0 posts a send to rank 1 then one to rank 2 on one communicator; rank 2 must receive
     before it can let rank 1 receive (rank 1 waits for rank 2's signal on its stream)."""
     g = {"WORLD": [0, 1, 2]}
     def build(mode):
         r0, r1, r2 = (Program(r, str(r), mode, g) for r in range(3))
+        _connect_in_order([r0, r1, r2], "WORLD")
         r0.send("comm", "WORLD", 1, "send to 1")
         r0.send("comm", "WORLD", 2, "send to 2")
         sig = r2.recv("c", "WORLD", 0, "recv from 0")
@@ -303,3 +315,105 @@ def test_a_communicator_per_pair_keeps_the_slower_stage_busy_at_five_plus_three(
     world = _plan("5+3", "orig", 300, transport="world", fsdp_prefetch="step")
     assert pair["efficiency"] >= 0.97, pair
     assert world["efficiency"] < pair["efficiency"]
+
+
+# ------------------------------------------------------------------------------ startup and sizes
+
+def test_a_rank_that_splits_the_world_communicator_once_more_hangs_at_startup():
+    """Group creation under eager init: 1 drafter (rank 0) + 1 target (rank 1). A gloo group of the drafters
+    made plainly makes the target split once with no color, the drafter not at all: the target's next
+    split (for the pair group) pairs with nothing."""
+    def build(local: bool):
+        g = {"WORLD": [0, 1], "dctl": [0]}
+        d, t = Program(0, "drafter", groups=g), Program(1, "target", groups=g)
+        for p in (d, t):
+            p.split([0] if p.rank == 0 else None, "drafters")
+            if p.rank == 0:
+                p.host_collective("dctl", "gloo_connect")
+            elif not local:
+                p.split(None, "dctl (no color)")
+            p.split([0, 1], "pair:1-0")
+        return [d, t]
+    res = simulate(build(local=False))
+    assert not res.ok and any("comm_split" in line for line in res.cycle), res.cycle
+    assert simulate(build(local=True)).ok
+
+
+def test_splits_must_agree_on_who_is_in_the_group():
+    g = {"WORLD": [0, 1]}
+    a, b = Program(0, "a", groups=g), Program(1, "b", groups=g)
+    a.split([0, 1])
+    b.split(None)
+    res = simulate([a, b])
+    assert not res.ok and "comm_split #0" in res.cycle[0]
+
+
+def test_a_ten_element_send_against_a_twenty_element_receive_is_a_mismatch():
+    g = {"WORLD": [0, 1]}
+    a, b = Program(0, "a", groups=g), Program(1, "b", groups=g)
+    a.host_wait(a.send("s", "WORLD", 1, "send x", count=10))
+    b.host_wait(b.recv("s", "WORLD", 0, "recv x", count=20))
+    res = simulate([a, b])
+    assert not res.ok and "size mismatch" in res.cycle[0] and "10 elements" in res.cycle[0]
+    a, b = Program(0, "a", groups=g), Program(1, "b", groups=g)
+    a.collective("s", "WORLD", "all_reduce", count=4)
+    b.collective("s", "WORLD", "all_reduce", count=5)
+    assert "size mismatch" in simulate([a, b]).cycle[0]
+
+
+def test_two_communicators_first_used_in_opposite_orders_deadlock_on_the_host():
+    """NCCL_RUNTIME_CONNECT: rank 0 first uses its link to rank 1 on pair A then on pair B's... here two
+    communicators between ranks 0 and 1 (e.g. a pair group and the drafter group). Nothing waits on the
+    device, yet the hosts block in the first op of each."""
+    g = {"A": [0, 1], "B": [0, 1]}
+    def build(same_order: bool):
+        a, b = Program(0, "a", groups=g), Program(1, "b", groups=g)
+        a.send("s", "A", 1, "send on A")
+        a.send("s", "B", 1, "send on B")
+        first, second = ("A", "B") if same_order else ("B", "A")
+        b.recv("s", first, 0, f"recv on {first}")
+        b.recv("s", second, 0, f"recv on {second}")
+        return [a, b]
+    assert simulate(build(True)).ok
+    res = simulate(build(False))
+    assert not res.ok and any("first use of nccl:A" in line or "first use of nccl:B" in line for line in res.cycle)
+
+
+def _eval_rank(rank: int, store_path: str, out: str) -> None:
+    """One rank of an in-training eval's message flow (evaltrain: the leader sends the drafter's state to the
+    eval owner on `control`, the owner broadcasts the result), recorded."""
+    import torch
+    import torch.distributed as dist
+    from trainer import evaltrain, oprecord
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    rec = oprecord.install(rank, f"rank {rank}", {}, {"WORLD": [0, 1]}, out)
+    oprecord.label("control")
+    control = dist.new_group(backend="gloo")
+    if rank == 0:
+        evaltrain.send_state({"fc": torch.ones(3, 2), "norm": torch.ones(4)}, 1, control, torch.float32)
+    else:
+        evaltrain.recv_state(0, control)
+    box = [{"tau": 3.5} if rank == 1 else None]
+    dist.broadcast_object_list(box, src=1, group=control)
+    rec.write()
+    dist.destroy_process_group()
+
+
+def test_an_in_training_eval_is_recorded_whole(tmp_path):
+    """Every blocking and object call of an eval is in the recording, with its size, and matches at both
+    ends; a receive of another size would be a mismatch."""
+    import torch.multiprocessing as mp
+    from trainer.streamcheck import load_programs
+    mp.spawn(_eval_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    progs = load_programs(sorted(tmp_path.glob("ops-rank*.json")))
+    sent = [(o.kind, o.count) for o in progs[0].ops if o.kind == "send"]
+    received = [(o.kind, o.count) for o in progs[1].ops if o.kind == "recv"]
+    assert sent == [("send", 2), ("send", None), ("send", 6), ("send", 4)]
+    assert received == [("recv", 2), ("recv", None), ("recv", 6), ("recv", 4)]
+    assert sum(o.coll == "broadcast_object_list" for o in progs[0].ops) == 2
+    assert all(o.queue == "gloo:control" for p in progs for o in p.ops)
+    assert simulate(progs).ok
+    last = [o for o in progs[1].ops if o.kind == "recv"][-1]
+    last.count = 5
+    res = simulate(progs)
+    assert not res.ok and "size mismatch" in res.cycle[0]

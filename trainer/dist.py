@@ -119,26 +119,38 @@ class Groups:
     drafter) pair, or on the world group's. With eager NCCL init (init_rank passes device_id) the world
     group serialises every point-to-point op of a rank on its one stream, so a target's send to one
     drafter waits behind its send to another (docs/distributed.md; streamcheck's timed replay measures
-    the cost). `host_backend`: the backend of the host-side groups (gloo; the op replay passes None)."""
+    the cost). `host_backend`: the backend of the host-side groups (gloo; the op replay passes None).
+    `control`: the gloo group over all ranks when init_rank made it already (its exchange of roles).
+
+    Startup is collective too. With eager init every new group is an `ncclCommSplit` of the world
+    communicator on every rank: a member of an NCCL group splits with its color, a rank outside *any*
+    new group (gloo included) splits with no color, and NCCL pairs the splits of all ranks by call order
+    alone. A gloo group that some ranks are outside of (dctl) is therefore created with
+    use_local_synchronization=True: torch then returns at once on the ranks outside it, with no split,
+    and every rank makes the same number of splits (tests/test_dist_startup.py counts them with torch's
+    own group-creation code)."""
 
     def __init__(self, topo: Topology, timeout: datetime.timedelta, transport: str = "pair",
-                 host_backend: str | None = "gloo"):
+                 host_backend: str | None = "gloo", control=None):
         import torch.distributed as dist
-        self.rank = topo.rank
+        self.rank, self.world_size = topo.rank, topo.world
         host_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
+        self.control = control if control is not None else self.new("control", None, host_backend, host_timeout)
         # The default group was made with the host timeout (the startup is a host phase: init_rank); the
         # hidden states' group over all ranks, when there is one, counts against --dist-timeout.
-        self.world = (dist.new_group(timeout=timeout) if transport == "world" and topo.world > 1
+        self.world = (self.new("WORLD", None, None, timeout) if transport == "world" and topo.world > 1
                       else dist.group.WORLD)
-        self.control = dist.new_group(backend=host_backend, timeout=host_timeout)
-        self.drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
-        self.dctl = dist.new_group(topo.drafter_ranks, backend=host_backend, timeout=host_timeout)
+        self.drafters = self.new("drafters", topo.drafter_ranks, None, timeout)
+        self.dctl = self.new("dctl", topo.drafter_ranks, host_backend, host_timeout)
         self.pairs: dict[tuple[int, int], object] = {}    # (target rank, drafter rank) -> its group
         if transport != "world" and topo.world > 1:
             for t in topo.target_ranks:        # every rank creates every group, in this order
                 for d in topo.drafter_ranks:
                     if t != d:
-                        self.pairs[(t, d)] = dist.new_group([t, d], timeout=timeout)
+                        self.pairs[(t, d)] = self.new(f"pair:{t}-{d}", [t, d], None, timeout)
+
+    def new(self, name: str, ranks: list[int] | None, backend: str | None, timeout):
+        return new_group(name, ranks, self.world_size, backend, timeout)
 
     def link(self, peer: int):
         """The group this rank's point-to-point ops with `peer` (a target or drafter rank) go through."""
@@ -152,6 +164,45 @@ class Groups:
 
     def pair_members(self) -> dict[str, list[int]]:
         return {f"pair:{t}-{d}": [t, d] for t, d in self.pairs}
+
+
+def new_group(name: str, ranks: list[int] | None, world: int, backend: str | None, timeout):
+    """One process group (`ranks` None: every rank), made on every rank. `backend` None: the default
+    group's (NCCL on GPUs). A host-side (gloo) group that leaves some ranks out is made with local
+    synchronization, so the ranks outside it make no split of the world communicator (Groups). The op
+    recorder, when on, names the group and logs its creation."""
+    import torch.distributed as dist
+    from . import oprecord
+    members = range(world) if ranks is None else ranks
+    host_side = backend not in (None, "nccl")
+    oprecord.label(name)
+    kw = {"use_local_synchronization": True} if host_side and len(set(members)) < world else {}
+    return dist.new_group(ranks, timeout=timeout, backend=backend, **kw)
+
+
+def connect(topo: Topology, groups: Groups, device) -> None:
+    """The first use of every communicator of the steps, in one order on every rank. NCCL connects a
+    communicator's peers on its first op there (NCCL_RUNTIME_CONNECT, the default), and that op blocks
+    the host until the peer reaches its own first op: ranks that first use two communicators in opposite
+    orders deadlock before anything is enqueued (streamcheck models it). The micro-batches' order alone
+    does not fix one order (--transport world hangs so at step 0 at 5+3 when a drafter reaches FSDP's
+    first all-gather first), so every (target, drafter) link carries one element here, links in
+    (target, drafter) order, then the drafter group gathers one element per rank. A total order of
+    pairwise rendezvous cannot deadlock: the least pending link has both ends at it."""
+    if topo.world == 1:
+        return
+    import torch
+    import torch.distributed as dist
+    one = torch.ones(1, device=device)
+    for t in topo.target_ranks:
+        for d in topo.drafter_ranks:
+            if topo.rank == t:
+                dist.send(one, d, group=groups.link(d))
+            elif topo.rank == d:
+                dist.recv(one, t, group=groups.link(t))
+    if topo.is_drafter and len(topo.drafter_ranks) > 1:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # (renamed in 2.13)
+        gather(torch.empty(len(topo.drafter_ranks), device=device), one, group=groups.drafters)
 
 
 def hold_together(topo: Topology, groups: Groups, phase: str) -> None:
@@ -211,9 +262,14 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     # after another failed the job under --dist-timeout 4); the groups the steps use carry --dist-timeout.
     startup_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
     dist.init_process_group(backend, timeout=startup_timeout, device_id=device if device.type == "cuda" else None)
+    from . import oprecord
+    oprecord.install_from_env(rank, world)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)
+    # The roles travel on the gloo control group (the first group, made by every rank): an object exchange
+    # on the NCCL world group would connect its ring and keep its buffers, which --transport pair never uses.
+    control = new_group("control", None, world, "gloo", startup_timeout)
     host = socket.gethostname()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (role, host, cfg.node_rank))
+    dist.all_gather_object(everyone, (role, host, cfg.node_rank), group=control)
     topo = Topology(rank, world, local_rank, role, host, [r for r, _, _ in everyone], [h for _, h, _ in everyone])
     nodes = [n for _, _, n in everyone]
     if nodes != sorted(nodes) or nodes[0] != 0:
@@ -229,9 +285,9 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     if world > 1 and any(x.target and x.drafter for x in topo.roles):
         raise ValueError("--target-gpus/--drafter-gpus: a GPU may hold both roles only when it is the job's "
                          "only GPU (world size 1)")
-    groups = Groups(topo, timeout, cfg.transport)
-    from . import oprecord
-    oprecord.install_from_env(topo, groups)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)
+    groups = Groups(topo, timeout, cfg.transport, control=control)
+    oprecord.name_groups(topo, groups)
+    connect(topo, groups, device)
     return topo, groups
 
 

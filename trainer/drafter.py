@@ -160,6 +160,18 @@ def fsdp_units(model) -> list:
     return [m for m in model.modules() if hasattr(m, "unshard")]   # FSDPModule (or the op replay's stand-in)
 
 
+def check_unit_gradients(model) -> None:
+    """After the step's syncing backward: every trainable parameter has a gradient. FSDP2 reduce-scatters
+    a unit's gradients only when its parameters got some, so a unit that one rank leaves unused (a
+    rank-dependent branch) would skip a collective the other ranks issue: a hang on NCCL, found here on
+    the rank that skipped, by name, instead."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        raise RuntimeError(f"drafter: no gradient for {len(missing)} parameter(s) after the step's syncing "
+                           f"backward ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): their "
+                           "FSDP unit skipped its reduce-scatter, which the other drafter ranks issue")
+
+
 class DrafterStage:
     """Owns: the FSDP2 module, one compute stream, the metric vector, the step's host counters."""
 
@@ -248,6 +260,8 @@ class DrafterStage:
                     oprecord.compute(self.stream, f"drafter fwd+bwd mb {item.seq_no}")
                 self._final_backward(last and i == len(chunks) - 1)
                 loss.backward()
+                if last and i == len(chunks) - 1:
+                    check_unit_gradients(self.model)
                 valid = (dev["row_weight"] > 0).float()
                 self.metric[self.layout.loss] += loss.detach() * norm      # this chunk's sum of w * CE
                 self.metric[self.layout.correct] += (correct * valid).view(-1, bs).sum(0)
@@ -269,6 +283,7 @@ class DrafterStage:
         hidden = self.model(x, self.embed[zeros(bs)], meta, backend="sdpa")
         self._final_backward(True)
         (hidden.float().sum() * 0.0).backward()
+        check_unit_gradients(self.model)
 
     def step_vector(self) -> torch.Tensor:
         """This rank's numbers of the step as the drafter ranks sum them (StepLayout.summed); on this

@@ -1,14 +1,21 @@
 """Recording layer: the ops a rank really issues, with the stream each would run on under NCCL.
 
-With `DFLASH_RECORD_OPS=<dir>` set, a rank (on the CPU, gloo) runs unchanged but logs, in issue order:
+With `DFLASH_RECORD_OPS=<dir>` set, a rank (on the CPU, gloo) runs unchanged but logs, in issue order,
+from the moment its default group exists:
+  - the creation of every process group (`dist.new_group`), as the production ranks make it under eager
+    NCCL init: a split of the world communicator on every rank (with the group's members as its color on
+    a member of an NCCL group, without on a rank outside the group unless it was made with local
+    synchronization), and the members' connection of a gloo group;
   - streams: `transport.new_stream` hands out a named logical stream instead of None; `stream_ctx` makes it
     current; `wait_event`/`wait_stream`/`synchronize` on it are logged;
   - events: `transport.new_event` hands out an event that logs `record` (the stream's tail), `wait`
     (a stream dependency) and `synchronize` (a host wait);
-  - every torch.distributed call of the trainer and of FSDP2/DTensor (point-to-point, collectives,
-    functional collectives): on a group that is NCCL in production ("WORLD", "drafters") it is an NCCL op
-    posted after the current stream's work, and `work.wait()` is a dependency of the current stream; on a
-    gloo group ("control", "dctl") it runs on the group's gloo queue and `wait()` blocks the host;
+  - every torch.distributed call of the trainer and of FSDP2/DTensor (point-to-point, blocking or not,
+    collectives, object calls, functional collectives), with the element count it moves: on a group that
+    is NCCL in production ("WORLD", "drafters", "pair:t-d") it is an NCCL op posted after the current
+    stream's work, and `work.wait()` (or a blocking call) is a dependency of the current stream; on a gloo
+    group ("control", "dctl") it runs on the group's gloo queue and a blocking call or `wait()` blocks the
+    host. An object call is the two messages torch sends (the sizes, then the pickled bytes);
   - FSDP2's root pre-forward: its all-gather streams wait on the current stream (or on the event given
     to `set_post_optim_event`), so an all-gather issued in a forward depends on what the stream waited on
     before it; the all-gather's result is waited on by the current stream;
@@ -121,13 +128,36 @@ class RecWork(_work_base()):
 class Recorder:
     def __init__(self, rank: int, role: str, groups: dict, members: dict[str, list[int]], out_dir: str):
         self.rank, self.out_dir = rank, (Path(out_dir) if out_dir else None)
-        self.program = Program(rank, role, "shared", members)
-        self.by_pg = {id(pg): name for name, pg in groups.items() if pg is not None}
-        self.names = {getattr(pg, "group_name", None): name for name, pg in groups.items() if pg is not None}
+        self.program = Program(rank, role, "shared", dict(members))
+        self.by_pg: dict[int, str] = {}
+        self.names: dict = {}
+        self.name(role, groups, members)
         self.stack: list[str] = []
         self.post_optim: dict[int, int | None] = {}   # FSDP state id -> event op given by set_post_optim_event
         self._label: str | None = None
         self._undo: list = []
+
+    def name(self, role: str, groups: dict, members: dict[str, list[int]]) -> None:
+        """Our names of the process groups (and the role, once known)."""
+        if role:
+            self.program.role = role
+        self.by_pg.update({id(pg): name for name, pg in groups.items() if pg is not None})
+        self.names.update({getattr(pg, "group_name", None): name for name, pg in groups.items() if pg is not None})
+        self.program.groups.update({k: list(v) for k, v in members.items()})
+
+    def created(self, name: str, members: list[int], nccl: bool, local: bool, pg) -> None:
+        """A new process group (module docstring: what each rank does under eager NCCL init)."""
+        self.program.groups[name] = list(members)
+        if pg is not None and pg is not _non_member():
+            self.by_pg[id(pg)] = name
+            self.names[getattr(pg, "group_name", None)] = name
+        if self.rank in members:
+            if nccl:
+                self.program.split(members, f"comm_split for {name}")
+            elif len(members) > 1:
+                self.program.host_collective(name, "gloo_connect", f"gloo connect of {name}")
+        elif not local:
+            self.program.split(None, f"comm_split (no color) for {name}")
 
     # -- streams -----------------------------------------------------------------------------------
     def stream_name(self, stream=None) -> str:
@@ -169,31 +199,42 @@ class Recorder:
             return self.names.get(group, group)
         return self.by_pg.get(id(group)) or self.names.get(getattr(group, "group_name", None), "WORLD")
 
-    def p2p(self, kind: str, peer: int, group, work):
+    def p2p(self, kind: str, peer: int, group, work, count: int | None = None, blocking: bool = False,
+            host: bool = False):
+        """A send or receive with `peer` (a global rank). `blocking`: dist.send/recv (the current stream waits
+        on an NCCL one, the host on a gloo one); `host`: the host waits whatever the backend (an object call
+        unpickles what it received)."""
         g = self.group(group)
         peer = int(peer)
-        if g != "WORLD" and not g.startswith("pair:"):
-            raise RuntimeError(f"oprecord: point-to-point on group {g!r} is not modelled")
-        stream = self.stream_name()
+        nccl = _nccl(g)
+        stream = self.stream_name() if nccl else None
         lab = self._take_label(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}")
+        queue = None if nccl else f"gloo:{g}"
         if kind == "send":
-            op = self.program.send(stream, g, peer, lab)
+            op = self.program.send(stream, g, peer, lab, count=count, queue=queue)
         else:
-            op = self.program.recv(stream, g, peer, lab)
-        return RecWork(self, work, op, True)
+            op = self.program.recv(stream, g, peer, lab, count=count, queue=queue)
+        if host or (blocking and not nccl):
+            self.program.host_wait(op)
+        elif blocking:
+            self.program.wait(stream, op)
+        return work if blocking or host else RecWork(self, work, op, nccl)
 
-    def coll(self, name: str, group, work, async_op: bool, functional: bool = False):
+    def coll(self, name: str, group, work, async_op: bool, functional: bool = False, count: int | None = None,
+             host: bool = False):
         g = self.group(group)
-        nccl = g in NCCL_GROUPS or g.startswith("pair:")
+        nccl = _nccl(g)
         lab = self._take_label(f"{name} on {g}")
         if not nccl:
-            op = self.program.collective(None, g, name, lab, queue=f"gloo:{g}")
+            op = self.program.collective(None, g, name, lab, queue=f"gloo:{g}", count=count)
             if not async_op:
                 self.program.host_wait(op)
             return RecWork(self, work, op, False) if async_op else work
         stream = self.stream_name()
-        op = self.program.collective(stream, g, name, lab)
-        if not async_op or functional:     # a synchronous NCCL call = the current stream waits on it
+        op = self.program.collective(stream, g, name, lab, count=count)
+        if host:
+            self.program.host_wait(op)
+        elif not async_op or functional:     # a synchronous NCCL call = the current stream waits on it
             self.program.wait(stream, op)
         return RecWork(self, work, op, True) if async_op else work
 
@@ -222,6 +263,20 @@ class Recorder:
         self._undo.clear()
 
 
+def _nccl(group_name: str) -> bool:
+    return group_name in NCCL_GROUPS or group_name.startswith("pair:")
+
+
+def _non_member():
+    import torch.distributed as dist
+    return dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _numel(x) -> int | None:
+    n = getattr(x, "numel", None)
+    return int(n()) if callable(n) else None
+
+
 def _patch(rec: Recorder, obj, name: str, make):
     old = getattr(obj, name)
     setattr(obj, name, make(old))
@@ -236,44 +291,107 @@ def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], o
 
     rec = Recorder(rank, role, groups, members, out_dir)
 
-    def p2p(kind):
+    def peer_group(kind, args, kw):
+        """(global peer rank, group) of a point-to-point call, its peer given by position or keyword."""
+        group = kw.get("group", args[1] if len(args) > 1 else None)
+        peer = kw.get("dst" if kind == "send" else "src", args[0] if args else None)
+        if peer is None:           # the group_dst= / group_src= form: a rank within `group`
+            peer = dist.get_global_rank(group, kw["group_dst" if kind == "send" else "group_src"])
+        return peer, group
+
+    def p2p(kind, blocking):
         def make(old):
-            def wrapped(tensor, peer=None, group=None, tag=0, **kw):
-                return rec.p2p(kind, peer, group, old(tensor, peer, group=group, tag=tag, **kw))
+            def wrapped(tensor, *args, **kw):
+                peer, group = peer_group(kind, args, kw)
+                return rec.p2p(kind, peer, group, old(tensor, *args, **kw), _numel(tensor), blocking)
             return wrapped
         return make
 
-    _patch(rec, dist, "isend", p2p("send"))
-    _patch(rec, dist, "irecv", p2p("recv"))
+    _patch(rec, dist, "isend", p2p("send", False))
+    _patch(rec, dist, "irecv", p2p("recv", False))
+    _patch(rec, dist, "send", p2p("send", True))
+    _patch(rec, dist, "recv", p2p("recv", True))
 
-    def coll(name, group_pos):
+    def object_p2p(kind):
+        # torch sends an object list as two messages: the sizes (one per object), then the pickled bytes (their
+        # total, which the receiver learns from the first); the receiver's host unpickles, so it waits
+        def make(old):
+            def wrapped(object_list, *args, **kw):
+                peer, group = peer_group(kind, args, kw)
+                out = old(object_list, *args, **kw)
+                for what, count in (("sizes", len(object_list)), ("objects", None)):
+                    rec.label(f"{kind}_object_list ({what}) {'to' if kind == 'send' else 'from'} rank {peer}")
+                    rec.p2p(kind, peer, group, None, count, blocking=True, host=True)
+                return out
+            return wrapped
+        return make
+
+    _patch(rec, dist, "send_object_list", object_p2p("send"))
+    _patch(rec, dist, "recv_object_list", object_p2p("recv"))
+
+    def object_coll(name, group_pos, count_of):
+        # the sizes, then the objects padded to the largest (torch's object collectives), the host waiting
+        def make(old):
+            def wrapped(*args, **kw):
+                group = kw.get("group", args[group_pos] if len(args) > group_pos else None)
+                out = old(*args, **kw)
+                for what, count in (("sizes", count_of(args, kw)), ("objects", None)):
+                    rec.label(f"{name} ({what})")
+                    rec.coll(name, group, None, False, count=count, host=True)
+                return out
+            return wrapped
+        return make
+
+    one = lambda args, kw: 1   # noqa: E731  (one size per rank)
+    for name, pos, count_of in (
+            ("all_gather_object", 2, one), ("gather_object", 3, one),
+            ("broadcast_object_list", 2, lambda args, kw: len(args[0] if args else kw["object_list"])),
+            ("scatter_object_list", 3, one)):
+        if hasattr(dist, name):
+            _patch(rec, dist, name, object_coll(name, pos, count_of))
+
+    def new_group(old):
+        def wrapped(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                    *a, **kw):
+            name = rec._take_label(f"group{len(rec.program.groups)}")
+            pg = old(ranks, timeout, backend, pg_options, use_local_synchronization, *a, **kw)
+            world = dist.get_world_size()
+            members = sorted(ranks) if ranks is not None else list(range(world))
+            rec.created(name, members, backend in (None, "nccl"), bool(use_local_synchronization), pg)
+            return pg
+        return wrapped
+
+    _patch(rec, dist, "new_group", new_group)
+
+    def coll(name, group_pos, data_pos):
         def make(old):
             def wrapped(*args, **kw):
                 group = kw.get("group", args[group_pos] if len(args) > group_pos else None)
                 async_op = bool(kw.get("async_op", False))
+                count = _numel(args[data_pos]) if data_pos is not None and len(args) > data_pos else None
                 if name == "all_gather_single" and not async_op:
                     # FSDP2's implicit all-gather (in a forward): on its all-gather stream, which waited at
                     # the root pre-forward; the forward then waits for the parameters
                     with rec.on(LogicalStream(rec, FSDP_AG)):
-                        w = rec.coll(name, group, old(*args, **kw), True)
+                        w = rec.coll(name, group, old(*args, **kw), True, count=count)
                     rec.waited(w._op, True)
                     return w._work
-                return rec.coll(name, group, old(*args, **kw), async_op)
+                return rec.coll(name, group, old(*args, **kw), async_op, count=count)
             return wrapped
         return make
 
-    for name, pos in (("all_reduce", 2), ("broadcast", 2), ("all_gather_single", 2), ("reduce_scatter_single", 3),
-                      ("all_gather_into_tensor", 2), ("reduce_scatter_tensor", 3), ("barrier", 0),
-                      ("all_gather", 2), ("all_gather_object", 2), ("broadcast_object_list", 2),
-                      ("gather_object", 3), ("scatter_object_list", 3)):
+    # (name, position of the group argument, position of the tensor whose size every member gives alike)
+    for name, pos, data in (("all_reduce", 2, 0), ("broadcast", 2, 0), ("all_gather_single", 2, 1),
+                            ("reduce_scatter_single", 3, 1), ("all_gather_into_tensor", 2, 1),
+                            ("reduce_scatter_tensor", 3, 1), ("barrier", 0, None), ("all_gather", 2, 1)):
         if hasattr(dist, name):
-            _patch(rec, dist, name, coll(name, pos))
+            _patch(rec, dist, name, coll(name, pos, data))
 
     def fcoll(name, group_pos):
         def make(old):
             def wrapped(*args, **kw):
                 group = kw.get("group", args[group_pos] if len(args) > group_pos else None)
-                rec.coll(name, group, None, True, functional=True)
+                rec.coll(name, group, None, True, functional=True, count=_numel(args[0]) if args else None)
                 return old(*args, **kw)
             return wrapped
         return make
@@ -298,14 +416,23 @@ def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], o
     return rec
 
 
-def install_from_env(topo, groups) -> Recorder | None:
-    """dist.init_rank's hook: record when DFLASH_RECORD_OPS names a directory."""
+def install_from_env(rank: int, world: int) -> Recorder | None:
+    """dist.init_rank's hook, right after the default group: record when DFLASH_RECORD_OPS names a directory
+    (the groups' creation included; name_groups gives the role and our names once they are known)."""
     out = os.environ.get(ENV)
     if not out:
         return None
-    members = {"WORLD": list(range(topo.world)), "control": list(range(topo.world)),
-               "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks), **groups.pair_members()}
-    return install(topo.rank, role_name(topo), groups.named(), members, out)
+    return install(rank, "", {}, {"WORLD": list(range(world))}, out)
+
+
+def name_groups(topo, groups) -> None:
+    if RECORDER is not None:
+        RECORDER.name(role_name(topo), groups.named(), group_members(topo, groups))
+
+
+def group_members(topo, groups) -> dict[str, list[int]]:
+    return {"WORLD": list(range(topo.world)), "control": list(range(topo.world)),
+            "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks), **groups.pair_members()}
 
 
 def role_name(topo) -> str:

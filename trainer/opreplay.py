@@ -238,7 +238,7 @@ def rank_program(cfg, topo, dataset, steps: int, net_hosts: bool) -> Program:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from . import train as train_mod
-    from .dist import Groups
+    from .dist import Groups, connect
     from .train import Trainer
     from .transport import Receiver, Sender
 
@@ -250,6 +250,7 @@ def rank_program(cfg, topo, dataset, steps: int, net_hosts: bool) -> Program:
                    "drafters": list(topo.drafter_ranks), "dctl": list(topo.drafter_ranks)}
         rec = oprecord.install(topo.rank, _role(topo), groups.named(), members, None)
         rec.program.groups.update({name: list(g) for name, g in groups.pair_members().items()})
+        connect(topo, groups, torch.device("cpu"))
         dev = torch.device("cpu")
         trainer = Trainer(cfg, topo, groups, dataset=dataset)
         trainer.feed.load()

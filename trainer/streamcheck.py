@@ -10,6 +10,15 @@ program (the ops its host issues, in order, each placed on a stream) and replays
   - a point-to-point op completes only when both ends have reached it (the k-th send from a to b on a
     communicator matches the k-th receive on b from a there); a collective only when every member has,
     and the k-th collectives of the members must be the same kind (else NCCL hangs or corrupts);
+  - both ends of a point-to-point op, and every member of a collective, give the same element count
+    (NCCL has no length on the wire: a 10-element send against a 20-element receive hangs or corrupts);
+  - the first op on an NCCL communicator with a peer (the first collective on it, with every member)
+    blocks the *host* until the peer's host reaches its own first op there: NCCL_RUNTIME_CONNECT (the
+    default since 2.22) connects on first use, so two ranks that first use two communicators in
+    opposite orders deadlock before anything is enqueued;
+  - a process group's creation is a host collective of every rank: under eager init each rank splits
+    the world communicator (`comm_split`, its color the new group's members, or no color outside it),
+    paired across ranks by call order alone; a gloo group's members connect to each other when it is made;
   - `work.wait()` and `stream.wait_event(ev)` block the later work of *that stream*, not the host;
   - host waits (`event.synchronize()`, a gloo collective, a blocking `.wait()` on gloo) block the host,
     which then issues nothing more until the op completed.
@@ -49,6 +58,8 @@ class Op:
     key: tuple | None = None   # comm ops: what all participants share
     dur: float = 0.0
     coll: str = ""             # collectives: the op's name (all_gather, reduce_scatter, ...), checked per key
+    count: int | None = None   # elements the op moves (per rank), compared between the ends; None: not known
+    color: tuple | None = None  # comm_split: the members of the group this rank splits for (None: no color)
 
 
 class Program:
@@ -69,12 +80,12 @@ class Program:
 
     # -- device ops ---------------------------------------------------------------------------------
     def _add(self, queue: str, kind: str, label: str, deps: Iterable[int] = (), key=None, dur=0.0,
-             coll: str = "") -> int:
+             coll: str = "", count: int | None = None) -> int:
         deps = [d for d in deps if d is not None]
         pending = self._pending_deps.pop(queue, None)
         if pending:
             deps = list(dict.fromkeys(deps + pending))
-        op = Op(len(self.ops), self.rank, queue, kind, label, deps, key, dur, coll)
+        op = Op(len(self.ops), self.rank, queue, kind, label, deps, key, dur, coll, count)
         self.ops.append(op)
         self._tail[queue] = op.id
         self.actions.append(("issue", op.id))
@@ -105,27 +116,38 @@ class Program:
             return f"nccl:{group}:{lo}-{hi}"
         return f"nccl:{group}"
 
-    def send(self, stream: str | None, group: str, dst: int, label: str, dur: float = 0.0) -> int:
-        return self._p2p("send", stream, group, self.rank, dst, label, dur)
+    def send(self, stream: str | None, group: str, dst: int, label: str, dur: float = 0.0,
+             count: int | None = None, queue: str | None = None) -> int:
+        return self._p2p("send", stream, group, self.rank, dst, label, dur, count, queue)
 
-    def recv(self, stream: str | None, group: str, src: int, label: str, dur: float = 0.0) -> int:
-        return self._p2p("recv", stream, group, src, self.rank, label, dur)
+    def recv(self, stream: str | None, group: str, src: int, label: str, dur: float = 0.0,
+             count: int | None = None, queue: str | None = None) -> int:
+        return self._p2p("recv", stream, group, src, self.rank, label, dur, count, queue)
 
-    def _p2p(self, kind, stream, group, src, dst, label, dur) -> int:
-        q = self.comm_queue(group, dst if kind == "send" else src)
+    def _p2p(self, kind, stream, group, src, dst, label, dur, count=None, queue=None) -> int:
+        q = queue or self.comm_queue(group, dst if kind == "send" else src)
         n = self._counts[(q, src, dst)]
         self._counts[(q, src, dst)] += 1
         after = self.tail(stream) if stream is not None else None
-        return self._add(q, kind, label, [after], key=(q.split(":")[1], q, src, dst, n), dur=dur)
+        return self._add(q, kind, label, [after], key=(group, q, src, dst, n), dur=dur, count=count)
 
     def collective(self, stream: str | None, group: str, name: str, label: str = "", dur: float = 0.0,
-                   queue: str | None = None) -> int:
+                   queue: str | None = None, count: int | None = None) -> int:
         q = queue or f"nccl:{group}"
         n = self._counts[(q, "coll")]
         self._counts[(q, "coll")] += 1
         after = self.tail(stream) if stream is not None else None
         return self._add(q, "coll", label or f"{name} #{n} on {group}", [after], key=(group, q, n), dur=dur,
-                         coll=name)
+                         coll=name, count=count)
+
+    def split(self, color: list[int] | None, label: str = "") -> int:
+        """One `ncclCommSplit` of the world communicator (a process group's creation under eager init): a
+        host collective of every rank, `color` the members of the new group (None: this rank is outside)."""
+        op = self.collective(None, "WORLD", "comm_split", label or f"comm_split for {color or 'no group'}",
+                             queue="split:WORLD")
+        self.ops[op].color = tuple(color) if color is not None else None
+        self.host_wait(op)
+        return op
 
     # -- host ---------------------------------------------------------------------------------------
     def host_wait(self, op: int | None) -> None:
@@ -146,24 +168,26 @@ class Program:
                 out[x] = n
         return out
 
-    def host_collective(self, group: str, name: str, label: str = "") -> int:
+    def host_collective(self, group: str, name: str, label: str = "", count: int | None = None) -> int:
         """A blocking gloo collective: issued on the group's gloo queue, the host waits for it."""
-        op = self.collective(None, group, name, label, queue=f"gloo:{group}")
+        op = self.collective(None, group, name, label, queue=f"gloo:{group}", count=count)
         self.host_wait(op)
         return op
 
     # -- (de)serialisation ---------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"rank": self.rank, "role": self.role, "p2p": self.p2p, "groups": self.groups,
-                "ops": [[o.queue, o.kind, o.label, o.deps, list(o.key) if o.key else None, o.dur, o.coll]
-                        for o in self.ops],
+                "ops": [[o.queue, o.kind, o.label, o.deps, list(o.key) if o.key else None, o.dur, o.coll, o.count,
+                         list(o.color) if o.color is not None else None] for o in self.ops],
                 "actions": self.actions}
 
     @classmethod
     def from_json(cls, d: dict) -> "Program":
         p = cls(d["rank"], d.get("role", ""), d.get("p2p", "shared"), d.get("groups") or {})
-        for i, (q, kind, label, deps, key, dur, coll) in enumerate(d["ops"]):
-            p.ops.append(Op(i, p.rank, q, kind, label, list(deps), tuple(key) if key else None, dur, coll))
+        for i, (q, kind, label, deps, key, dur, coll, *more) in enumerate(d["ops"]):
+            count, color = (more + [None, None])[:2]
+            p.ops.append(Op(i, p.rank, q, kind, label, list(deps), tuple(key) if key else None, dur, coll, count,
+                            tuple(color) if color is not None else None))
         p.actions = [tuple(a) for a in d["actions"]]
         return p
 
@@ -245,14 +269,53 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
             if op.kind != "coll" and {o.kind for o in ops} != {"send", "recv"}:
                 mismatch.append("point-to-point mismatch: " + ", ".join(f"rank {o.rank} {o.label}" for o in ops))
                 return
+            if len({o.count for o in ops if o.count is not None}) > 1:
+                mismatch.append(f"size mismatch on {key[1]}: " + ", ".join(
+                    f"rank {o.rank} {o.label} ({o.count} elements)" for o in ops))
+                return
+            if op.coll == "comm_split":
+                for color in {o.color for o in ops if o.color is not None}:
+                    givers = sorted(o.rank for o in ops if o.color == color)
+                    if givers != sorted(color):
+                        mismatch.append(f"comm_split #{key[2]} of the world communicator: ranks {givers} split for "
+                                        f"group {list(color)}, whose other members split for something else: "
+                                        + ", ".join(f"rank {o.rank} {o.label}" for o in ops))
+                        return
             end = max(ready_at[g] for g in parts[key]) + max(o.dur for o in ops)
             for g in parts[key]:
                 finish(g, end)
 
     issue_time: dict[tuple, float] = {}
+    connected: dict[int, set] = defaultdict(set)          # rank -> communicator links it has used
+    arrived: dict[tuple, dict[int, float]] = defaultdict(dict)   # link -> rank -> host time it got there
+    connecting: dict[int, tuple] = {}                     # rank -> (link, parties) its host is blocked on
+
+    def first_use(r: int, op: Op) -> bool:
+        """NCCL_RUNTIME_CONNECT: the first op on a communicator with a peer (a collective: with every member)
+        blocks the host until the peer's host reached its own. True when this rank must wait."""
+        if not op.queue.startswith("nccl:") or op.key is None:
+            return False
+        link = (op.queue, frozenset(op.key[2:4])) if op.kind in ("send", "recv") else (op.queue, "coll")
+        if link in connected[r]:
+            return False
+        connected[r].add(link)
+        parties = set(link[1]) if op.kind in ("send", "recv") else set(groups.get(op.key[0], ()))
+        arrived[link][r] = host_time[r]
+        if not parties <= set(arrived[link]):
+            connecting[r] = (link, parties)
+            return True
+        t = max(arrived[link].values())
+        host_time[r] = max(host_time[r], t)
+        for x in [x for x, (lk, _) in connecting.items() if lk == link]:
+            del connecting[x]
+            host_time[x] = max(host_time[x], t)
+            work.append(("host", x))
+        return False
 
     def run_host(r: int):
         p = by_rank[r]
+        if r in connecting:
+            return
         while pc[r] < len(p.actions):
             kind, i = p.actions[pc[r]]
             if kind == "mark":
@@ -286,6 +349,8 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
             if n == 0:
                 work.append(("ready", gid))
             pc[r] += 1
+            if first_use(r, op):
+                return
             # drain device work as we go keeps the queues short
             while work:
                 w = work.popleft()
@@ -316,7 +381,8 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
     if hosts_done and len(complete) == total and not mismatch:
         return Result(True, [], {}, makespan, dict(done), complete)
     return Result(False, mismatch or _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc,
-                                                 groups), _stuck(by_rank, pc), makespan, dict(done), complete)
+                                                 groups, connecting, arrived),
+                  _stuck(by_rank, pc, connecting, arrived), makespan, dict(done), complete)
 
 
 def _describe(by_rank, gid) -> str:
@@ -327,22 +393,31 @@ def _describe(by_rank, gid) -> str:
     return f"rank {op.rank} ({by_rank[op.rank].role}) {op.queue}: {op.label}"
 
 
-def _stuck(by_rank, pc) -> dict[int, str]:
+def _stuck(by_rank, pc, connecting=None, arrived=None) -> dict[int, str]:
     out = {}
     for r, p in by_rank.items():
-        if pc[r] < len(p.actions):
+        if connecting and r in connecting:
+            link, parties = connecting[r]
+            out[r] = f"host connecting {link[0]} (first use) with rank(s) {sorted(parties - set(arrived[link]))}"
+        elif pc[r] < len(p.actions):
             kind, i = p.actions[pc[r]]
             out[r] = f"host blocked on {_describe(by_rank, (r, i))}" if kind == "wait" else "host stopped"
     return out
 
 
-def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, groups) -> list[str]:
+def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, groups, connecting=None,
+                arrived=None) -> list[str]:
     """A wait-for cycle among incomplete ops and blocked hosts, one line per edge."""
+    connecting = connecting or {}
 
     def edges(node):
         if node[0] == "host":
             r = node[1]
             p = by_rank[r]
+            if r in connecting:
+                link, parties = connecting[r]
+                return [(("host", x), f"first use of {link[0]} waits for the host of")
+                        for x in sorted(parties - set(arrived[link]))]
             if pc[r] < len(p.actions):
                 kind, i = p.actions[pc[r]]
                 if kind == "wait":
@@ -412,6 +487,10 @@ def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, grou
                 return c
     # no cycle: someone waits for an op a peer never issues (a count mismatch)
     lines = []
+    for r, (link, parties) in sorted(connecting.items()):
+        missing = ", ".join(f"rank {x}" for x in sorted(parties - set(arrived[link])))
+        lines.append(f"{_describe(by_rank, ('host', r))}: first use of {link[0]} waits for {missing}, "
+                     "which never issues it")
     for g in sorted(issued - set(complete))[:5]:
         for child, why in edges(g):
             if child[0] == "host":

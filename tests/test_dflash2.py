@@ -155,3 +155,29 @@ def test_selector_loss_equals_its_definition_in_value_and_gradient():
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
     assert any(g not in c for g, c in zip(gold[rows].tolist(), cand[rows].tolist()))   # an injection happened
     assert correct[weight == 0].sum() == 0
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_the_chunked_loss_hands_the_selector_its_top_k_and_gold_without_changing_the_loss(soft):
+    """DFlash2's selector needs each row's top-K drafter tokens and its gold token (the label, or the
+    target's argmax under soft labels) from the LM-head pass that never holds all logits at once."""
+    from trainer.loss import dflash_loss
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(12, 8, generator=g, dtype=torch.float64)
+    head = torch.randn(30, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 30, (12,), generator=g)
+    w = torch.rand(12, generator=g, dtype=torch.float64)
+    w[[0, 6]] = 0
+    labels[[0, 6]] = -1
+    soft_rows = torch.randn(12, 8, generator=g, dtype=torch.float64) if soft else None
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    base, correct = dflash_loss(h1, head, labels, w, 2.0, soft_rows=soft_rows, chunk=5)
+    loss, correct2, cands, gold = dflash_loss(h2, head, labels, w, 2.0, soft_rows=soft_rows, chunk=5, top_k=4)
+    base.backward()
+    loss.backward()
+    assert loss.item() == pytest.approx(base.item(), rel=1e-6)
+    assert torch.allclose(h1.grad, h2.grad) and torch.equal(correct, correct2)
+    rows = w > 0
+    assert torch.equal(cands[rows], (hidden @ head.t()).topk(4, -1).indices[rows])
+    want = (soft_rows @ head.t()).argmax(-1) if soft else labels
+    assert torch.equal(gold[rows], want[rows])

@@ -28,7 +28,8 @@ def head_logits(hidden, weight, fp32: bool = True):
 
 
 def _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32):
-    """Per row: (CE [rows] fp32, d CE / d logits [rows, vocab] fp32, argmax agrees [rows] bool)."""
+    """Per row: (CE [rows] fp32, d CE / d logits [rows, vocab] fp32, argmax agrees [rows] bool, the logits,
+    the gold token [rows]: the label, or the target's argmax under soft labels)."""
     logits = head_logits(hidden, weight, fp32)
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
@@ -36,7 +37,7 @@ def _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32):
         safe = labels.clamp(min=0)
         nll = -logp.gather(1, safe[:, None])[:, 0]
         g = p.scatter_add(1, safe[:, None], -torch.ones_like(nll)[:, None])
-        ok = logits.argmax(-1) == labels
+        gold = labels
     else:
         t_logits = head_logits(soft_rows, weight, fp32)
         t_p = torch.softmax(t_logits, dim=-1)
@@ -45,8 +46,8 @@ def _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32):
             t_p, t_arg = t_p[soft_local], t_arg[soft_local]
         nll = -(t_p * logp).sum(-1)
         g = p - t_p
-        ok = logits.argmax(-1) == t_arg
-    return nll, g, ok
+        gold = t_arg
+    return nll, g, logits.argmax(-1) == gold, logits, gold
 
 
 def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight, soft_local=None, fp32: bool = True):
@@ -56,17 +57,21 @@ def lm_head_chunk(hidden, weight, labels, soft_rows, row_weight, soft_local=None
     None: soft_rows is one row per row. Pure function of its inputs, so it can be compiled (the
     elementwise passes over the fp32 [rows, vocab] logits fuse, the gather of the target rows into
     them); the GEMMs stay cuBLAS either way."""
-    nll, g, ok = _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32)
+    nll, g, ok, _, _ = _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32)
     grad = ((g * row_weight[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
     return (nll * row_weight).sum(), grad, ok.float()
 
 
-def lm_head_chunk_rows(hidden, weight, labels, fp32: bool = True):
-    """One chunk of rows against hard labels, unweighted: (CE [rows] fp32, d CE_r / d hidden_r [rows, H],
-    correct as float). For weights that depend on the CE itself (D-PACE): they are detached, so each
-    row's gradient is its own CE's scaled afterwards."""
-    nll, g, ok = _rows_ce(hidden, weight, labels, None, None, fp32)
-    return nll, (g.to(weight.dtype) @ weight).to(hidden.dtype), ok.float()
+def lm_head_chunk_rows(hidden, weight, labels, soft_rows, row_weight, soft_local=None, fp32: bool = True,
+                       top_k: int = 0):
+    """lm_head_chunk with the CE per row: (CE [rows], d (w CE) / d hidden [rows, H], correct as float,
+    the top_k token ids of the drafter's logits [rows, top_k] (descending), the gold token [rows]).
+    For weights that depend on the CE itself (D-PACE, detached: each row's gradient is its own CE's, scaled
+    once the weights are known; pass row_weight 1) and for DFlash2's candidate selector (top_k > 0)."""
+    nll, g, ok, logits, gold = _rows_ce(hidden, weight, labels, soft_rows, soft_local, fp32)
+    grad = ((g * row_weight[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+    cands = torch.topk(logits, top_k, dim=-1).indices if top_k else labels.new_zeros((labels.shape[0], 0))
+    return nll, grad, ok.float(), cands, gold
 
 
 def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
@@ -110,14 +115,16 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     `layout` go through the head (see plan.loss_layout); the others get zero gradient and count as not
     correct. Returns (loss_sum / weight_norm, correct [rows] as float). fused=True runs the compiled
     chunk function. dpace = (alpha, block_size): the row weights are multiplied by D-PACE's (dpace_weights),
-    computed from every row's CE once all chunks are through (hard labels only).
+    computed from every row's CE once all chunks are through (hard labels only). top_k > 0 (DFlash2's
+    selector): also returns each loss row's top_k token ids [rows, top_k] and gold token [rows] (0 elsewhere).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout, fused, fp32, dpace=None):
-        if dpace is not None:
-            return ChunkedLMHeadLoss._forward_dpace(ctx, hidden, weight, labels, row_weight, norm, layout, fused,
-                                                    fp32, *dpace)
+    def forward(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout, fused, fp32, dpace=None,
+                top_k=0):
+        if dpace is not None or top_k:
+            return ChunkedLMHeadLoss._forward_rows(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout,
+                                                   fused, fp32, dpace, top_k)
         loss_rows, bounds, soft_local = layout
         n = hidden.shape[0]
         fn = _chunk_fn(fused)
@@ -142,41 +149,54 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         return total, correct
 
     @staticmethod
-    def _forward_dpace(ctx, hidden, weight, labels, row_weight, norm, layout, fused, fp32, alpha, block_size):
-        loss_rows, bounds, _ = layout
+    def _forward_rows(ctx, hidden, weight, labels, soft_rows, row_weight, norm, layout, fused, fp32, dpace, top_k):
+        loss_rows, bounds, soft_local = layout
         n = hidden.shape[0]
         fn = _chunk_fn(fused, lm_head_chunk_rows)
         grad = torch.zeros_like(hidden)
         ce = torch.zeros(n, device=hidden.device, dtype=torch.float32)
         correct = torch.zeros(n, device=hidden.device, dtype=torch.float32)
-        for s, e, _, _ in bounds:
+        cands = torch.zeros((n, top_k), device=hidden.device, dtype=torch.long)
+        gold = torch.zeros(n, device=hidden.device, dtype=torch.long)
+        for s, e, u0, u1 in bounds:
             rows = loss_rows[s:e]
             h = hidden.index_select(0, rows)
             lab = labels.index_select(0, rows)
+            # D-PACE: unit weights here, its own once every row's CE is known
+            w = torch.ones_like(rows, dtype=row_weight.dtype) if dpace else row_weight.index_select(0, rows) / norm
+            soft = soft_rows[u0:u1] if soft_rows is not None else None
+            local = soft_local[s:e] if soft_rows is not None else None
             if fused:
-                _mark_rows_dynamic(h, lab)
-            part, g, ok = fn(h, weight, lab, fp32)
+                _mark_rows_dynamic(h, lab, w, soft, local)
+            part, g, ok, top, gd = fn(h, weight, lab, soft, w, local, fp32, top_k)
             ce.index_copy_(0, rows, part)
             grad.index_copy_(0, rows, g)
             correct.index_copy_(0, rows, ok)
-        w = dpace_weights(ce, row_weight > 0, block_size, alpha) * row_weight.float() / norm
-        grad.mul_(w.to(grad.dtype)[:, None])
+            cands.index_copy_(0, rows, top)
+            gold.index_copy_(0, rows, gd.long())
+        if dpace:
+            alpha, block_size = dpace
+            w = dpace_weights(ce, row_weight > 0, block_size, alpha) * row_weight.float() / norm
+            grad.mul_(w.to(grad.dtype)[:, None])
+        else:
+            w = row_weight.float() / norm
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return (w * ce).sum(), correct
+        ctx.mark_non_differentiable(correct, cands, gold)
+        return (w * ce).sum(), correct, cands, gold
 
     @staticmethod
-    def backward(ctx, grad_total, grad_correct):
+    def backward(ctx, grad_total, *_):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None, chunk: int = LOSS_CHUNK_ROWS,
                 fused: bool = False, layout=None, fp32_logits: bool = True, dedup: bool = True,
-                dpace_alpha: float | None = None, block_size: int | None = None):
+                dpace_alpha: float | None = None, block_size: int | None = None, top_k: int = 0):
     """Loss over block rows. labels[r] = token id (hard) or -1 (ignored: weight must be 0 there).
     dpace_alpha (with block_size; hidden's rows are whole blocks): D-PACE weights times row_weight (the
-    plan's 0/1 supervision under --loss ce+dpace); hard labels only.
+    plan's 0/1 supervision under --loss ce+dpace); hard labels only. Returns (loss, correct), and with
+    top_k > 0 also (top_k candidate ids [rows, top_k], gold token [rows]) for DFlash2's selector.
 
     layout = (loss_rows, bounds, soft_local) from the plan (plan.loss_layout, on the device): soft_rows
     is then the plan's soft_unique rows of the final-hidden buffer. Without a layout, soft_rows is one
@@ -201,5 +221,6 @@ def dflash_loss(hidden, lm_head_weight, labels, row_weight, norm, soft_rows=None
         if soft_rows is not None or not block_size:
             raise ValueError("D-PACE weights need hard labels and the block size")
         dpace = (float(dpace_alpha), int(block_size))
-    return ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, layout, fused,
-                                   fp32_logits, dpace)
+    out = ChunkedLMHeadLoss.apply(hidden, lm_head_weight, labels, soft_rows, row_weight, norm, layout, fused,
+                                  fp32_logits, dpace, int(top_k))
+    return out if top_k else out[:2]

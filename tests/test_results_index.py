@@ -69,3 +69,17 @@ def test_new_run_takes_commit_date_and_command_from_the_metadata(tmp_results):
 def test_brace_lists_and_patterns_in_the_docs_count_as_quotes():
     assert ri._expand("h200-{27b-b16,8b-orig}-df36c97.json") == ["h200-27b-b16-df36c97.json", "h200-8b-orig-df36c97.json"]
     assert ri._expand("log-world1-{new,old}.txt.gz") == ["log-world1-new.txt.gz", "log-world1-old.txt.gz"]
+
+
+def test_a_benchmark_records_the_commit_it_ran_at(monkeypatch):
+    """bench's metadata (and results_file's, which the tests/gpu scripts use) carries `git rev-parse HEAD`,
+    or $DFLASH_GIT_COMMIT where the tree was copied without its .git."""
+    import subprocess
+    from trainer import bench
+    monkeypatch.delenv("DFLASH_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    got = bench.git_commit()
+    assert got["commit"] == head and got["commit_dirty"] in (True, False)
+    monkeypatch.setenv("DFLASH_GIT_COMMIT", "0123456789abcdef")
+    res, _ = bench.results_file(None, {"shape": "tiny"})
+    assert res["meta"]["commit"] == "0123456789abcdef" and res["meta"]["shape"] == "tiny"

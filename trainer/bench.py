@@ -220,6 +220,28 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
     return 3 * dcfg.num_hidden_layers * layer + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0)
 
 
+def git_commit() -> dict:
+    """Which code a result measured (results/INDEX.md reads it): {"commit": this checkout's `git rev-parse
+    HEAD`, "commit_dirty": whether tracked files differ from it}. $DFLASH_GIT_COMMIT stands in where the
+    tree travelled without its .git; None where neither says (an installed wheel)."""
+    import os
+    import subprocess
+    if os.environ.get("DFLASH_GIT_COMMIT"):
+        return {"commit": os.environ["DFLASH_GIT_COMMIT"], "commit_dirty": None}
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return {"commit": None, "commit_dirty": None}
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=30)
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "commit_dirty": None}
+        return {"commit": head.stdout.strip(),
+                "commit_dirty": git("status", "--porcelain", "--untracked-files=no").stdout.strip() != ""}
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "commit_dirty": None}
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
 
@@ -230,7 +252,7 @@ def results_file(out: str | None, meta: dict, **sections):
     cut short still leaves what it measured. Returns (results, save)."""
     import transformers
     res = {"meta": {"device": gpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-                    "argv": sys.argv[1:], **meta}, **sections}
+                    "argv": sys.argv[1:], **git_commit(), **meta}, **sections}
     path = Path(out) if out else None
 
     def save() -> None:
@@ -956,7 +978,8 @@ def main(argv=None) -> int:
     meta = {"device": gpu_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus, "shape": a.shape,
             "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
-                                   SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time()}
+                                   SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time(),
+            **git_commit()}
     out = Path(a.out) if a.out else None
     if a.shape_cache_probe:
         backends = a.probe_backends.split(",") if cuda else ["auto"]

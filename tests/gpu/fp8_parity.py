@@ -195,6 +195,9 @@ def main(argv=None) -> int:
                                                      "data", "heldout")},
             "train_argv": {n: v[3][2:] for n, v in procs.items()}}
     try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from trainer.bench import git_commit
+        meta.update(git_commit())
         import torch
         meta["device"] = torch.cuda.get_device_name(int(a.gpu)) if a.gpu != "cpu" else "cpu"
         meta["torch"] = torch.__version__

@@ -64,7 +64,8 @@ def main() -> int:
 
     ref = grads(torch.device("cpu"), torch.float64, 0)
     dev = torch.device("cuda", 0)
-    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "cases": {}}
+    from trainer.bench import git_commit
+    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit(), "cases": {}}
     # the cases most likely to tell first (each writes the file): eager FlexAttention with gradients is slow
     cases = {"layers_dynamic": dict(compiled=True),
              "layers_dynamic_blockmerge_eager": dict(compiled=True, blockmerge_eager=True),

@@ -75,7 +75,8 @@ def main() -> int:
     import torch
     from trainer.bench import check_flex_on_gpu
     dev = torch.device("cuda", 0)
-    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
+    from trainer.bench import git_commit
+    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit()}
     # eager FlexAttention materialises every score with its gradient: slow, and the compiled kernels are
     # what trains, so the check runs them only (compiled alone and inside compiled layers)
     res["block_merge_bf16"] = block_merge_bf16(dev)   # the bf16 tensor-core path that trains (fp32 above)

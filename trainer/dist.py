@@ -425,8 +425,9 @@ class StopVote:
 def launch(argv: list[str], cfg) -> int:
     """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
     WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
-    rank in status.json. SIGTERM/SIGINT reach every rank through the launcher (its shutdown sends
-    SIGTERM, then SIGKILL after --stop-timeout)."""
+    rank in status.json. SIGTERM/SIGINT stay with this process, which passes SIGTERM on to this node's ranks
+    and SIGKILLs those still running after --stop-timeout (_Stopper; the launcher's own signal handling is
+    off)."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,0 +1,89 @@
+"""tests/gpu/first_multi_gpu_run.py, the one command for a fresh GPU machine: its CPU-checkable parts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "gpu" / "first_multi_gpu_run.py"
+
+
+@pytest.fixture(scope="module")
+def first_run():
+    spec = importlib.util.spec_from_file_location("first_multi_gpu_run", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_it_runs_from_anywhere_without_the_repo_installed(tmp_path):
+    """site-packages without its .pth files (the venv's editable install of the repo is one), from /tmp."""
+    import torch
+    site = str(Path(torch.__file__).parents[1])
+    code = (f"import sys, runpy; sys.path.append({site!r}); sys.argv = [{str(SCRIPT)!r}, '--help']; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--target-gpus" in r.stdout
+
+
+def test_the_p2p_mode_is_found_whole_or_cut_into_literals(first_run):
+    """torch 2.13 carries torch's sentence in one literal; 2.11 in two (found false there before)."""
+    whole = b"\x00An unbatched P2P op (send/recv) was called on this ProcessGroup with size \x00. " + \
+        first_run.P2P_SENTENCE.encode() + b" To avoid serialization\x00"
+    cut = first_run.P2P_SENTENCE.encode()
+    at = cut.index(b"independent")
+    split = b"\x00junk\x00" + cut[:at] + b"\x00other literals\x00" + cut[at:] + b"\x00"
+    assert first_run.carries_sentence(whole)
+    assert first_run.carries_sentence(split)
+    assert not first_run.carries_sentence(b"\x00unbatched P2P ops\x00 something else entirely\x00")
+
+
+def test_the_child_environment_is_the_one_run_sh_renders(first_run, tmp_path):
+    """One list: the role's dflash_service_run_env, which run.sh.j2 loops over and the script reads."""
+    mapping = yaml.safe_load((REPO / "roles/dflash_service/vars/main.yml").read_text())["dflash_service_run_env"]
+    env = first_run.run_env(tmp_path)
+    assert set(env) == set(mapping)
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace_rank_"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    child = first_run.child_env(tmp_path, tmp_path, "x")
+    assert all(child[k] == v for k, v in env.items())
+    template = (REPO / "roles/dflash_service/templates/run.sh.j2").read_text()
+    assert "dflash_service_run_env.items()" in template
+    assert not set(re.findall(r"^export (\w+)=", template, re.M)) & set(mapping), "an env var written twice"
+
+
+def test_loading_is_not_progress_and_every_phase_is_bounded(first_run):
+    p = first_run.Progress(startup_bound=100, step_bound=10, now=0)
+    for t in range(0, 100, 5):      # status.json rewritten every few seconds while loading: no step
+        assert p.update({"phase": "loading", "step": 0}, t) is None
+    assert "of the start" in p.update({"phase": "warmup", "step": 0}, 101)
+    p = first_run.Progress(startup_bound=100, step_bound=10, now=0)
+    assert p.update({"phase": "training", "step": 1}, 50) is None
+    assert p.update({"phase": "training", "step": 2}, 55) is None
+    assert p.update({"phase": "checkpointing", "step": 2}, 64) is None
+    assert "after step 2" in p.update({"phase": "checkpointing", "step": 2}, 66)
+
+
+def test_a_stall_without_py_spy_is_one_line(first_run, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(first_run.shutil, "which", lambda name: None)
+    assert first_run.stack_dumps(os.getpid(), tmp_path) == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "py-spy" in err
+
+
+def test_the_tiny_recipe_does_not_call_itself_the_seed_recipe(first_run):
+    assert "--block-size" in first_run.TINY_RECIPE and first_run.TINY_RECIPE[1] != "32"
+    text = SCRIPT.read_text()
+    assert "tiny (block 8" in text and "at the seed\n     recipe" not in text

@@ -115,6 +115,20 @@ def resolve_loop(loop: str, temperature: float) -> str:
     return loop
 
 
+def runnable_loop(target, loop: str) -> str:
+    """`loop`, or "single" with one warning line where the batched loop cannot run this target (a hybrid
+    whose linear-attention layers fastgen does not know how to roll back: fastgen.hybrid_unsupported)."""
+    if loop != "batched":
+        return loop
+    from .fastgen import hybrid_unsupported
+    from .target import decoder
+    why = hybrid_unsupported(decoder(target), speculative=True)
+    if why:
+        log.warning("dflash-eval: the batched loop cannot run this target (%s); using the single loop", why)
+        return "single"
+    return loop
+
+
 @torch.no_grad()
 def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                   temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0, loop: str = "single",
@@ -124,7 +138,7 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs)."""
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
-    loop = resolve_loop(loop, temperature)
+    loop = runnable_loop(target, resolve_loop(loop, temperature))
     if loop == "batched":
         from .fastgen import BatchedSpecDecoder
         dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
@@ -147,7 +161,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
     """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
     dev = next(target.parameters()).device
     bs = drafter.block_size
-    loop = resolve_loop(loop, temperature)
+    loop = runnable_loop(target, resolve_loop(loop, temperature))
     t0 = time.perf_counter()
     each = generate_each(target, drafter, prompts, max_new_tokens, temperature, stop_ids, seed, loop, batch_size,
                          graphs)

@@ -134,6 +134,35 @@ def _rms(x, w, eps: float):
     return w * xf.to(dt)
 
 
+def _rms_1p(x, w, eps: float):
+    """Qwen3.5's zero-centred RMSNorm: (1 + w) * the normalised x, in fp32, cast back."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.to(torch.float32))).to(x.dtype)
+
+
+NORMS = {"rms": _rms, "rms1p": _rms_1p}
+
+
+def norm_kind(module) -> tuple[str, str] | None:
+    """(NORMS key, name of its epsilon attribute) of the formula that computes this norm's forward, found by
+    running it once on a small random input; None for any other module (another signature, such as the
+    gated norm of the linear-attention layers, or another formula): left as it is."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    w = getattr(module, "weight", None)
+    eps_name = next((n for n in ("variance_epsilon", "eps") if isinstance(getattr(module, n, None), float)), None)
+    if len(params) != 1 or not isinstance(w, torch.Tensor) or w.dim() != 1 or eps_name is None:
+        return None
+    x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    with torch.no_grad():
+        y = module(x)
+        for kind, fn in NORMS.items():
+            if torch.allclose(fn(x, w, getattr(module, eps_name)), y, rtol=1e-2, atol=1e-2):
+                return kind, eps_name
+    return None
+
+
 def _silu_mul(g, u):
     return F.silu(g) * u
 
@@ -147,8 +176,10 @@ def _mlp(x, gate_w, up_w, down_w):
 def fused_small_ops(model, whole_mlp: bool = False):
     """While active, the target's RMSNorm, rotary embedding and SiLU-gated MLP product run as compiled
     (fused) kernels: about 50 eager kernels per layer of a decode step become about 20. Only the classes
-    and functions recognised here are replaced (RMSNorm with `variance_epsilon`; the attention module's
-    `apply_rotary_pos_emb`; an MLP with gate/up/down projections and SiLU); others stay as they are.
+    and functions recognised here are replaced (a one-input norm whose output one of NORMS reproduces,
+    `norm_kind`: Qwen3's RMSNorm and Qwen3.5's zero-centred one; the attention module's
+    `apply_rotary_pos_emb`; an MLP with gate/up/down projections and SiLU); others stay as they are (a
+    hybrid's gated norm and Gated DeltaNet kernels among them).
     whole_mlp: the MLP's projections are compiled with it (one graph per shape for every layer: the
     weights are its arguments), so that work around its GEMMs (e.g. the input quantizations of quantized
     weights, tests/gpu/regenerate_bench.py's `w8` variants) fuses too."""
@@ -163,11 +194,15 @@ def fused_small_ops(model, whole_mlp: bool = False):
         saved.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, new)
 
-    rms = _compile("rms", _rms)
     silu_mul = _compile("silu_mul", _silu_mul)
-    norm_classes = {type(m) for m in base.modules() if hasattr(m, "variance_epsilon") and hasattr(m, "weight")}
-    for cls in norm_classes:
-        patch(cls, "forward", lambda self, x: rms(x, self.weight, self.variance_epsilon))
+    norms = {}   # class -> (NORMS key, epsilon attribute), probed on its first instance
+    for m in base.modules():
+        if type(m) not in norms and "norm" in type(m).__name__.lower():
+            norms[type(m)] = norm_kind(m)
+    for cls, found in norms.items():
+        if found is not None:
+            fn, eps = _compile(found[0], NORMS[found[0]]), found[1]
+            patch(cls, "forward", lambda self, x, fn=fn, eps=eps: fn(x, self.weight, getattr(self, eps)))
     layer = base.layers[0]
     attn_mod = sys.modules[type(getattr(layer, "self_attn", layer)).__module__]
     if hasattr(attn_mod, "apply_rotary_pos_emb"):

@@ -154,6 +154,13 @@ class TargetGenerator:
         # step captured as CUDA graphs on GPUs); "generate": transformers' generate, as before
         if decoder not in DECODERS:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
+        if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
+            from .fastgen import hybrid_unsupported
+            from .target import decoder as decoder_stack
+            why = hybrid_unsupported(decoder_stack(self.model))
+            if why:
+                _log_stderr(f"{PROG}: the captured decoder cannot run this target ({why}); using --decoder generate")
+                decoder, fuse = "generate", False
         self.decoder = decoder
         # fuse: the captured decode step's norms, rotary and SiLU gate compiled (fastgen.fused_small_ops)
         self.fuse = bool(fuse)

@@ -1,0 +1,253 @@
+"""Speculative generation and regeneration on a hybrid target (issue 39 item 3).
+
+The seeds' target, Qwen3.6-27B, is a Qwen3.5 hybrid: Gated DeltaNet linear-attention layers with a
+conv and a recurrent state beside gated full attention. Specifications, on the tiny Qwen3.5 target of
+`dflash-tiny --arch qwen3_5` (and the dense tiny Qwen3 beside it where the claim is about both):
+- after a verify step the linear layers' states are those after the accepted tokens: both loops of
+  dflash-eval, fed proposals that are accepted in part (1..B tokens a step), emit the target's plain greedy
+  decode and the same accept lengths (a loop that kept the whole block's state would drift at once);
+- dflash-eval on a hybrid checkpoint runs both loops with one tau; the in-training eval's entry point too;
+- dflash-regenerate's captured decoder (its CPU path: the same loop without graphs) writes the bytes of
+  transformers' generate on a hybrid, left padding and a short last batch included;
+- a path that cannot run a hybrid says so in one line and falls back (no traceback);
+- the captured decoder's compiled small ops leave a hybrid's gated norm alone and compute its
+  zero-centred RMSNorm.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data import load_dataset
+from trainer.evaluate import heldout_prompts, hf_drafter, load_target
+from trainer.model import DFlashConfig, DFlashDrafter, init_drafter_weights
+
+BLOCK = 4
+NEW = 24
+
+
+def _target(d):
+    torch.set_num_threads(1)
+    return load_target(str(d / "target"), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_hybrid_dir):
+    return _target(tiny_hybrid_dir)
+
+
+@pytest.fixture(scope="module", params=["hybrid", "dense"])
+def case(request):
+    """(tiny dir, target, four prompts of different lengths) for the hybrid and the dense tiny target."""
+    d = request.getfixturevalue("tiny_hybrid_dir" if request.param == "hybrid" else "tiny_small_dir")
+    target = request.getfixturevalue("hybrid") if request.param == "hybrid" else _target(d)
+    prompts = heldout_prompts(load_dataset(d / "heldout"), 4)
+    return d, target, [p[:n] for p, n in zip(prompts, (41, 13, 66, 5))]
+
+
+def untrained(target):
+    cfg = DFlashConfig.from_target(target.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed=0)
+    return cfg, model
+
+
+def greedy(target, prompt, n):
+    ids = torch.as_tensor(prompt)[None]
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0].tolist()   # prompt + n tokens
+
+
+class Proposals:
+    """The target's greedy continuation with one slot made wrong at a place that depends on the block's
+    start: a step accepts 0..B-1 drafts (B at most 1 in B steps), so the states are rolled back by
+    different amounts from step to step."""
+
+    def __init__(self, target, prompts):
+        self.full = [torch.as_tensor(greedy(target, p, NEW + 2 * BLOCK)) for p in prompts]
+        self.lens = [len(p) for p in prompts]
+        self.vocab = target.get_output_embeddings().weight.shape[0]
+
+    def drafts(self, row: int, start: int) -> torch.Tensor:
+        d = self.full[row][start + 1:start + BLOCK].clone()
+        wrong = ((start * 2654435761) >> 5) % BLOCK
+        if wrong:
+            d[wrong - 1] = (d[wrong - 1] + 1) % self.vocab
+        return d
+
+    def single(self, real, row):
+        """A stand-in for the single loop's drafter (its draft_logits) proposing `drafts`."""
+        outer = self
+
+        class Drafter:
+            block_size, target_layer_ids, extract_taps = real.block_size, real.target_layer_ids, real.extract_taps
+
+            def draft_logits(self, target, new_taps, first_token, start, cache):
+                return torch.nn.functional.one_hot(outer.drafts(row, start), outer.vocab).float() * 10
+        return Drafter()
+
+    def batched(self, dec):
+        """The batched loop's `_draft` replaced: each row's block starts at its position_ids[:, -B]."""
+        def draft(first, new_taps, position_ids, mask):
+            starts = position_ids[:, -BLOCK].tolist()
+            rows = [self.lens.index(starts[0])] if first.shape[0] == 1 else range(first.shape[0])  # prefill: one row
+            return torch.stack([self.drafts(r, s) for r, s in zip(rows, starts)])
+        dec._draft = draft
+
+
+def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_greedy_decode(case):
+    """Fails before the fix on the hybrid: the single loop's DynamicCache() had no layer for the recurrent
+    state (IndexError), the batched loop's cache no get_recurrent_state (AttributeError)."""
+    from trainer.fastgen import BatchedSpecDecoder
+    from trainer.modeling_dflash import dflash_generate
+
+    _, target, prompts = case
+    cfg, model = untrained(target)
+    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
+    prop = Proposals(target, prompts)
+    single = [dflash_generate(prop.single(hf, i), target, torch.as_tensor(p)[None], NEW, [])
+              for i, p in enumerate(prompts)]
+    for i, (p, res) in enumerate(zip(prompts, single)):
+        assert res.output_ids[0].tolist() == prop.full[i][:len(p) + NEW].tolist()
+        assert len(set(res.accept_lengths)) >= 3          # partial acceptances: rollbacks of several lengths
+    dec = BatchedSpecDecoder(target, hf, "cpu", len(prompts), NEW, [], graphs=False)
+    prop.batched(dec)
+    for i, (lengths, toks) in enumerate(dec.generate(prompts)):
+        assert toks.tolist() == prop.full[i][len(prompts[i]):len(prompts[i]) + NEW].tolist()
+        assert lengths == single[i].accept_lengths
+
+
+def test_single_loop_frees_the_recorded_states_after_each_rollback(hybrid, tiny_hybrid_dir):
+    """transformers records a hybrid's past for crop(); the loop crops after the prefill and every verify,
+    so the recorded history and the conv inputs never outgrow one block."""
+    from trainer.modeling_dflash import crop_cache, target_cache
+
+    cache = target_cache(hybrid, BLOCK)
+    linear = [layer for layer in cache.layers if getattr(layer, "record_past", False)]
+    assert linear and len(linear) == sum(t == "linear_attention" for t in hybrid.config.layer_types)
+    ids = torch.as_tensor(heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 1)[0])[None]
+    hybrid(input_ids=ids, cache=cache, use_cache=True)
+    crop_cache(cache, ids.shape[1])
+    hybrid(input_ids=ids[:, :BLOCK], position_ids=torch.arange(BLOCK)[None] + ids.shape[1], cache=cache,
+           use_cache=True)
+    crop_cache(cache, ids.shape[1] + 2)
+    assert int(cache.get_seq_length()) == ids.shape[1] + 2
+    for layer in linear:
+        assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0]
+        assert layer.recurrent_states_history[0] == []
+
+
+def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid, tiny_hybrid_dir, tmp_path,
+                                                                         capsys):
+    from trainer.checkpoint import CheckpointManager
+    from trainer.evaluate import evaluate_state, main as eval_main
+
+    cfg, model = untrained(hybrid)
+    CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
+    res = {}
+    for loop in ("batched", "single"):   # before the fix: AttributeError ('_RowKV' ...), then IndexError
+        assert eval_main(["--target-model", str(tiny_hybrid_dir / "target"), "--checkpoint", str(tmp_path / "run"),
+                          "--data-dir", str(tiny_hybrid_dir / "heldout"), "--device", "cpu", "--max-prompts", "3",
+                          "--max-new-tokens", "12", "--no-block-accuracy", "--loop", loop, "--batch-size", "2",
+                          "--json"]) == 0
+        res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
+    assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]
+    # the in-training eval's entry point (trainer/evaltrain.py: the single loop on the current weights)
+    ds = load_dataset(tiny_hybrid_dir / "heldout")
+    inner = evaluate_state(cfg, model.state_dict(), hybrid, ds, torch.device("cpu"), torch.float32, 3, 12,
+                           with_block_accuracy=True)
+    assert inner["accept_length_histogram"] == res["single"]["accept_length_histogram"]
+    assert 0 <= inner["block_accuracy"] <= 1
+
+
+def test_the_captured_decoder_on_a_hybrid_writes_the_bytes_of_generate(tiny_hybrid_dir, tmp_path):
+    """Fails before the fix: `'_KVCache' object has no attribute 'get_recurrent_state'`. Left padding of
+    prompts of many lengths (a hybrid's linear layers must not fold the padding into their states) and a
+    short last batch; the same loop is captured as CUDA graphs on GPUs."""
+    from trainer.regenerate import regenerate
+
+    common = dict(max_new_tokens=16, shard_size=16, max_records=20, log=lambda msg: None)
+    regenerate(tiny_hybrid_dir / "data", tiny_hybrid_dir / "target", tmp_path / "gen", batch_size=8,
+               decoder="generate", **common)
+    regenerate(tiny_hybrid_dir / "data", tiny_hybrid_dir / "target", tmp_path / "cap", batch_size=6,
+               decoder="captured", **common)
+    a = {p.name: p.read_bytes() for p in (tmp_path / "gen").glob("shard-*")}
+    b = {p.name: p.read_bytes() for p in (tmp_path / "cap").glob("shard-*")}
+    assert len(a) == 2 and a == b
+
+
+def test_the_captured_decoder_holds_only_the_attention_layers_kv_and_each_linear_layers_state(hybrid):
+    from trainer.fastgen import GraphDecoder
+
+    dec = GraphDecoder(hybrid, "cpu", 2, 4, 0.0, [], 0)
+    dec.generate([np.arange(5, 20), np.arange(7, 10)], range(2))
+    types = hybrid.config.layer_types
+    assert [k is None for k in dec.cache.k] == [t == "linear_attention" for t in types]
+    lin = dec.cache.linear
+    la = hybrid.model.layers[lin.ids[0]].linear_attn
+    assert lin.conv[lin.ids[0]].shape == (2, la.conv_dim, la.conv_kernel_size)
+    assert lin.rec[lin.ids[0]].shape == (2, la.num_v_heads, la.head_k_dim, la.head_v_dim)
+
+
+def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tiny_hybrid_dir, monkeypatch, caplog,
+                                                                     capsys):
+    """A hybrid whose layer module has no chunked kernel to roll back with (another family): dflash-eval's
+    batched loop says so in one line and runs the single loop; a hybrid the captured decoder cannot hold:
+    dflash-regenerate says so in one line and runs generate."""
+    import logging
+
+    from trainer import fastgen
+    from trainer.evaluate import speculative_eval
+    from trainer.regenerate import TargetGenerator
+
+    monkeypatch.setattr(fastgen, "CHUNK_FN", "chunk_some_other_rule")
+    cfg, model = untrained(hybrid)
+    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
+    prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
+    with caplog.at_level(logging.WARNING, logger="trainer.evaluate"):
+        res = speculative_eval(hybrid, hf, prompts, 6, loop="batched")
+    assert res["loop"] == "single" and res["verify_steps"] > 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "batched loop cannot run this target" in lines[0] and "chunk_some_other_rule" in lines[0]
+    assert TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured").decoder == "captured"   # needs no rollback
+    monkeypatch.setattr(fastgen, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
+    gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert gen.decoder == "generate" and len(err) == 1
+    assert "captured decoder cannot run this target (layer types mamba" in err[0] and "using --decoder generate" in err[0]
+    assert len(gen.complete(prompts, seed=0)[0]) == 4
+
+
+def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
+    """fuse: the zero-centred RMSNorm is computed as (1 + w) * x-hat; the gated norm of the linear layers
+    (two inputs) is left alone (it used to be patched with a one-input forward: TypeError)."""
+    import copy
+
+    from trainer.fastgen import norm_kind
+
+    layer = hybrid.model.layers[0]
+    norm = copy.deepcopy(layer.input_layernorm)
+    with torch.no_grad():
+        norm.weight.normal_()
+    assert norm_kind(norm) == ("rms1p", "eps")
+    assert norm_kind(layer.linear_attn.norm) is None
+    assert norm_kind(layer.mlp) is None
+
+
+@pytest.mark.slow
+def test_the_captured_decoder_with_compiled_small_ops_on_a_hybrid_gives_generates_tokens(hybrid, tiny_hybrid_dir):
+    """fuse=True (the GPU default) on a hybrid; before the fix: TypeError from the gated norm (16 s of
+    inductor compiles on the CPU)."""
+    from trainer.fastgen import GraphDecoder
+    from trainer.regenerate import TargetGenerator
+
+    prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 4)
+    gen = TargetGenerator(hybrid, "cpu", 8, 0.0, 4)
+    ref = gen._batch(prompts)
+    got = GraphDecoder(hybrid, "cpu", 4, 8, 0.0, gen.stop_ids, gen.pad_id, fuse=True).generate(prompts, range(4))
+    assert [list(a) for a in ref] == [list(b) for b in got]

@@ -261,6 +261,13 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     # units start, so the default group waits as long as the other host phases (a rank that came 4 s
     # after another failed the job under --dist-timeout 4); the groups the steps use carry --dist-timeout.
     startup_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
+    if device.type == "cuda":
+        if rank == 0:
+            log.info("point-to-point: eager NCCL init, so a process group's unbatched sends and receives run in "
+                     "order with all its other ops; hidden states travel on %s", "a communicator per (target, drafter)"
+                     " pair" if cfg.transport == "pair" else "the world group's one communicator (--transport world)")
+        # said once above; torch would repeat it for every process group
+        os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
     dist.init_process_group(backend, timeout=startup_timeout, device_id=device if device.type == "cuda" else None)
     from . import oprecord
     oprecord.install_from_env(rank, world)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)

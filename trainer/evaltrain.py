@@ -20,8 +20,11 @@ ranks, after the step's metrics are drained and before a checkpoint of the same 
   5. owner -> every rank: the result (broadcast_object_list on `control`); the leader records it
      (metrics.jsonl, status.json, W&B/TensorBoard). An eval that raises is reported as {"error": ...}:
      a warning, and training goes on.
-Every other rank waits in step 5, so one eval must finish within --dist-timeout (a gloo collective's
-limit); --eval-prompts and --eval-max-new-tokens bound it. The pause is not counted in tokens/s.
+Every other rank waits in step 5, in a gloo collective on `control`, whose timeout is
+dist.HOST_PHASE_TIMEOUT_S (3 h), not --dist-timeout; no NCCL op is in flight meanwhile. Rank 0 writes
+status.json with phase "eval" every 30 s while it waits (status.beating), so the supervisor keeps
+petting systemd's watchdog. --eval-prompts and --eval-max-new-tokens bound the eval. The pause is not
+counted in tokens/s.
 """
 
 from __future__ import annotations

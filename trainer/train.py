@@ -46,6 +46,7 @@ from .model import DFlashConfig
 from .optim import guarded_step, lr_at, warmup_steps
 from .report import Reporter
 from .runlog import setup_logging
+from .status import beating
 from .target import TargetStage, decoder, load_target
 from .transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
 from .warmup import warmup
@@ -220,10 +221,13 @@ class Trainer:
         t0 = time.perf_counter()
         if self.topo.is_drafter:
             self._drain_metrics(block=True)   # step records first: W&B drops a step below the last logged
-        self._quiesce()
-        state = consolidated_state(self.drafter.model, self.device, self.topo.leader) if self.topo.is_drafter else None
-        res = self.evaluator.run(self.step, state, self.target, self.dcfg, final)
-        del state
+        # status.json says eval and keeps moving (systemd's watchdog is petted while rank 0 waits)
+        with beating(self.report.status, phase="eval", step=self.step):
+            self._quiesce()
+            state = consolidated_state(self.drafter.model, self.device, self.topo.leader) if self.topo.is_drafter \
+                else None
+            res = self.evaluator.run(self.step, state, self.target, self.dcfg, final)
+            del state
         secs = time.perf_counter() - t0
         if self.topo.leader:
             if "error" in res:

@@ -928,6 +928,8 @@ def kernel_table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from .optional import defer
+    defer()   # a program: torchao only when a variant asks for it (trainer/optional.py)
     p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--settings", default="orig,b16")

@@ -490,4 +490,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from .optional import defer
+    defer()   # a program (python -m): torchao only when asked for (trainer/optional.py)
     sys.exit(main())

@@ -1,0 +1,40 @@
+"""The console scripts (pyproject.toml's [project.scripts]): each defers the optional accelerators
+(trainer/optional.py) before its module, and with it transformers, is imported, then runs its main()."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def _run(module: str, argv=None) -> int:
+    from .optional import defer
+    defer()
+    return importlib.import_module(f"trainer.{module}").main(argv)
+
+
+def train(argv=None) -> int:
+    return _run("__main__", argv)
+
+
+def status(argv=None) -> int:
+    return _run("status", argv)
+
+
+def prepare(argv=None) -> int:
+    return _run("prepare", argv)
+
+
+def regenerate(argv=None) -> int:
+    return _run("regenerate", argv)
+
+
+def tiny(argv=None) -> int:
+    return _run("tiny", argv)
+
+
+def evaluate(argv=None) -> int:
+    return _run("evaluate", argv)
+
+
+def export(argv=None) -> int:
+    return _run("export", argv)

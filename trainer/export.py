@@ -30,7 +30,8 @@ import torch
 import safetensors.torch
 
 from .checkpoint import CONFIG_FILE, MODEL_FILE, STEP_DIR_RE, CheckpointManager
-from .model import DFlashConfig
+from .dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from .model import DFLASH2_KEYS, DFlashConfig
 
 PROG = "dflash-export"
 MODELING_FILE = "modeling_dflash.py"
@@ -65,7 +66,7 @@ def drafter_config_from_json(d: dict) -> DFlashConfig:
     or an export's HF config.json (taps, mask id under dflash_config; num_target_layers)."""
     sub = d.get("dflash_config") or {}
     flat = dict(d)
-    for key in ("target_layer_ids", "mask_token_id", "block_size"):
+    for key in ("target_layer_ids", "mask_token_id", "block_size", *DFLASH2_KEYS):
         if key not in flat and key in sub:
             flat[key] = sub[key]
     if "target_num_hidden_layers" not in flat:
@@ -80,7 +81,7 @@ def drafter_config_from_json(d: dict) -> DFlashConfig:
     missing = [k for k in required if flat.get(k) is None]
     if missing:
         raise ExportError(f"drafter config lacks {', '.join(missing)}")
-    flat["architectures"] = [ARCHITECTURE]
+    flat["architectures"] = [DFLASH2_ARCHITECTURE if flat.get("conv_kernel_size") else ARCHITECTURE]
     flat["model_type"] = "qwen3"
     return DFlashConfig.from_dict(flat)
 
@@ -110,6 +111,9 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
     - layer_types all "full_attention": SGLang and vLLM then build non-causal draft attention;
     - eagle_aux_hidden_state_layer_ids = taps + 1: vLLM's capture points ("before layer i"), the form
       speculators writes for DFlash too; vLLM versions before the dflash_config fallback read only it;
+    - DFlash2 (architectures DFlash2DraftModel): dflash_config.{conv_kernel_size, conv_group_size,
+      selector_rank, selector_top_k}, where the reference class, SGLang and vLLM read them; no auto_map
+      (modeling_dflash.py is DFlash's);
     - dtype / torch_dtype: `dtype="auto"` loads bf16 weights as bf16;
     - auto_map: AutoModel(trust_remote_code=True) builds modeling_dflash.DFlashDraftModel."""
     theta = float(cfg.rope_theta)
@@ -121,9 +125,12 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
               "mask_token_id": cfg.mask_token_id, "num_target_layers": cfg.target_num_hidden_layers}
     if mask_token:
         dflash["mask_token"] = mask_token
+    arch = {"architectures": [ARCHITECTURE], "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"}}
+    if cfg.is_dflash2:
+        dflash.update({k: int(getattr(cfg, k)) for k in DFLASH2_KEYS})
+        arch = {"architectures": [DFLASH2_ARCHITECTURE]}
     return {
-        "architectures": [ARCHITECTURE],
-        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"},
+        **arch,
         "model_type": "qwen3",
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
@@ -236,7 +243,8 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, target_model:
         tensors = {n: t.detach().to(EXPORT_DTYPE).contiguous() for n, t in sorted(state.items())}
         safetensors.torch.save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, EXPORT_DTYPE, mask_token), indent=2) + "\n")
-        shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
+        if not cfg.is_dflash2:   # the AutoModel class of a DFlash export (config.json's auto_map)
+            shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
         step = STEP_DIR_RE.match(ckpt.name)
         (tmp / "export.json").write_text(json.dumps(
             {"source": str(ckpt.resolve()), "step": int(step.group(1)) if step else None,

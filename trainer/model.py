@@ -28,6 +28,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from .identity import tap_layers   # the rule lives with the target identity (torch-free)
 from .plan import ATTENTION_ARRAYS, FLEX_BLOCK
+from .dflash2 import CandidateSelector, GroupedDynamicConv
+
+
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -48,6 +52,12 @@ class DFlashConfig:
     target_num_hidden_layers: int
     rope_scaling: dict | None = None
     hidden_act: str = "silu"
+    # DFlash2 (trainer/dflash2.py; dflash2.as_dflash2 sets them): the convolution's taps and channels per
+    # dynamic kernel, the selector's rank and candidates per position. None: DFlash
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     architectures: list[str] = field(default_factory=lambda: ["DFlashDraftModel"])
     model_type: str = "qwen3"
 
@@ -75,7 +85,13 @@ class DFlashConfig:
         d = asdict(self)
         d["dflash_config"] = {"block_size": self.block_size, "target_layer_ids": self.target_layer_ids,
                               "mask_token_id": self.mask_token_id}
+        if self.is_dflash2:
+            d["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_KEYS})
         return d
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
@@ -399,10 +415,20 @@ class DFlashLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg.qwen3_config())
+        self.attention_conv = self.mlp_conv = None   # DFlash2: a convolution around each sublayer
+        if cfg.is_dflash2:
+            self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, x, ctx, rope_q, rope_ctx, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, meta, backend)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        bs = meta.block_size
+        h, out_kernel = self.attention_conv.prepare(self.input_layernorm(x), bs)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_ctx, meta, backend), out_kernel, bs)
+        h, out_kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x), bs)
+        return x + self.mlp_conv.finish(self.mlp(h), out_kernel, bs)
 
 
 class DFlashDrafter(nn.Module):
@@ -418,6 +444,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())
+        if cfg.is_dflash2:   # used by the loss (dflash2.selector_loss) and at inference, not in forward
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
 
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
         """[Tc, K*H] -> [Tc, H]. split_fc: per-tap matmuls summed (same math, no K*H-wide GEMM input)."""
@@ -455,3 +484,6 @@ def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int = 0)
                 p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32) * std)
             elif "norm" in name:
                 p.fill_(1.0)
+        for m in model.modules():   # DFlash2's convolutions start as the identity: the drafter starts as DFlash
+            if isinstance(m, GroupedDynamicConv):
+                m.reset_parameters()

@@ -181,3 +181,76 @@ def test_the_chunked_loss_hands_the_selector_its_top_k_and_gold_without_changing
     assert torch.equal(cands[rows], (hidden @ head.t()).topk(4, -1).indices[rows])
     want = (soft_rows @ head.t()).argmax(-1) if soft else labels
     assert torch.equal(gold[rows], want[rows])
+
+
+# ----------------------------------------------------------------------------- the drafter and its export
+
+def _tiny_dflash2(seed=0):
+    """A DFlash2 drafter for a tiny Qwen3 target (config only: the drafter ships no embedding or head),
+    every weight random, the convolutions' too (a fresh one is the identity, which would hide them)."""
+    from transformers import Qwen3Config
+    from trainer.dflash2 import as_dflash2
+    from trainer.model import DFlashConfig, DFlashDrafter, init_drafter_weights
+    target = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=60, max_position_embeddings=256)
+    cfg = as_dflash2(DFlashConfig.from_target(target, num_draft_layers=2, block_size=B, mask_token_id=59),
+                     selector_rank=8, selector_top_k=5, conv_group_size=8)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "conv" in n or p.ndim == 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    return cfg, model
+
+
+def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_equal_ours(tmp_path):
+    import json
+    import safetensors.torch
+    from trainer.checkpoint import CheckpointManager
+    from trainer.export import export_drafter, read_checkpoint
+    from trainer.model import DFlashDrafter, PackedMeta
+
+    cfg, model = _tiny_dflash2()
+    ckpt = CheckpointManager(tmp_path / "run").save(3, model.state_dict(), cfg.to_dict(), {"step": 3})
+    out = export_drafter(ckpt, tmp_path / "export")
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in c
+    assert {k: c["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                               "selector_top_k", "block_size", "mask_token_id")} == {
+        "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 5, "block_size": B,
+        "mask_token_id": 59}
+    names = set(safetensors.torch.load_file(str(out / "model.safetensors")))
+    assert "candidate_selector.predecessor_codebook" in names   # the public checkpoint's names
+
+    theirs, info = ref.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    rcfg, state, _ = read_checkpoint(out)                       # ours, from the same bf16 weights
+    ours = DFlashDrafter(rcfg)
+    ours.load_state_dict({k: v.float() for k, v in state.items()})
+    theirs.eval()
+    ours.eval()
+
+    g = torch.Generator().manual_seed(4)
+    n_ctx, width, h = 12, len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size
+    taps = torch.randn(n_ctx, width, generator=g)
+    anchors = [5, 9]
+    noise = torch.randn(len(anchors) * B, h, generator=g)
+    meta = PackedMeta(ctx_seq=torch.zeros(n_ctx, dtype=torch.long), ctx_pos=torch.arange(n_ctx),
+                      q_seq=torch.zeros(len(anchors) * B, dtype=torch.long),
+                      q_anchor=torch.tensor(anchors).repeat_interleave(B),
+                      q_pos=torch.cat([torch.arange(a, a + B) for a in anchors]), block_size=B)
+    head = torch.nn.Linear(h, cfg.vocab_size, bias=False)
+    torch.nn.init.normal_(head.weight, std=1.0, generator=g)
+    with torch.no_grad():
+        hidden = ours(taps, noise, meta, backend="sdpa")
+        for j, a in enumerate(anchors):   # the reference, one block at a time with the context before it
+            want = theirs(position_ids=torch.arange(a + B)[None], noise_embedding=noise[j * B:(j + 1) * B][None],
+                          target_hidden=taps[:a][None], is_causal=False)
+            got = hidden[j * B:(j + 1) * B]
+            assert torch.allclose(got, want[0], atol=2e-5), (got - want[0]).abs().max()
+            anchor_tok = torch.tensor([7 + j])
+            path_ref, _, _ = theirs.propose(want[:, 1:], anchor_tok, head, 0.0)
+            path, _, _ = ours.candidate_selector.walk(got[None, 1:], head(got[None, 1:]), anchor_tok)
+            assert torch.equal(path, path_ref)

@@ -22,7 +22,7 @@ from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import losses, tiny_args  # noqa: E402
 
-allow_optional("torchao")  # trainer/__init__.py defers torchao until --fp8 asks for it
+allow_optional("torchao")  # the programs defer torchao until --fp8 asks for it (trainer/optional.py)
 torchao = pytest.importorskip("torchao", reason="--fp8 needs torchao (pip install 'dflash-trainer[fp8]')")
 PATHS = ["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o"]
 

@@ -477,7 +477,7 @@ def _check_fp8(cfg: TrainConfig, gpu_count: int | None) -> None:
     import importlib.util
 
     from . import allow_optional
-    allow_optional("torchao")  # asked for: let it be found (trainer/__init__.py defers it)
+    allow_optional("torchao")  # asked for: let it be found (the programs defer it: trainer/optional.py)
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"--fp8 {cfg.fp8}: needs the torchao package "
                           "(pip install 'dflash-trainer[fp8]' or pip install torchao)")

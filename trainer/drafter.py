@@ -140,7 +140,7 @@ def to_float8(model: DFlashDrafter, recipe: str) -> int:
     import dataclasses
 
     from . import allow_optional
-    allow_optional("torchao")  # asked for (--fp8): trainer/__init__.py defers it
+    allow_optional("torchao")  # asked for (--fp8): the programs defer it (trainer/optional.py)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     names = []

@@ -322,7 +322,7 @@ def quantize_weights_fp8(model) -> int:
     from trainer import allow_optional
     from trainer.target import decoder
 
-    allow_optional("torchao")   # trainer/__init__.py defers it
+    allow_optional("torchao")   # the programs defer it (trainer/optional.py)
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     layers = decoder(model).layers

@@ -407,3 +407,42 @@ def test_handler_verdict_unit_systemd_gave_up_on_is_final(tmp_path, capsys, monk
     assert rc == 1 and not v["healthy"] and v["final"]
     assert any("will not restart it by itself" in p for p in v["problems"])
     assert any("failed: RuntimeError: size mismatch" in p for p in v["problems"])
+
+
+
+# record_failure: status.json's one writer outside a running job (bad input, a bad shard, a failed rank).
+
+def test_record_failure_writes_a_fresh_failed_record_when_there_is_none(tmp_path):
+    from trainer.status import record_failure
+    path = tmp_path / "status.json"
+    assert record_failure(path, "--lr: must be > 0") is True
+    st = json.loads(path.read_text())
+    assert (st["phase"], st["error"], st["pid"]) == ("failed", "--lr: must be > 0", os.getpid())
+    assert time.time() - st["updated_at"] < 60
+
+
+def test_record_failure_keeps_the_records_other_fields(tmp_path):
+    from trainer.status import record_failure
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps({"phase": "training", "step": 41, "run_id": "r1", "error": None}))
+    record_failure(path, "shard 3 is truncated")
+    st = json.loads(path.read_text())
+    assert (st["phase"], st["step"], st["run_id"], st["error"]) == ("failed", 41, "r1", "shard 3 is truncated")
+
+
+def test_record_failure_keeps_a_ranks_own_reason_unless_the_line_quotes_it(tmp_path):
+    from trainer.status import record_failure
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps({"phase": "failed", "error": "rank 1: CUDA out of memory"}))
+    record_failure(path, "rank 1 failed (exit 1)", merge_rank_error=True)
+    assert json.loads(path.read_text())["error"] == "rank 1 failed (exit 1); rank 1: CUDA out of memory"
+    path.write_text(json.dumps({"phase": "failed", "error": "rank 1: CUDA out of memory"}))
+    record_failure(path, "rank 1 failed (exit 1): CUDA out of memory", merge_rank_error=True)
+    assert json.loads(path.read_text())["error"] == "rank 1 failed (exit 1): CUDA out of memory"
+
+
+def test_record_failure_creates_nothing_under_a_mistyped_path_and_never_raises(tmp_path):
+    from trainer.status import record_failure
+    assert record_failure(tmp_path / "no-such-dir" / "status.json", "x", only_into_existing_dir=True) is False
+    assert not (tmp_path / "no-such-dir").exists()
+    assert record_failure(tmp_path / "no-such-dir" / "status.json", "x") is False      # unwritable: False

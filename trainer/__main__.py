@@ -41,22 +41,8 @@ def record_bad_input(status_file: str, error: str) -> None:
     """A start refused as bad input says why in status.json too, as a rank's refusal does, so the operator's
     view (dflash-status, the role's health check) names it instead of showing the previous run's phase.
     Only into an output dir that exists (a job's): a mistyped path creates nothing; silent on failure."""
-    import os
-    import time
-    from pathlib import Path
-
-    from .status import atomic_write_json, read_status
-    if not Path(status_file).parent.is_dir():
-        return
-    try:
-        st = read_status(status_file)
-    except Exception:  # noqa: BLE001  missing or unreadable: a fresh record
-        st = {}
-    st.update(phase="failed", error=error, updated_at=time.time(), pid=os.getpid())
-    try:
-        atomic_write_json(status_file, st)
-    except OSError:
-        pass
+    from .status import record_failure
+    record_failure(status_file, error, only_into_existing_dir=True)
 
 
 if __name__ == "__main__":

@@ -576,18 +576,8 @@ def _record_start_failure(cfg: TrainConfig, error: str) -> None:
     """A bad shard found before any rank starts goes into status.json as a rank would put it (phase
     failed, the error), so dflash-status and the deploy's health handler say why the unit failed.
     Best effort: the stderr line is the report."""
-    import time
-    from .status import atomic_write_json, read_status
-    path = cfg.status_file or str(Path(cfg.output_dir) / "status.json")
-    try:
-        st = read_status(path)
-    except Exception:  # noqa: BLE001  missing or unreadable: a fresh record
-        st = {}
-    st.update(phase="failed", error=error, updated_at=time.time(), pid=os.getpid())
-    try:
-        atomic_write_json(path, st)
-    except OSError:
-        pass
+    from .status import record_failure
+    record_failure(cfg.status_file or str(Path(cfg.output_dir) / "status.json"), error)
 
 
 def check_resume_target(cfg: TrainConfig, target) -> list[str]:

@@ -353,6 +353,34 @@ def read_status(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def record_failure(path: str | os.PathLike, error: str, *, only_into_existing_dir: bool = False,
+                   merge_rank_error: bool = False) -> bool:
+    """status.json's writes outside a running job's :class:`StatusWriter`, in one place: a start refused
+    before any rank runs (bad input, a bad shard) and the supervisor's record of a failed rank. Reads the
+    file (a fresh record when it is missing or unreadable), sets ``phase`` failed, ``error``, ``updated_at``
+    and this process's ``pid``, and writes it atomically. ``merge_rank_error``: a rank's own failure
+    ("rank N: <why>") already in the file is kept after ``error`` unless ``error`` quotes it.
+    ``only_into_existing_dir``: a mistyped output path creates nothing. Returns whether it wrote; an
+    unwritable file is not an error (the caller's stderr line is the report)."""
+    if only_into_existing_dir and not Path(path).parent.is_dir():
+        return False
+    try:
+        st = read_status(path)
+    except Exception:  # noqa: BLE001  missing or unreadable: a fresh record
+        st = {}
+    if merge_rank_error and st.get("phase") == "failed" and st.get("error"):
+        rank_why = st["error"].split(": ", 1)[-1]     # the rank wrote "rank N: <why>"
+        if rank_why not in error:                      # the supervisor's line may quote it already
+            error = f"{error}; {st['error']}"
+    st.update(phase="failed", error=error, updated_at=time.time(), pid=os.getpid())
+    try:
+        atomic_write_json(path, st)
+    except OSError as e:
+        log.debug("could not write %s: %s", path, e)
+        return False
+    return True
+
+
 def pid_alive(pid: Any, started_at: Any = None) -> bool | None:
     """Whether ``pid`` (from status.json) is a live process *here*: None when status.json names no
     usable pid. A zombie counts as dead, and so does a process that started after the trainer wrote

@@ -445,4 +445,5 @@ def test_record_failure_creates_nothing_under_a_mistyped_path_and_never_raises(t
     from trainer.status import record_failure
     assert record_failure(tmp_path / "no-such-dir" / "status.json", "x", only_into_existing_dir=True) is False
     assert not (tmp_path / "no-such-dir").exists()
-    assert record_failure(tmp_path / "no-such-dir" / "status.json", "x") is False      # unwritable: False
+    (tmp_path / "a-file").write_text("")
+    assert record_failure(tmp_path / "a-file" / "status.json", "x") is False           # unwritable: False

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -254,3 +255,32 @@ def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_eq
             path_ref, _, _ = theirs.propose(want[:, 1:], anchor_tok, head, 0.0)
             path, _, _ = ours.candidate_selector.walk(got[None, 1:], head(got[None, 1:]), anchor_tok)
             assert torch.equal(path, path_ref)
+
+
+@pytest.mark.slow   # about 6 CPU-s and the tiny target
+def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_small_dir, tmp_path):
+    """--arch dflash2 --loss ce+dpace at world size 1 (FSDP2 on gloo): the steps are finite, the selector
+    and the convolutions learn (they start as the identity and at the init draw), and the checkpoint
+    exports into the reference class with no missing or unexpected keys."""
+    import sys
+    from pathlib import Path
+    import safetensors.torch
+    from trainer.__main__ import main as train_main
+    from trainer.checkpoint import CheckpointManager
+    from trainer.export import export_drafter
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import losses, tiny_args
+
+    out = tmp_path / "run"
+    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--arch", "dflash2",
+                                "--loss", "ce+dpace", "--save-interval", "3")) == 0
+    seen = losses(out)
+    assert sorted(seen) == [1, 2, 3] and all(math.isfinite(v) for v in seen.values())
+    step = CheckpointManager(out).latest()
+    dst = export_drafter(step, tmp_path / "export")
+    w = safetensors.torch.load_file(str(dst / "model.safetensors"))
+    base = w["layers.0.attention_conv.base_kernel"].float()
+    assert not torch.equal(base[:, 1:], torch.zeros_like(base[:, 1:]))           # moved off the identity
+    assert w["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0
+    _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

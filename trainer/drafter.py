@@ -23,6 +23,7 @@ import torch
 from .config import ConfigError, parse_kernel_options, split_blocks
 from .errors import BadInput, TrainingFailed
 from .fast import compile_layers, wants
+from .dflash2 import selector_loss
 from .loss import dflash_loss
 from .metrics import StepLayout
 from .model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
@@ -250,10 +251,16 @@ class DrafterStage:
                 # soft labels: the final-hidden rows of each loss chunk's unique positions (plan.loss_layout)
                 soft = final[dev["soft_unique"]] if final is not None and "soft_unique" in dev else None
                 layout = (dev["loss_rows"], c.loss_bounds, dev.get("soft_local"))
-                loss, correct = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm,
-                                            soft_rows=soft, fused=self.fused_loss, layout=layout,
-                                            fp32_logits=self.fp32_logits, block_size=bs,
-                                            dpace_alpha=cfg.dpace_alpha if cfg.loss == "ce+dpace" else None)
+                dpace = cfg.dpace_alpha if cfg.loss == "ce+dpace" else None
+                top_k = self.dcfg.selector_top_k if self.dcfg.is_dflash2 else 0
+                out = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm, soft_rows=soft,
+                                  fused=self.fused_loss, layout=layout, fp32_logits=self.fp32_logits, block_size=bs,
+                                  dpace_alpha=dpace, top_k=top_k)
+                loss, correct = out[:2]
+                if top_k:   # DFlash2: the candidate selector's K-way loss on the same rows, same weights
+                    sel, _ = selector_loss(self.model.candidate_selector, hidden, self.lm_head, out[2], out[3],
+                                           dev["prev_tokens"], dev["row_weight"], norm, dev["loss_rows"], bs, dpace)
+                    loss = loss + sel
                 if self.poison:  # fault injection (DFLASH_FAULT_NAN_FROM_STEP)
                     loss = loss * float("nan")
                 if i == len(chunks) - 1:   # (no-op unless recording) the work, then the last backward's collectives
@@ -282,7 +289,10 @@ class DrafterStage:
         x = torch.zeros(1, k * self.dcfg.hidden_size, device=dev, dtype=self.embed.dtype)
         hidden = self.model(x, self.embed[zeros(bs)], meta, backend="sdpa")
         self._final_backward(True)
-        (hidden.float().sum() * 0.0).backward()
+        nothing = hidden.float().sum() * 0.0
+        if self.dcfg.is_dflash2:   # the selector is used outside forward: its parameters need their zeros too
+            nothing = nothing + sum(p.float().sum() for p in self.model.candidate_selector.parameters()) * 0.0
+        nothing.backward()
         check_unit_gradients(self.model)
 
     def step_vector(self) -> torch.Tensor:

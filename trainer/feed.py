@@ -115,7 +115,7 @@ class Feed:
                                 block_size=cfg.block_size, max_anchors=max_anchors, mask_token_id=self.mask_token,
                                 gamma=cfg.gamma, soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
                                 flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
-                                ctx_group=cfg.flex_ctx_group, loss=cfg.loss)
+                                ctx_group=cfg.flex_ctx_group, loss=cfg.loss, selector=cfg.arch == "dflash2")
 
     def make_item(self, seq: int) -> WorkItem:
         cfg = self.cfg

@@ -20,7 +20,7 @@ LOSS_CHUNK_ROWS = 4096  # LM-head rows per loss chunk (bounds the fp32 [rows, vo
 # read. The optional ones are None in a chunk that does not use them and are then not sent.
 ATTENTION_ARRAYS = ("ctx_seq", "ctx_pos", "q_seq", "q_anchor", "q_pos", "kv_num_blocks", "kv_indices",
                     "full_kv_num_blocks", "full_kv_indices", "kv_ctx", "kv_ctx_seq", "q_copy_seq")
-LOSS_ARRAYS = ("block_tokens", "labels", "row_weight", "loss_rows", "soft_unique", "soft_local")
+LOSS_ARRAYS = ("block_tokens", "labels", "row_weight", "loss_rows", "soft_unique", "soft_local", "prev_tokens")
 CHUNK_ARRAYS = ATTENTION_ARRAYS + LOSS_ARRAYS
 
 
@@ -52,6 +52,8 @@ class ChunkPlan:
     loss_bounds: tuple = ()                # per loss chunk (s, e, u0, u1): loss_rows[s:e], soft_unique[u0:u1]
     soft_unique: np.ndarray | None = None  # [U] int64 rows of the final-hidden buffer, per loss chunk unique
     soft_local: np.ndarray | None = None   # [N] int64 index into its loss chunk's soft_unique slice
+    # DFlash2's selector (plan_micro_batch(selector=True)): the real token before each row (slot 0: its own)
+    prev_tokens: np.ndarray | None = None  # [Tq] int64, 0 past the sequence's end
 
     def arrays(self) -> dict[str, np.ndarray]:
         """This chunk's CHUNK_ARRAYS, the ones it has."""
@@ -100,7 +102,7 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
                      epoch: int, *, seed: int, block_size: int, max_anchors: int, mask_token_id: int,
                      gamma: float, soft_labels: bool, chunk_rows: int, flex: bool, dedup: bool = True,
                      full_blocks: bool = True, loss_chunk_rows: int = LOSS_CHUNK_ROWS,
-                     ctx_group: int = 0, loss: str = "ce") -> MicroPlan:
+                     ctx_group: int = 0, loss: str = "ce", selector: bool = False) -> MicroPlan:
     """input_ids/loss_mask [B, S] (right padded), lengths [B]. chunk_rows bounds block rows per drafter chunk.
     dedup: only rows with a loss go through the LM head, and the soft-label target distribution is computed
     once per unique position of a loss chunk (off: every row, per row; the same loss). full_blocks: list the
@@ -108,7 +110,8 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
     128-row query tiles attends to its own copy of the context tiles it needs (context_copies).
     loss "ce": row weights exp(-(k-1)/gamma) for slot k >= 1; "ce+dpace": 1 on every supervised row (the
     drafter multiplies them by D-PACE's, which need its own CE: loss.dpace_weights), so weight_total counts
-    the supervised rows. Anchors are counted per sequence, which is one document (speculators #1071)."""
+    the supervised rows. Anchors are counted per sequence, which is one document (speculators #1071).
+    selector: each chunk carries prev_tokens, the teacher-forced predecessors of DFlash2's selector."""
     bsz, seqlen = input_ids.shape
     slot = np.arange(block_size)
     if loss == "ce+dpace":
@@ -143,7 +146,7 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
     for group in groups:
         c0 = row
         cs, cp, starts = [], [], []
-        qs, qa, qp, bt, lab, rw, si = [], [], [], [], [], [], []
+        qs, qa, qp, bt, lab, rw, si, pv = [], [], [], [], [], [], [], []
         for local, (b, n, anchors) in enumerate(group):
             starts.append(row - c0)
             ctx_gather.append(b * seqlen + np.arange(n))
@@ -168,6 +171,8 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
             bt.append(blocks.reshape(-1))
             lab.append(labels.reshape(-1))
             rw.append(weights.reshape(-1))
+            if selector:   # slot k's predecessor is the token at anchor + k - 1; slot 0 (no loss) its own
+                pv.append(np.maximum(np.concatenate([tok[:, :1], tok[:, :-1]], axis=1), 0).reshape(-1))
             weight_total += float(weights.sum())
             pos_counts += sup.sum(0)
             if soft_labels:
@@ -185,6 +190,7 @@ def plan_micro_batch(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.n
         ch = ChunkPlan(c0=c0, c1=row, ctx_seq=cat(cs), ctx_pos=cat(cp), q_seq=q_seq, q_anchor=q_anchor,
                        q_pos=cat(qp), block_tokens=cat(bt), labels=cat(lab), row_weight=cat(rw, np.float32),
                        soft_index=cat(si) if soft_labels else None, kv_num_blocks=None, kv_indices=None,
+                       prev_tokens=cat(pv) if selector else None,
                        _bs=block_size)
         if len(q_seq) == 0:
             continue  # context only, nothing to train on

@@ -42,6 +42,7 @@ from .faults import Faults
 from .fast import compile_layers, note_new_graphs, resolve_compile, wants
 from .feed import Feed
 from .metrics import Profiler, StepMetrics
+from .dflash2 import as_dflash2
 from .model import DFlashConfig
 from .optim import guarded_step, lr_at, warmup_steps
 from .report import Reporter
@@ -147,6 +148,11 @@ class Trainer:
         self.feed.mask_token = mask_token
         self.dcfg = DFlashConfig.from_target(tc, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
                                              mask_token_id=mask_token, target_layer_ids=cfg.target_layers)
+        if cfg.arch == "dflash2":
+            try:
+                self.dcfg = as_dflash2(self.dcfg)
+            except ValueError as e:
+                raise BadInput(f"--arch dflash2: {e}") from None
         log.info("drafter: %d layers, taps %s, block %d, mask token %d", self.dcfg.num_hidden_layers,
                  self.dcfg.target_layer_ids, cfg.block_size, mask_token)
         rows, k, hidden = self.feed.rows, len(self.dcfg.target_layer_ids), self.dcfg.hidden_size

@@ -447,3 +447,44 @@ def test_record_failure_creates_nothing_under_a_mistyped_path_and_never_raises(t
     assert not (tmp_path / "no-such-dir").exists()
     (tmp_path / "a-file").write_text("")
     assert record_failure(tmp_path / "a-file" / "status.json", "x") is False           # unwritable: False
+
+
+
+# What status.json reports, in one place: the keys status.py declares are the ones every writer writes and
+# the ones docs/contracts.md names.
+
+def _written_status_keys() -> dict[str, set[str]]:
+    """Every keyword given to a status writer in trainer/: `<...>status.update(...)`, `beating(<writer>, ...)`."""
+    import ast
+    from pathlib import Path
+    out: dict[str, set[str]] = {}
+    for src in sorted((Path(__file__).resolve().parents[1] / "trainer").glob("*.py")):
+        for node in ast.walk(ast.parse(src.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            is_update = (isinstance(f, ast.Attribute) and f.attr == "update" and isinstance(f.value, ast.Attribute)
+                         and f.value.attr == "status")
+            is_beating = isinstance(f, ast.Name) and f.id == "beating"
+            if is_update or is_beating:
+                out.setdefault(src.name, set()).update(k.arg for k in node.keywords if k.arg not in (None, "force", "interval"))
+    return out
+
+
+def test_every_key_a_writer_puts_in_status_json_is_declared():
+    from trainer.status import STATUS_FIELDS, STATUS_LATER_FIELDS
+    written = _written_status_keys()
+    assert written, "no status writer found: the scan is broken"
+    undeclared = {f: sorted(k - set(STATUS_FIELDS) - set(STATUS_LATER_FIELDS)) for f, k in written.items()}
+    assert not any(undeclared.values()), undeclared
+
+
+def test_contracts_names_every_status_field_and_the_phases_as_declared():
+    import re
+    from pathlib import Path
+    from trainer.status import PHASES, STATUS_FIELDS, STATUS_LATER_FIELDS
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "contracts.md").read_text()
+    section = doc.split("## status.json", 1)[1].split("\nWritten by", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert set(STATUS_FIELDS) | set(STATUS_LATER_FIELDS) <= named, sorted(set(STATUS_FIELDS) | set(STATUS_LATER_FIELDS) - named)
+    assert f"`phase` ({'|'.join(PHASES)})" in section

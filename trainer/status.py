@@ -38,6 +38,10 @@ STATUS_FIELDS = (
     "updated_at", "started_at", "pid", "run_id", "last_checkpoint", "error", "resumed_from",
     "log_file", "eval",
 )
+# Keys written once known, absent before (trainer/train.py: world_size at start; trainer/report.py: ranks with
+# the first profile). With STATUS_FIELDS, every key status.json can hold (docs/contracts.md "status.json";
+# tests/test_status.py checks the doc and every writer against them).
+STATUS_LATER_FIELDS = ("world_size", "ranks")
 
 DEFAULT_MAX_AGE = 300.0
 

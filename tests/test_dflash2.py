@@ -284,3 +284,23 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     assert w["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_refused():
+    import numpy as np
+    from trainer.config import ConfigError, parse_args, validate_flags
+    from trainer.plan import plan_micro_batch
+    ids = np.arange(100, 130)[None]
+    mask = np.zeros(ids.shape, bool)
+    mask[0, 4:] = True
+    plan = plan_micro_batch(ids, mask, np.array([30]), [0], 0, seed=0, block_size=B, max_anchors=5, mask_token_id=1,
+                            gamma=4.0, soft_labels=False, chunk_rows=10**6, flex=False, selector=True)
+    (c,) = plan.chunks
+    pos = c.q_pos
+    want = 100 + np.maximum(pos - 1, c.q_anchor)   # the token before each row; slot 0: the anchor's own
+    want[pos - 1 >= 30] = 0                          # past the sequence's end
+    assert (pos - 1 >= 30).any()
+    assert (c.prev_tokens == want).all()
+    paths = ["--target-model", "t", "--data-dir", "d", "--output-dir", "o"]
+    with pytest.raises(ConfigError, match="^--eval-data-dir: the tau evaluation of an --arch dflash2"):
+        validate_flags(parse_args(paths + ["--arch", "dflash2", "--eval-data-dir", "h"]), gpu_count=-1)

@@ -1,6 +1,6 @@
 """The training loop of one rank, top to bottom, and its wiring. The components beside it own their
-state: dist.py (ranks, groups, dispatch plan, stop vote), target.py and drafter.py (the two stages),
-transport.py (slots, sends, receives), feed.py (this rank's micro-batches), warmup.py, optim.py,
+state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target.py and
+drafter.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches), warmup.py, optim.py,
 checkpoint.py (the checkpoint protocol), report.py (status, metrics, sinks, tables), faults.py, errors.py.
 
 Owners on a rank (one each):
@@ -34,7 +34,7 @@ from . import __version__, oprecord
 from .checkpoint import CheckpointError, Checkpointer, consolidated_state
 from .config import TrainConfig, validate
 from .data import DataError, DataPosition
-from .dist import Groups, StopVote, Topology, abort_groups, hold_together, init_rank
+from .groups import Groups, StopVote, abort_groups, hold_together, init_rank
 from .drafter import DrafterStage, build_stage, resolve_mask_token, target_embed_head
 from .errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from .evaltrain import InTrainingEval, eval_record
@@ -49,6 +49,7 @@ from .report import Reporter
 from .runlog import setup_logging
 from .status import beating
 from .target import TargetStage, decoder, load_target
+from .topology import Topology
 from .transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
 from .warmup import warmup
 

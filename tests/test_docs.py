@@ -134,6 +134,7 @@ def flag_choices() -> dict[str, set[str]]:
     from trainer.config import build_parser
     parsers = [build_parser()]
     real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    deferred = {n: sys.modules[n] for n in ("torchao",) if n in sys.modules}   # a main() defers it: put it back
 
     def catch(self, *a, **k):
         raise _Parser(self)
@@ -146,6 +147,10 @@ def flag_choices() -> dict[str, set[str]]:
                 parsers.append(got.parser)
     finally:
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = real
+        for n in ("torchao",):
+            sys.modules.pop(n, None)
+            if n in deferred:
+                sys.modules[n] = deferred[n]
     out: dict[str, set[str]] = {}
     for p in parsers:
         for action in p._actions:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 
-from trainer.dist import Groups
+from trainer.groups import Groups
 from trainer.opreplay import topology
 
 COUNTED = "countednccl"       # the default backend of the count: NCCL's stand-in
@@ -96,7 +96,7 @@ def test_roles_are_exchanged_on_the_gloo_control_group_not_the_world_group(monke
     """init_rank's exchange of roles and hosts: an object collective on the NCCL world group would connect
     its ring and keep its buffers, which --transport pair never uses again."""
     from trainer.config import TrainConfig
-    from trainer.dist import finish_single, init_single
+    from trainer.groups import finish_single, init_single
     calls = []
     real = dist.all_gather_object
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from trainer.data import BatchPlanner
-from trainer.dist import DispatchPlan
+from trainer.dispatch import DispatchPlan
 
 LENGTHS = np.random.default_rng(0).integers(8, 200, size=400)
 

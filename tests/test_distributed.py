@@ -84,7 +84,7 @@ def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(tiny_smal
 # ------------------------------------------------------------------------------------ dispatch
 
 def test_dispatch_balances_planned_rows_and_both_ends_see_one_schedule(tiny_small_dir):
-    from trainer.dist import DispatchPlan
+    from trainer.dispatch import DispatchPlan
     ds = load_dataset(tiny_small_dir / "data")
     cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent"), "--grad-accum", "4"))
     planner = BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, seed=cfg.seed)
@@ -117,7 +117,7 @@ def test_dispatch_balances_planned_rows_and_both_ends_see_one_schedule(tiny_smal
 def test_planned_rows_are_the_rows_the_plan_makes(tiny_small_dir):
     """The dispatch counts anchors from the loss mask alone; it must match what plan_micro_batch builds."""
     from trainer.data import collate
-    from trainer.dist import DispatchPlan
+    from trainer.dispatch import DispatchPlan
     from trainer.plan import plan_micro_batch
     ds = load_dataset(tiny_small_dir / "data")
     cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent")))

@@ -114,7 +114,7 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
 # runs (its flags are those of their day), so it is left out.
 CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
 CLIS = ("trainer.bench", "trainer.evaluate", "trainer.regenerate", "trainer.export", "trainer.prepare",
-        "trainer.tiny", "trainer.status", "trainer.streamcheck")
+        "trainer.tiny", "trainer.status", "trainer.streamcheck_cli")
 VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.streamcheck import Program, main, simulate, with_p2p
+from trainer.streamcheck import Program, simulate, with_p2p
+from trainer.streamcheck_cli import main
 
 G3 = {"WORLD": [0, 1, 2], "drafters": [0, 1]}
 
@@ -215,7 +216,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from trainer import opreplay  # noqa: E402
-from trainer.streamcheck import load_programs, run_plan, window  # noqa: E402
+from trainer.streamcheck import load_programs, window  # noqa: E402
+from trainer.streamcheck_cli import run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the two orders: what shipped before this check existed, and what ships now (the defaults)
@@ -417,3 +419,13 @@ def test_an_in_training_eval_is_recorded_whole(tmp_path):
     last.count = 5
     res = simulate(progs)
     assert not res.ok and "size mismatch" in res.cycle[0]
+
+
+def test_the_rules_import_nothing_of_the_trainer():
+    """The NCCL-rules model sits at the bottom: its CLI (streamcheck_cli) is what reaches up to the loop."""
+    import subprocess
+    import sys
+    code = ("import sys, trainer; before = set(sys.modules); import trainer.streamcheck; "
+            "print(sorted(m for m in set(sys.modules) - before if m.startswith('trainer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['trainer.streamcheck']"

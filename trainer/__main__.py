@@ -1,7 +1,7 @@
 """`python -m trainer` / `dflash-train`: parse, validate cheaply (exit 2 on bad input), then train.
 
 Started by hand or by run.sh, this process is the supervisor: it launches this node's ranks (one per
-GPU) through PyTorch's launcher and waits (trainer/dist.py). Started by the launcher (or by torchrun),
+GPU) through PyTorch's launcher and waits (trainer/launch.py). Started by the launcher (or by torchrun),
 it is one rank.
 """
 
@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     from .optional import defer
     defer()   # a program: torchao loads only when --fp8 asks for it (trainer/optional.py)
     from .config import ConfigError, main_check, parse_args, validate
-    from .dist import in_launched_rank
+    from .topology import in_launched_rank
 
     prog = "dflash-train"
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     if in_launched_rank():
         from .train import train_rank
         return train_rank(cfg)
-    from .dist import launch
+    from .launch import launch
     return launch(argv, cfg)
 
 

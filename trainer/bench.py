@@ -370,7 +370,7 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
 def _new_trainer(ctx: Ctx, **over):
     """A world-size-1 trainer in this process (target and drafter roles on one device)."""
     import shutil
-    from .dist import init_single
+    from .groups import init_single
     from .train import Trainer
     shutil.rmtree(Path(ctx.args.work) / "run", ignore_errors=True)
     cfg = make_cfg(ctx, **over)
@@ -480,7 +480,7 @@ def bench_drafter(ctx: Ctx, t) -> dict:
 
 def _shared_gpu(ctx: Ctx) -> bool:
     """One rank holds both roles (one GPU, or the CPU with one worker and one replica): in-process."""
-    from .dist import local_roles
+    from .topology import local_roles
     return len(local_roles(make_cfg(ctx))) == 1
 
 
@@ -536,7 +536,8 @@ def bench_pipeline_ranks(ctx: Ctx, async_: bool) -> dict:
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .dist import free_port, local_roles
+    from .launch import free_port
+    from .topology import local_roles
     work = Path(ctx.args.work)
     shutil.rmtree(work / "run", ignore_errors=True)
     cfg = make_cfg(ctx, async_pipeline=async_, max_steps=ctx.args.pipeline_steps)
@@ -700,7 +701,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
 
 def _dispose(t):
     """Stop a trainer's threads and hand its GPU memory back before the next part builds one."""
-    from .dist import finish_single
+    from .groups import finish_single
     t.shutdown()
     finish_single()
     t.__dict__.clear()  # the caller still holds `t`: drop what it owns so the memory can go

@@ -21,7 +21,7 @@ ranks, after the step's metrics are drained and before a checkpoint of the same 
      (metrics.jsonl, status.json, W&B/TensorBoard). An eval that raises is reported as {"error": ...}:
      a warning, and training goes on.
 Every other rank waits in step 5, in a gloo collective on `control`, whose timeout is
-dist.HOST_PHASE_TIMEOUT_S (3 h), not --dist-timeout; no NCCL op is in flight meanwhile. Rank 0 writes
+groups.HOST_PHASE_TIMEOUT_S (3 h), not --dist-timeout; no NCCL op is in flight meanwhile. Rank 0 writes
 status.json with phase "eval" every 30 s while it waits (status.beating), so the supervisor keeps
 petting systemd's watchdog. --eval-prompts and --eval-max-new-tokens bound the eval. The pause is not
 counted in tokens/s.

@@ -20,7 +20,8 @@ import torch
 
 from .config import TrainConfig
 from .data import BatchPlanner, DataError, collate, load_dataset
-from .dist import DispatchPlan, Topology
+from .dispatch import DispatchPlan
+from .topology import Topology
 from .errors import BadInput, TrainingFailed
 from .metrics import Profiler
 from .plan import MicroPlan, plan_micro_batch

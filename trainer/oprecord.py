@@ -2,10 +2,10 @@
 
 With `DFLASH_RECORD_OPS=<dir>` set, a rank (on the CPU, gloo) runs unchanged but logs, in issue order,
 from the moment its default group exists:
-  - the creation of every process group (`dist.new_group`), as the production ranks make it under eager
-    NCCL init: a split of the world communicator on every rank (with the group's members as its color on
-    a member of an NCCL group, without on a rank outside the group unless it was made with local
-    synchronization), and the members' connection of a gloo group;
+  - the creation of every process group (`dist.new_group`, as `groups.new_group` calls it), as the
+    production ranks make it under eager NCCL init: a split of the world communicator on every rank (with
+    the group's members as its color on a member of an NCCL group, without on a rank outside the group
+    unless it was made with local synchronization), and the members' connection of a gloo group;
   - streams: `transport.new_stream` hands out a named logical stream instead of None; `stream_ctx` makes it
     current; `wait_event`/`wait_stream`/`synchronize` on it are logged;
   - events: `transport.new_event` hands out an event that logs `record` (the stream's tail), `wait`
@@ -20,8 +20,8 @@ from the moment its default group exists:
     to `set_post_optim_event`), so an all-gather issued in a forward depends on what the stream waited on
     before it; the all-gather's result is waited on by the current stream;
   - compute markers (`compute(stream, label)`) the loop places after each stage's work, for readable cycles.
-At exit it writes `<dir>/ops-rank<r>.json`, a `streamcheck.Program`; `python -m trainer.streamcheck check
-<dir>` decides whether those programs can hang under NCCL's rules.
+At exit it writes `<dir>/ops-rank<r>.json`, a `streamcheck.Program`; `python -m trainer.streamcheck_cli
+check <dir>` decides whether those programs can hang under NCCL's rules.
 
 Nothing here changes what the rank computes: every call still goes to gloo. Without the variable every
 hook is a no-op (`RECORDER is None`).
@@ -417,7 +417,7 @@ def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], o
 
 
 def install_from_env(rank: int, world: int) -> Recorder | None:
-    """dist.init_rank's hook, right after the default group: record when DFLASH_RECORD_OPS names a directory
+    """groups.init_rank's hook, right after the default group: record when DFLASH_RECORD_OPS names a directory
     (the groups' creation included; name_groups gives the role and our names once they are known)."""
     out = os.environ.get(ENV)
     if not out:

@@ -51,8 +51,8 @@ LAYOUTS = {
 
 def topology(layout: str):
     """Every rank's Topology for `layout` ("T+D" or a LAYOUTS name): per node, drafters first (as
-    dist.local_roles orders them), nodes in node-rank order."""
-    from .dist import LocalRole, Topology
+    topology.local_roles orders them), nodes in node-rank order."""
+    from .topology import LocalRole, Topology
     nodes = LAYOUTS.get(layout)
     if nodes is None:
         t, d = (int(x) for x in layout.split("+"))
@@ -238,7 +238,7 @@ def rank_program(cfg, topo, dataset, steps: int, net_hosts: bool) -> Program:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from . import train as train_mod
-    from .dist import Groups, connect
+    from .groups import Groups, connect
     from .train import Trainer
     from .transport import Receiver, Sender
 

@@ -18,7 +18,8 @@ import torch
 
 from .checkpoint import step_dir_name
 from .config import TrainConfig
-from .dist import StopVote, Topology
+from .groups import StopVote
+from .topology import Topology
 from .errors import TrainingFailed
 from .evaltrain import eval_scalars, eval_status
 from .feed import Feed

@@ -1,6 +1,7 @@
 """The training loop of one rank, top to bottom, and its wiring. The components beside it own their
 state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target.py and
-drafter.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches), warmup.py, optim.py,
+drafter.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
+warmup.py, optim.py,
 checkpoint.py (the checkpoint protocol), report.py (status, metrics, sinks, tables), faults.py, errors.py.
 
 Owners on a rank (one each):

@@ -113,7 +113,7 @@ class Slot:
 
 class Sender:
     """Target side: posts sends of packed slots to drafter ranks on a communication stream. `link(peer)`
-    gives the process group of the pair (dist.Groups.link); None: the default group."""
+    gives the process group of the pair (groups.Groups.link); None: the default group."""
 
     def __init__(self, device: torch.device, link=None):
         self.device, self.link = device, link or (lambda peer: None)

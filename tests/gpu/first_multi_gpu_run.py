@@ -230,7 +230,7 @@ def _smoke_rank(rank: int, gpus: list[int], port: int, unit_mib: int, results: s
 def smoke_child(gpus: list[int], unit_mib: int, results: str) -> None:
     import torch.multiprocessing as mp
 
-    from trainer.dist import free_port
+    from trainer.launch import free_port
     mp.spawn(_smoke_rank, args=(gpus, free_port(), unit_mib, results), nprocs=len(gpus))
 
 

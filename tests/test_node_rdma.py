@@ -9,6 +9,7 @@ The filter is checked directly; the playbook runs against the PVE API stand-in (
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -64,8 +65,17 @@ def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_ref
     assert f"dev0: {want[0]}\n" in conf and f"dev1: {want[1]}\n" in conf, conf
     lxc_conf = (node["tmp"] / "lxc" / str(VMID) / "config").read_text()
     for name, (major, minor) in devs.items():          # what PVE renders for lxc: the node and its cgroup allow
-        assert f"lxc.mount.entry = {ib / name} {str(ib / name).lstrip('/')} none bind,optional,create=file" in lxc_conf
+        assert f"lxc.mount.entry = {ib / name} {str(ib / name).lstrip('/')} none bind,create=file" in lxc_conf
         assert f"devices.allow = c {major}:{minor} rwm" in lxc_conf
 
     r = play(node, dflash_node_rdma_devices=want)          # a second run changes nothing
     assert r.returncode == 0 and "changed=0" in r.text, r.text[-3000:]
+
+    # an HCA removed from the list: its devN is deleted, not left to fail the next start (issue 41 item 4)
+    r = play(node, dflash_node_rdma_devices=want[:1])
+    assert r.returncode == 0, r.text[-4000:]
+    conf = node["conf"].read_text()
+    assert sorted(k for k in re.findall(r"^(dev\d+):", conf, re.M)) == ["dev0"], conf
+    assert "[pve:pending]" not in conf                      # the restart applied the pending delete
+    r = play(node)                                           # no RDMA at all: no devN left
+    assert r.returncode == 0 and not re.findall(r"^dev\d+:", node["conf"].read_text(), re.M), r.text[-3000:]

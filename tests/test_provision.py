@@ -229,6 +229,12 @@ def test_the_lxc_config_mounts_parents_first_and_appends_raw_keys(tmp_path):
     models = text.index("/srv/models workspace/models none bind,create=dir,ro 0 0")
     assert ws < models < text.index("lxc.mount.entry = tmpfs dev/shm")
     assert str(1024 * 1048576) in text and "lxc.net.0.type = empty" in text
+    # pve-container's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group
+    # (issue 41 item 5: inside, memory.max is `max`); the shim stand-in (standin.sh) says the same
+    for line in ("lxc.cgroup.relative = 0", "lxc.cgroup.dir.container = lxc/201", "lxc.cgroup.dir.container.inner = ns"):
+        assert line in text
+    standin = (REPO / "tests/standin/standin.sh").read_text()
+    assert "lxc.cgroup.dir.container = lxc/$VMID" in standin and "lxc.cgroup.dir.container.inner = ns" in standin
 
 
 # ------------------------------------------------------------------ node role: GPU lines
@@ -526,3 +532,76 @@ def test_the_workspace_belongs_to_the_cts_root_and_is_not_chowned_on_nfs():
     assert owner("auto", [100000, 100000], "nfs") == []                              # root_squash: no chown
     assert owner(1000, [100000, 100000], "nfs") == [1000, 1000]                      # asked for: always
     assert owner([1000, 2000], [0, 0], "ext2/ext3") == [1000, 2000]
+
+
+def test_eight_gpus_then_four_leaves_exactly_the_wanted_dev_keys():
+    """Issue 41 item 4: the role deletes the devN entries it made and no longer wants; someone
+    else's devN (here /dev/fuse) is left alone."""
+    eight = node_filters.dflash_nvidia_dev_entries(range(8))
+    hca = node_filters.dflash_dev_entries(["/dev/infiniband/rdma_cm", "/dev/infiniband/uverbs0"], len(eight))
+    current = {**eight, **hca, "dev20": "/dev/fuse,mode=0666", "mp0": "/srv/ws,mp=/workspace"}
+    four = node_filters.dflash_nvidia_dev_entries(range(4))
+    stale = node_filters.dflash_stale_dev_keys(current, four)
+    assert stale == ["dev7", "dev8", "dev9", "dev10", "dev11", "dev12"]
+    after = {k: v for k, v in current.items() if k not in stale} | four
+    assert {k for k in after if k.startswith("dev")} == set(four) | {"dev20"}
+    assert sorted(v for k, v in after.items() if k in four) == sorted(set(four.values()))   # no device twice
+    assert node_filters.dflash_stale_dev_keys({"dev0": "path=/dev/nvidia0"}, {}) == ["dev0"]
+
+
+def _pct(tmp_path, *args):
+    env = {**os.environ, "PVE_STANDIN_ETC": str(tmp_path / "etc"), "PVE_STANDIN_LXCPATH": str(tmp_path / "lxc"),
+           "PVE_STANDIN_FAKE_LXC": "1"}
+    return subprocess.run([sys.executable, str(PVE_API), "pct", *map(str, args)], capture_output=True, text=True,
+                          env=env)
+
+
+def test_the_stand_in_passes_through_only_devices_as_pve_does(tmp_path):
+    """Issue 41, the stand-in's devN rules (pve-container, PVE 8): a devN path must exist and be a
+    device; on a running CT a devN change (set or delete) is pending until the next start; a device
+    passed twice, or gone by the start, fails the start."""
+    (tmp_path / "etc" / "lxc").mkdir(parents=True)
+    conf = tmp_path / "etc" / "lxc" / "210.conf"
+    conf.write_text("arch: amd64\nhostname: ct210\nmemory: 512\nostype: debian\nrootfs: local-lvm:vm-210-disk-0,size=4G\n")
+    r = _pct(tmp_path, "set", 210, "-dev0", "/dev/nvidia-not-here")
+    assert r.returncode == 2 and "Device /dev/nvidia-not-here does not exist" in r.stderr
+    r = _pct(tmp_path, "set", 210, "-dev0", str(conf))
+    assert r.returncode == 2 and f"{conf} is not a device" in r.stderr
+    assert _pct(tmp_path, "set", 210, "-dev0", "/dev/null", "-dev1", "/dev/zero").returncode == 0
+    assert "dev0: /dev/null\n" in conf.read_text()                                # stopped: applied at once
+    assert _pct(tmp_path, "start", 210).returncode == 0
+    lxc = (tmp_path / "lxc" / "210" / "config").read_text()
+    assert "lxc.mount.entry = /dev/null dev/null none bind,create=file 0 0" in lxc   # not optional
+    # running: pending until the next start
+    assert _pct(tmp_path, "set", 210, "-dev2", "/dev/full", "--delete", "dev1").returncode == 0
+    main, _, pending = conf.read_text().partition("[pve:pending]")
+    assert "dev1: /dev/zero" in main and "dev2" not in main
+    assert "delete: dev1" in pending and "dev2: /dev/full" in pending
+    assert _pct(tmp_path, "reboot", 210).returncode == 0
+    text = conf.read_text()
+    assert "[pve:pending]" not in text and "dev1" not in text and "dev2: /dev/full" in text
+    # the same device twice fails the start, as the pre-start hook's mknod does
+    assert _pct(tmp_path, "stop", 210).returncode == 0
+    assert _pct(tmp_path, "set", 210, "-dev3", "/dev/null").returncode == 0
+    r = _pct(tmp_path, "start", 210)
+    assert r.returncode == 2 and "failed to mknod /var/lib/lxc/210/passthrough/dev/null: File exists" in r.stderr
+    # a device gone by the start fails it
+    assert _pct(tmp_path, "set", 210, "--delete", "dev3").returncode == 0
+    if os.geteuid() == 0:          # mknod
+        os.mknod(tmp_path / "gone", 0o600 | 0o020000, os.makedev(1, 3))
+        assert _pct(tmp_path, "set", 210, "-dev3", tmp_path / "gone").returncode == 0
+        (tmp_path / "gone").unlink()
+        r = _pct(tmp_path, "start", 210)
+        assert r.returncode == 2 and f"Device {tmp_path / 'gone'} does not exist" in r.stderr
+
+
+def test_the_stand_in_drops_raw_keys_pve_does_not_allow(tmp_path):
+    """pve-container's is_valid_lxc_conf_key: lxc.cgroup2.*, lxc.prlimit.*, lxc.mount.entry and the
+    hooks are allowed; lxc.rootfs.path and unknown keys are left out with PVE's warning."""
+    warnings = []
+    keys, raw, _ = pve_api.parse_conf("arch: amd64\nlxc.cgroup2.devices.allow: c 195:* rwm\n"
+                                      "lxc.prlimit.memlock: unlimited\nlxc.hook.pre-start: /x 1 2\n"
+                                      "lxc.rootfs.path: dir:/elsewhere\nlxc.bogus.key: 1\n", warnings)
+    assert [k for k, _ in raw] == ["lxc.cgroup2.devices.allow", "lxc.prlimit.memlock", "lxc.hook.pre-start"]
+    assert warnings == ["lxc.rootfs.path: lxc.rootfs.path is auto generated from rootfs",
+                        "unable to parse config: lxc.bogus.key: 1"]

@@ -263,8 +263,37 @@ class AccessControl:
 
 # --------------------------------------------------------------------------- PVE config files
 
-def parse_conf(text: str) -> tuple[dict, list, str]:
-    """PVE .conf text -> (keys, raw lxc pairs, the rest: snapshot sections kept verbatim)."""
+# pve-container's $valid_lxc_conf_keys (PVE 8, LXC/Config.pm): the raw lxc.* keys a config may carry,
+# for privileged and unprivileged CTs alike; a string is PVE's reason for refusing that key. Besides
+# these: lxc.cgroup.*, lxc.cgroup2.*, lxc.prlimit.*, lxc.net.* (is_valid_lxc_conf_key).
+VALID_LXC_KEYS = {k: 1 for k in """
+    lxc.apparmor.profile lxc.apparmor.allow_incomplete lxc.apparmor.allow_nesting lxc.apparmor.raw
+    lxc.selinux.context lxc.include lxc.arch lxc.uts.name lxc.signal.halt lxc.signal.reboot lxc.signal.stop
+    lxc.init.cmd lxc.pty.max lxc.console.logfile lxc.console.path lxc.tty.max lxc.devtty.dir lxc.hook.autodev
+    lxc.autodev lxc.kmsg lxc.mount.fstab lxc.mount.entry lxc.mount.auto lxc.rootfs.mount lxc.cap.drop
+    lxc.cap.keep lxc.seccomp.profile lxc.seccomp.notify.proxy lxc.seccomp.notify.cookie lxc.idmap
+    lxc.hook.pre-start lxc.hook.pre-mount lxc.hook.mount lxc.hook.start lxc.hook.stop lxc.hook.post-stop
+    lxc.hook.clone lxc.hook.destroy lxc.hook.version lxc.log.level lxc.log.file lxc.start.auto lxc.start.delay
+    lxc.start.order lxc.group lxc.environment lxc.sysctl.fs.mqueue lxc.sysctl.kernel.msgmax
+    lxc.sysctl.kernel.msgmnb lxc.sysctl.kernel.msgmni lxc.sysctl.kernel.sem lxc.sysctl.kernel.shmall
+    lxc.sysctl.kernel.shmmax lxc.sysctl.kernel.shmmni lxc.sysctl.kernel.shm_rmid_forced
+""".split()}
+VALID_LXC_KEYS["lxc.rootfs.path"] = "lxc.rootfs.path is auto generated from rootfs"
+VALID_LXC_KEYS["lxc.rootfs.options"] = ("lxc.rootfs.options is not supported, please use mount point options in "
+                                        "the \"rootfs\" key")
+
+
+def lxc_key_validity(key: str):
+    """1 for a raw key PVE accepts, else PVE's reason (a string) or 0 (unknown key)."""
+    if re.match(r"lxc\.(cgroup2?|prlimit|net)\.", key):
+        return 1
+    return VALID_LXC_KEYS.get(key, 0)
+
+
+def parse_conf(text: str, warnings: list | None = None) -> tuple[dict, list, str]:
+    """PVE .conf text -> (keys, raw lxc pairs, the rest: snapshot sections kept verbatim). A raw
+    lxc.* line PVE does not allow is left out with a warning, as pve-container's (non-strict)
+    parse_pct_config does: it never reaches the LXC config, and the next write drops it."""
     keys: dict = {}
     raw: list = []
     desc: list = []
@@ -281,15 +310,25 @@ def parse_conf(text: str) -> tuple[dict, list, str]:
         k, _, v = s.partition(":")
         k, v = k.strip(), v.strip()
         if k.startswith("lxc."):
-            raw.append([k, v])
+            validity = lxc_key_validity(k)
+            if validity == 1:
+                raw.append([k, v])
+            elif warnings is not None:
+                warnings.append(f"{k}: {validity}" if validity else f"unable to parse config: {s}")
         else:
             keys[k] = int(v) if re.fullmatch(r"-?\d+", v) and not INDEXED_KEYS.match(k) else v
     return _with_desc(keys, desc), raw, ""
 
 
 # As pve-container: a change to a running container that cannot be applied live is written to the
-# config's [pve:pending] section and applied at the next start (GUI: shown in red). `features` is one.
+# config's [pve:pending] section and applied at the next start (GUI: shown in red). `features` is one,
+# and so is every devN, set or deleted (PVE 8's vmconfig_hotplug_pending hotplugs no device).
 PENDING_ON_RUNNING = {"features"}
+PENDING_ON_RUNNING_RE = re.compile(r"^dev\d+$")
+
+
+def pending_on_running(key: str) -> bool:
+    return key in PENDING_ON_RUNNING or bool(PENDING_ON_RUNNING_RE.match(key))
 PENDING = "[pve:pending]"
 
 
@@ -344,6 +383,21 @@ def split_opts(value: str) -> tuple[str | None, dict]:
         elif part:
             head = part
     return head, opts
+
+
+def check_device(path: str | None, key: str = "dev") -> os.stat_result:
+    """pve-container's get_device_mode_and_rdev: a devN path must be a block or character device."""
+    if not path:
+        raise ApiError(500, f"Path is not defined for passthrough device {key}")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ApiError(500, f"Device {path} does not exist")
+    except OSError:
+        raise ApiError(500, f"Error accessing device {path}")
+    if (st.st_mode & 0o170000) not in (0o060000, 0o020000):
+        raise ApiError(500, f"{path} is not a device")
+    return st
 
 
 def is_host_path(volume: str | None) -> bool:
@@ -552,6 +606,7 @@ class Node:
         path = self.conf_path(vmid)
         with open(path + ".tmp", "w") as f:
             f.write(render_conf(keys, raw, rest))
+        os.chmod(path + ".tmp", 0o640)         # pmxcfs shows every file in /etc/pve as 0640
         os.replace(path + ".tmp", path)
 
     def digest(self, vmid: int) -> str:
@@ -559,8 +614,15 @@ class Node:
             return hashlib.sha1(f.read()).hexdigest()
 
     # ---- LXC config generation (what pve-container does at every start)
-    def lxc_config(self, vmid: int) -> str:
-        keys, raw, _ = self.read(vmid)
+    def lxc_config(self, vmid: int, start: bool = False, log=None) -> str:
+        warnings: list = []
+        try:
+            with open(self.conf_path(vmid)) as f:
+                keys, raw, _ = parse_conf(f.read(), warnings)
+        except FileNotFoundError:
+            raise ApiError(500, f"Configuration file 'nodes/{self.name}/lxc/{vmid}.conf' does not exist")
+        for w in warnings if log else []:
+            log(f"vm {vmid} - {w}")
         d = self.lxc.dir(vmid)
         lines = [
             f"# GENERATED by the PVE stand-in (tests/standin/pve_api.py) from {self.conf_path(vmid)}",
@@ -580,6 +642,13 @@ class Node:
             "lxc.mount.auto = cgroup:mixed proc:mixed sys:mixed",
             "lxc.autodev = 1",
             "lxc.tty.max = 2",
+            # pve-container's cgroup layout (LXC >= 4): the limits below are on lxc/<vmid>, and the
+            # container runs in its inner `ns` group, whose memory.max is `max`: inside, the limit is
+            # out of sight (dflash_weights reads it on the node).
+            "lxc.cgroup.relative = 0",
+            f"lxc.cgroup.dir.monitor = lxc.monitor/{vmid}",
+            f"lxc.cgroup.dir.container = lxc/{vmid}",
+            "lxc.cgroup.dir.container.inner = ns",
         ]
         mem = int(keys.get("memory", 512))
         swap = int(keys.get("swap", 512))
@@ -613,17 +682,27 @@ class Node:
                     if unprivileged:     # a new volume's root belongs to the CT's root, as in PVE
                         os.chown(src, IDMAP_BASE, IDMAP_BASE)
                 lines.append(f"lxc.mount.entry = {src} {rel} none bind,create=dir 0 0")
-        for k in sorted(keys):
-            if re.fullmatch(r"dev\d+", k):
-                path, _ = split_opts(keys[k])
-                lines.append(f"lxc.mount.entry = {path} {path.lstrip('/')} none bind,optional,create=file 0 0")
-                try:
-                    st = os.stat(path)
-                    kind = "b" if (st.st_mode & 0o170000) == 0o060000 else "c"
-                    ver = "cgroup2" if self.lxc.cgroup2 else "cgroup"
-                    lines.append(f"lxc.{ver}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rwm")
-                except OSError:
-                    pass
+        # devN as pve-container passes them through: update_lxc_config stats each (a missing one fails
+        # the start: "Device ... does not exist"), the pre-start hook mknods each into
+        # /var/lib/lxc/<vmid>/passthrough (a second entry for the same path: "File exists") and the
+        # container gets that node, not an optional bind mount. With start=False (a config write
+        # between starts) the checks wait for the start, as PVE's do.
+        seen = set()
+        for k in sorted((k for k in keys if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
+            path, _ = split_opts(keys[k])
+            try:
+                st = check_device(path, k)
+            except ApiError as e:
+                if start:
+                    raise RuntimeError(e.reason)
+                continue
+            if path in seen and start:
+                raise RuntimeError(f"failed to mknod /var/lib/lxc/{vmid}/passthrough{path}: File exists")
+            seen.add(path)
+            lines.append(f"lxc.mount.entry = {path} {path.lstrip('/')} none bind,create=file 0 0")
+            kind = "b" if (st.st_mode & 0o170000) == 0o060000 else "c"
+            ver = "cgroup2" if self.lxc.cgroup2 else "cgroup"
+            lines.append(f"lxc.{ver}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rwm")
         lines += [f"{k} = {v}" for k, v in raw]    # raw lxc.* keys, verbatim, last (as PVE)
         return "\n".join(lines) + "\n"
 
@@ -868,16 +947,29 @@ class Node:
                 raise ApiError(500, "detected modified configuration - file changed by other user? Try again.")
             if keys.get("lock"):
                 raise ApiError(500, f"CT is locked ({keys['lock']})")
-            for k in filter(None, str(params.get("delete", "")).split(",")):
-                keys.pop(k.strip(), None)
+            deletes = [k.strip() for k in str(params.get("delete", "")).split(",") if k.strip()]
+            running = self.lxc.state(vmid) == "running"
+            for k in deletes:
+                if not (running and pending_on_running(k)):
+                    keys.pop(k, None)
             values = self.normalise(vmid, params, "local")
-            if self.lxc.state(vmid) == "running":
-                later = {k: v for k, v in values.items() if k in PENDING_ON_RUNNING and str(keys.get(k)) != str(v)}
-                if later:
+            for k, v in values.items():
+                if re.fullmatch(r"dev\d+", k):
+                    check_device(split_opts(v)[0], k)
+            if running:
+                later = {k: v for k, v in values.items() if pending_on_running(k) and str(keys.get(k)) != str(v)}
+                later_delete = [k for k in deletes if pending_on_running(k) and k in keys]
+                if later or later_delete:
                     pending, rest = split_pending(rest)
+                    for k in later:     # a set cancels a pending delete of that key
+                        pending["delete"] = ",".join(d for d in pending.get("delete", "").split(",") if d and d != k)
                     pending.update(later)
+                    if later_delete:
+                        pending["delete"] = ",".join(sorted(set(filter(None, pending.get("delete", "").split(",")))
+                                                            | set(later_delete)))
+                    pending = {k: v for k, v in pending.items() if v != ""}
                     rest = join_pending(pending, rest)
-                    values = {k: v for k, v in values.items() if k not in later}
+                    values = {k: v for k, v in values.items() if k not in later}    # deleted keys stay till then
             keys.update(values)
             self.write(vmid, keys, raw, rest)
             self.lxc.write_config(vmid, self.lxc_config(vmid))   # applies at the next start
@@ -899,6 +991,8 @@ class Node:
             keys, raw, rest = self.read(vmid)
             pending, rest = split_pending(rest)
             if pending:
+                for k in filter(None, pending.pop("delete", "").split(",")):
+                    keys.pop(k.strip(), None)
                 keys.update(pending)
                 self.write(vmid, keys, raw, rest)
 
@@ -911,7 +1005,7 @@ class Node:
             if self.lxc.state(vmid) == "running":
                 raise RuntimeError(f"CT {vmid} already running")
             self.apply_pending(vmid)
-            self.lxc.write_config(vmid, self.lxc_config(vmid))
+            self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
             self.lxc.start(vmid, log)
         return self.task("vzstart", vmid, user, work)
 
@@ -937,7 +1031,7 @@ class Node:
             log(f"shutting down CT {vmid} (killed after {60 if timeout is None else timeout} s)")
             self.lxc.stop(vmid, 60 if timeout is None else timeout, True, log)
             self.apply_pending(vmid)
-            self.lxc.write_config(vmid, self.lxc_config(vmid))
+            self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
             self.lxc.start(vmid, log)
         return self.task("vzreboot", vmid, user, work)
 

@@ -170,6 +170,11 @@ lxc.rootfs.path = dir:$CTDIR/rootfs
 $(if [[ -n "$CT_EXTRA" ]] && grep -q '^lxc\.net\.0\.type' "$CT_EXTRA"; then :; else
     printf '%s\n' "# No network inside: everything comes from the bind-mounted wheelhouse." "lxc.net.0.type = empty"; fi)
 lxc.mount.auto = cgroup:mixed proc:mixed sys:mixed
+# PVE's cgroup layout: limits on lxc/$VMID, the container in its inner ns group (memory.max: max)
+lxc.cgroup.relative = 0
+lxc.cgroup.dir.monitor = lxc.monitor/$VMID
+lxc.cgroup.dir.container = lxc/$VMID
+lxc.cgroup.dir.container.inner = ns
 lxc.apparmor.profile = unconfined
 lxc.autodev = 1
 lxc.tty.max = 0

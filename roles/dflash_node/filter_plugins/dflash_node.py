@@ -72,6 +72,25 @@ def dflash_dev_entries(nodes, start: int = 0) -> dict:
     return {"dev%d" % (start + i): node for i, node in enumerate(nodes)}
 
 
+# The devN paths this role passes through: the GPUs' nodes and the HCAs' (/dev/infiniband/...).
+OWNED_DEV = re.compile(r"^/dev/nvidia|/infiniband/")
+
+
+def dflash_stale_dev_keys(current_keys: dict, want_keys: dict) -> list:
+    """The devN keys of the config that pass through a device this role owns (a GPU's or an HCA's
+    node) and that it no longer wants: after 8 GPUs then 4 (or an HCA removed) they would pass a
+    device twice (PVE's pre-start hook: mknod "File exists") or one that is gone ("does not exist")."""
+    out = []
+    for key, value in (current_keys or {}).items():
+        if not re.fullmatch(r"dev\d+", key) or key in (want_keys or {}):
+            continue
+        head = str(value).split(",")[0]
+        path = head[len("path="):] if head.startswith("path=") else head
+        if OWNED_DEV.search(path):
+            out.append(key)
+    return sorted(out, key=lambda k: int(k[3:]))
+
+
 def dflash_stale_lines(current_raw, desired, majors=None, own_cpuset=False) -> list:
     """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
     majors; the cpuset line when the role sets one) that are in the config but no longer wanted."""
@@ -196,6 +215,7 @@ class FilterModule:
             "dflash_ct_root_ids": dflash_ct_root_ids,
             "dflash_workspace_owner": dflash_workspace_owner,
             "dflash_stale_lines": dflash_stale_lines,
+            "dflash_stale_dev_keys": dflash_stale_dev_keys,
             "dflash_same_opts": dflash_same_opts,
             "dflash_conf_edit": dflash_conf_edit,
             "dflash_proc_limit": dflash_proc_limit,

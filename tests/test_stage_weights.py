@@ -106,22 +106,52 @@ def test_a_source_file_the_containers_root_cannot_read_fails_the_preflight_namin
         shutil.rmtree(top)
 
 
+def _node_headroom(node_root: Path, vmid: int) -> str:
+    """The role's own node-side read (tasks/main.yml), run on a directory tree standing for the
+    node's /sys/fs/cgroup."""
+    import yaml
+    tasks = yaml.safe_load((SCRIPT.parents[1] / "tasks" / "main.yml").read_text())
+    argv = next(t for t in tasks if "headroom, from its cgroup on the node" in t["name"])["ansible.builtin.command"]["argv"]
+    return subprocess.run([*argv[:4], str(node_root), f"lxc/{vmid}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def test_a_copy_the_containers_memory_cgroup_cannot_hold_is_refused_before_copying(tmp_path):
-    """Issue 27: free room on /dev/shm is not enough; its pages are charged to the container's memory
-    cgroup, which also holds the running trainer. A directory tree stands for /sys/fs/cgroup: the
-    container's limit is an ancestor of the staging service's cgroup."""
+    """Issues 27 and 41: free room on /dev/shm is not enough; its pages are charged to the
+    container's memory cgroup, which also holds the running trainer. PVE's layout: the limit is on
+    the node's lxc/<vmid> (lxc.cgroup.dir.container, .inner = ns); inside the container
+    /sys/fs/cgroup is the inner `ns` group, whose memory.max is `max`, and the limit is above the
+    cgroup namespace's root, out of sight. The role reads the headroom on the node and passes it in."""
     src = model(tmp_path / "store" / "M", 2)
-    ct = tmp_path / "cg" / "ct"
-    svc = ct / "system.slice" / "dflash-stage-weights.service"
+    node_ct = tmp_path / "node" / "sys/fs/cgroup" / "lxc" / "250"       # the node's view
+    ct_root = tmp_path / "ct" / "sys/fs/cgroup"                         # the container's view: lxc/250/ns
+    svc = ct_root / "system.slice" / "dflash-stage-weights.service"
     svc.mkdir(parents=True)
-    for d, limit, current in ((ct, 64 << 20, 63 << 20), (ct / "system.slice", "max", 0), (svc, "max", 0)):
+    node_ct.mkdir(parents=True)
+    for d, limit, current in ((node_ct, 64 << 20, 63 << 20), (ct_root, "max", 63 << 20),
+                              (ct_root / "system.slice", "max", 0), (svc, "max", 0)):
         (d / "memory.max").write_text(f"{limit}\n")
         (d / "memory.current").write_text(f"{current}\n")
-    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc))
-    assert rc == 2
+    headroom = _node_headroom(tmp_path / "node" / "sys/fs/cgroup", 250)
+    assert headroom == str(1 << 20)
+    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc), "--node-headroom-bytes", headroom)
+    assert rc == 2, out
     assert "not enough memory in the container's cgroup" in out["msg"] and f"memory.current leaves 0.00 GiB ({1 << 20} bytes)" in out["msg"]
     assert not (tmp_path / "shm" / "M").exists()
-    (ct / "memory.current").write_text(f"{32 << 20}\n")
-    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc))
+    (node_ct / "memory.current").write_text(f"{32 << 20}\n")
+    rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc),
+                    "--node-headroom-bytes", _node_headroom(tmp_path / "node" / "sys/fs/cgroup", 250))
     assert rc == 0, out
     assert out["cgroup_headroom_bytes"] == 32 << 20
+
+
+def test_the_node_side_read_takes_cgroup_v1_and_says_when_there_is_no_limit(tmp_path):
+    root = tmp_path / "cg"
+    assert _node_headroom(root, 250) == f"none: no {root}/lxc/250 on this node"
+    v1 = root / "memory" / "lxc" / "250"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{64 << 20}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{60 << 20}\n")
+    assert _node_headroom(root, 250) == str(4 << 20)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")        # v1's "no limit"
+    assert _node_headroom(root, 250) == f"none: no memory limit on {root}/lxc/250"

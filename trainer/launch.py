@@ -29,7 +29,7 @@ def launch(argv: list[str], cfg) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .status import Notifier, read_status
+    from .status import Notifier, read_status, record_failure
 
     notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
     os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
@@ -93,7 +93,7 @@ def launch(argv: list[str], cfg) -> int:
             rc = 1
             sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
             err = f"rank {rank} failed ({sig}): {why or 'see the log'}"
-            _mark_failed(cfg.status_file, err)
+            record_failure(cfg.status_file, err, merge_rank_error=True)   # the rank's own reason kept
             print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
     except SignalException as e:
         # (a signal the launcher handles itself: it stopped the ranks); report how they ended
@@ -108,25 +108,6 @@ def launch(argv: list[str], cfg) -> int:
         relay.stop()
         notifier.stopping()
     return rc
-
-
-def _mark_failed(path: str, error: str) -> None:
-    from .status import atomic_write_json, read_status
-    try:
-        st = read_status(path)
-    except Exception:  # noqa: BLE001
-        st = {}
-    if st.get("phase") == "failed" and st.get("error"):
-        rank_why = st["error"].split(": ", 1)[-1]     # the rank wrote "rank N: <why>"
-        if rank_why not in error:                      # the supervisor's line may quote it already
-            error = f"{error}; {st['error']}"
-    st.update(phase="failed", error=error)
-    st["updated_at"] = time.time()
-    st["pid"] = os.getpid()
-    try:
-        atomic_write_json(path, st)
-    except OSError as e:
-        log.warning("could not write %s: %s", path, e)
 
 
 def free_port() -> int:

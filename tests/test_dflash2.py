@@ -282,6 +282,13 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     base = w["layers.0.attention_conv.base_kernel"].float()
     assert not torch.equal(base[:, 1:], torch.zeros_like(base[:, 1:]))           # moved off the identity
     assert w["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0
+    from trainer.export import read_checkpoint
+    from trainer.model import DFlashDrafter, init_drafter_weights
+    fresh = DFlashDrafter(read_checkpoint(dst)[0])
+    init_drafter_weights(fresh, seed=0)                       # the run's init (--seed 0)
+    for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight"):   # used outside forward, still trained
+        assert not torch.allclose(w[name].float(), fresh.state_dict()[name].bfloat16().float(), rtol=0.01), name
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 

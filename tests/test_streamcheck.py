@@ -261,6 +261,12 @@ def test_the_recorded_order_of_the_real_trainer_and_its_replay(tiny_small_dir, t
         assert "all_gather" in text and "recv mb" in text and "send slot" in text, text
     else:
         assert res.ok, res.explain()
+        # the startup is in the recording: every rank splits the world communicator alike, and with
+        # --transport pair nothing at all runs on the NCCL world group (init's exchange is on control)
+        splits = {p.rank: [o.color for o in p.ops if o.coll == "comm_split"] for p in real}
+        assert len({len(v) for v in splits.values()}) == 1 and splits[0], splits
+        assert not [o.label for p in real for o in p.ops if o.queue.startswith("nccl:WORLD")]
+        assert any(o.coll == "all_gather_object" and o.queue == "gloo:control" for o in real[0].ops)
     cfg = parse_args(_tiny_argv(tiny_small_dir, tmp_path / "replay", *order))
     cfg.save_final = False
     ds = load_dataset(cfg.data_dir)

@@ -104,8 +104,10 @@ def plan_main(args) -> int:
         print(f"{layout:>6} {setting:>4} {transport:>5} {prefetch:>7} {steps:5d} steps"
               f"{' ' + str(extra) if extra else ''}: {what} {eff} ({rec['replay_s']}s + {rec['check_s']}s)",
               flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"results": results}, indent=1) + "\n")
+    if args.out:   # meta.commit: which code was checked (results/INDEX.md)
+        from .bench import git_commit
+        meta = {"argv": sys.argv[1:], **git_commit()}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return 1 if any(r["hang"] for r in results) else 0
 
 

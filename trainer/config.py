@@ -135,6 +135,16 @@ class TrainConfig:
     async_pipeline: bool = opt(True, "overlap the target, the copies and the drafter (--no-async: the same "
                                      "math synchronously, a baseline)", flag="--async")
     target_layers: list[int] | None = opt(None, "override the tapped target layers, e.g. 1,9,17", kind="ints")
+    draft_layer_types: str = opt("auto", "attention of each draft layer, comma-separated full|sliding (sliding: "
+                                         "causal attention over the last --sliding-window positions, as SGLang and "
+                                         "vLLM run a drafter's sliding_attention layers); auto: sliding on every "
+                                         "layer but the last for a hybrid Qwen3.5/3.6 target (the layout "
+                                         "z-lab/Qwen3.6-27B-DFlash ships), full otherwise", metavar="TYPES")
+    sliding_window: int = opt(2048, "window of the sliding draft layers, in positions (the current one included, "
+                                    "as in Hugging Face configs)", ge=1)
+    allow_slow_linear_attention: bool = opt(False, "train a hybrid (Gated DeltaNet) target on GPUs without "
+                                                   "flash-linear-attention, on transformers' slow torch fallback "
+                                                   "(default: such a run exits 2 naming the package)")
     max_nan_skips: int = opt(10, "consecutive non-finite steps before the run fails", ge=1)
     mask_token_id: int | None = opt(None, "default: the tokenizer's <|mask|>, else 151669")
     eval_data_dir: str = opt("", "held-out shards: tau by real speculative generation at the end of the run "
@@ -430,6 +440,7 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         if not ok:
             raise ConfigError(f"{flag}: {why}")
     split_blocks(cfg)   # parses --flex-kernel-options too
+    draft_layer_types(cfg.draft_layer_types, cfg.num_draft_layers, None)
     if cfg.fp8 != "off":
         _check_fp8(cfg, gpu_count)
     if cfg.tensorboard_dir:
@@ -437,6 +448,52 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("--tensorboard-dir: needs the tensorboard package "
                               "(pip install 'dflash-trainer[tensorboard]' or pip install tensorboard)")
+
+
+DRAFT_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
+
+
+def draft_layer_types(text: str, num_layers: int, target_config: dict | None) -> list[str] | None:
+    """--draft-layer-types -> the drafter's layer_types (Hugging Face names: full_attention,
+    sliding_attention), or None for all full attention. 'auto': sliding on every layer but the last
+    for a hybrid target (text config layer_types with linear_attention: Qwen3.5/3.6), as
+    z-lab/Qwen3.6-27B-DFlash ships ([S, S, S, S, F], window 2048); full otherwise (z-lab's dense-target
+    drafters). target_config None: check the syntax only. ConfigError names the flag."""
+    if text == "auto":
+        if target_config is None:
+            return None
+        text_cfg = target_config.get("text_config", target_config)
+        hybrid = "linear_attention" in (text_cfg.get("layer_types") or ())
+        return ["sliding_attention"] * (num_layers - 1) + ["full_attention"] if hybrid and num_layers > 1 else None
+    kinds = [t.strip() for t in text.split(",")]
+    bad = [t for t in kinds if t not in DRAFT_LAYER_TYPES]
+    if bad or len(kinds) != num_layers:
+        raise ConfigError(f"--draft-layer-types: expected auto or {num_layers} comma-separated "
+                          f"{'|'.join(DRAFT_LAYER_TYPES)} (one per --num-draft-layers), got {text!r}")
+    types = [DRAFT_LAYER_TYPES[t] for t in kinds]
+    return types if "sliding_attention" in types else None
+
+
+def check_linear_attention_kernels(cfg, target_config: dict) -> None:
+    """A hybrid target (Gated DeltaNet layers) on GPUs needs flash-linear-attention: without it transformers
+    runs its torch fallback, about 1.5x slower, and out of GPU memory where every hidden state is kept
+    (issue 39). Cheap: the package is looked up, not imported (the target rank checks what transformers
+    really resolved when it loads the model: trainer/target.py)."""
+    text_cfg = target_config.get("text_config", target_config)
+    if not cfg.target_gpus or cfg.allow_slow_linear_attention \
+            or "linear_attention" not in (text_cfg.get("layer_types") or ()):
+        return
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        raise ConfigError(slow_linear_attention_message(cfg.target_model, ["flash-linear-attention"]))
+
+
+def slow_linear_attention_message(path: str, missing: list[str]) -> str:
+    """The one line that refuses a hybrid target whose fast kernels are missing on a GPU."""
+    return (f"--target-model: {path} has Gated DeltaNet (linear-attention) layers and {', '.join(missing)} is not "
+            f"installed: transformers' torch fallback is ~1.5x slower and runs out of GPU memory where every "
+            f"hidden state is kept (pip install {' '.join(missing)}; or --allow-slow-linear-attention to run it "
+            f"anyway)")
 
 
 def parse_kernel_options(text: str) -> dict:
@@ -513,6 +570,8 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
 
     facts = {"target_config": check_model_dir(cfg.target_model)}
     tcfg = facts["target_config"]
+    if gpu_count != -1:   # the Ansible controller (-1) has not the trainer's packages: the host checks this
+        check_linear_attention_kernels(cfg, tcfg)
     text = tcfg.get("text_config", tcfg)
     layers = text.get("num_hidden_layers")
     if cfg.target_layers is not None:
@@ -521,6 +580,10 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
             raise ConfigError(f"--target-layers: {bad} outside the target's {layers} layers")
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
+
+    if draft_layer_types(cfg.draft_layer_types, cfg.num_draft_layers, tcfg) and cfg.sliding_window < cfg.block_size:
+        raise ConfigError(f"--sliding-window: ({cfg.sliding_window}) must hold a block (--block-size "
+                          f"{cfg.block_size}) for the sliding draft layers")
 
     from . import identity
     try:

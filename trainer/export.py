@@ -83,6 +83,8 @@ def drafter_config_from_json(d: dict) -> DFlashConfig:
         raise ExportError(f"drafter config lacks {', '.join(missing)}")
     flat["architectures"] = [DFLASH2_ARCHITECTURE if flat.get("conv_kernel_size") else ARCHITECTURE]
     flat["model_type"] = "qwen3"
+    if "sliding_attention" not in (flat.get("layer_types") or ()):   # an export's all-full list: the default
+        flat["layer_types"], flat["sliding_window"] = None, None
     return DFlashConfig.from_dict(flat)
 
 
@@ -108,7 +110,11 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
       also under dflash_config, where SGLang looks first;
     - dflash_config.{target_layer_ids, mask_token_id, block_size}: reference, SGLang, vLLM;
     - block_size (top level): the reference class reads config.block_size;
-    - layer_types all "full_attention": SGLang and vLLM then build non-causal draft attention;
+    - layer_types, one per draft layer, and sliding_window: SGLang and vLLM build a "full_attention" layer
+      as non-causal attention over every context and block row, a "sliding_attention" layer as causal
+      attention over the last sliding_window positions (SGLang: window_left = sliding_window - 1;
+      vLLM: per-layer sliding window, causal; mixed layers need its V2 model runner). That is what
+      training ran (trainer/model.py); use_sliding_window says whether any layer slides;
     - eagle_aux_hidden_state_layer_ids = taps + 1: vLLM's capture points ("before layer i"), the form
       speculators writes for DFlash too; vLLM versions before the dflash_config fallback read only it;
     - DFlash2 (architectures DFlash2DraftModel): dflash_config.{conv_kernel_size, conv_group_size,
@@ -121,6 +127,8 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
     rope_parameters = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
     dtype_name = str(dtype).replace("torch.", "")
     layers = cfg.num_hidden_layers
+    layer_types = list(cfg.layer_types or ["full_attention"] * layers)
+    sliding = "sliding_attention" in layer_types
     dflash = {"block_size": cfg.block_size, "target_layer_ids": list(cfg.target_layer_ids),
               "mask_token_id": cfg.mask_token_id, "num_target_layers": cfg.target_num_hidden_layers}
     if mask_token:
@@ -149,9 +157,9 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
         "rope_theta": theta,
         "rope_scaling": scaling,
         "rope_parameters": rope_parameters,
-        "layer_types": ["full_attention"] * layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": layer_types,
+        "use_sliding_window": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
         "max_window_layers": layers,
         "tie_word_embeddings": False,
         "use_cache": True,

@@ -32,9 +32,26 @@ def _raise_cache_limits(n: int = 64):
             setattr(cfg, name, max(getattr(cfg, name), n if "accumulated" not in name else 4 * n))
 
 
+def layer_mixer(layer):
+    """The token mixer of a decoder layer: a hybrid's (Qwen3.5) `linear_attn` (Gated DeltaNet) or
+    `self_attn`, else the layer itself."""
+    for name in ("linear_attn", "self_attn"):
+        m = getattr(layer, name, None)
+        if m is not None:
+            return m
+    return layer
+
+
+def layer_kind(layer) -> tuple[type, type]:
+    """What a compiled layer forward is shared by: the layer's class and its token mixer's class (a hybrid's
+    Qwen3_5DecoderLayer is one class holding either Gated DeltaNet or attention)."""
+    return type(layer), type(layer_mixer(layer))
+
+
 def compile_layers(layers, dynamic: bool | None = None) -> int:
-    """Replace each layer's forward with a compiled function shared by all layers of its class
-    (regional compilation; a hybrid stack gets one per layer class).
+    """Replace each layer's forward with a compiled function shared by all layers of its kind
+    (regional compilation; a hybrid stack gets one per mixer class: Gated DeltaNet and attention, so
+    neither kind's graph is guarded on the other's and neither recompiles when the stack alternates).
     dynamic=None: compiled for the first shape, then once more with the dims that changed symbolic
     (the warmup runs two shapes so this happens before step 1); True: symbolic from the start.
     Returns how many layers were wrapped.
@@ -48,10 +65,10 @@ def compile_layers(layers, dynamic: bool | None = None) -> int:
     fns = {}
     n = 0
     for layer in layers:
-        cls = type(layer)
-        if cls not in fns:
-            fns[cls] = torch.compile(cls.forward, dynamic=dynamic)
-        layer.forward = types.MethodType(fns[cls], layer)
+        kind = layer_kind(layer)
+        if kind not in fns:
+            fns[kind] = torch.compile(type(layer).forward, dynamic=dynamic)
+        layer.forward = types.MethodType(fns[kind], layer)
         n += 1
     return n
 

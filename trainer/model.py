@@ -9,6 +9,10 @@ Per-row metadata (int32/int64 tensors on the drafter device):
   q_seq[Tq], q_anchor[Tq], q_pos[Tq]   sequence, anchor position and position id (anchor + slot) per block row
 Attention (training): a block row sees context rows of its own sequence with pos < its anchor
 (strictly: `<=` leaks the answer) and every row of its own block; nothing else.
+A sliding draft layer (DFlashConfig.layer_types "sliding_attention", window W) is what SGLang and vLLM
+build for such a layer: causal attention over the last W positions. Its block row at position p sees
+those of the rows above whose position k has k <= p and p - k < W: context rows in (p - W, anchor), and
+the rows of its own block up to its own slot.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class DFlashConfig:
     target_num_hidden_layers: int
     rope_scaling: dict | None = None
     hidden_act: str = "silu"
+    # per draft layer "full_attention" | "sliding_attention" (None: all full); the sliding ones' window
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     # DFlash2 (trainer/dflash2.py; dflash2.as_dflash2 sets them): the convolution's taps and channels per
     # dynamic kernel, the selector's rank and candidates per position. None: DFlash
     conv_kernel_size: int | None = None
@@ -63,8 +70,15 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target_cfg, *, num_draft_layers: int, block_size: int, mask_token_id: int,
-                    target_layer_ids: list[int] | None = None) -> "DFlashConfig":
+                    target_layer_ids: list[int] | None = None, layer_types: str = "full",
+                    sliding_window: int = 2048) -> "DFlashConfig":
+        """layer_types: --draft-layer-types' text (auto | full,sliding,...), resolved against the target
+        (config.draft_layer_types); "full" (the default here): every layer full attention."""
+        from .config import draft_layer_types
         t = getattr(target_cfg, "text_config", None) or target_cfg
+        whole = target_cfg.to_dict() if hasattr(target_cfg, "to_dict") else dict(target_cfg)
+        types = (None if layer_types == "full" else
+                 draft_layer_types(layer_types, num_draft_layers, whole))
         heads = t.num_attention_heads
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
         rope = getattr(t, "rope_parameters", None) or {}
@@ -79,7 +93,14 @@ class DFlashConfig:
             target_layer_ids=list(layers), mask_token_id=mask_token_id,
             target_num_hidden_layers=t.num_hidden_layers,
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            layer_types=types, sliding_window=sliding_window if types else None,
         )
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of draft layer `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -143,20 +164,25 @@ if {f.name for f in fields(PackedMeta)} != {"block_size", *ATTENTION_ARRAYS}:   
     raise TypeError("PackedMeta's tensors must be plan.ATTENTION_ARRAYS")
 
 
-def dense_mask(meta: PackedMeta) -> torch.Tensor:
-    """[Tq, Tc + Tq] bool: True where a block row may attend. The reference the flex path must match."""
+def dense_mask(meta: PackedMeta, window: int | None = None) -> torch.Tensor:
+    """[Tq, Tc + Tq] bool: True where a block row may attend. The reference the flex path must match.
+    window: a sliding layer's (module docstring): causal, over the last `window` positions."""
     ctx_ok = (meta.ctx_seq[None, :] == meta.q_seq[:, None]) & (meta.ctx_pos[None, :] < meta.q_anchor[:, None])
     tq = meta.q_seq.shape[0]
-    blk = torch.arange(tq, device=meta.q_seq.device) // meta.block_size
+    row = torch.arange(tq, device=meta.q_seq.device)
+    blk = row // meta.block_size
     blk_ok = blk[:, None] == blk[None, :]
+    if window is not None:
+        ctx_ok &= (meta.q_pos[:, None] - meta.ctx_pos[None, :]) < window
+        blk_ok &= (row[None, :] <= row[:, None]) & ((meta.q_pos[:, None] - meta.q_pos[None, :]) < window)
     return torch.cat([ctx_ok, blk_ok], dim=1)
 
 
-def _flex_mask_mod(meta: PackedMeta):
+def _flex_mask_mod(meta: PackedMeta, window: int | None = None):
     # lengths come from tensor shapes (symbolic under torch.compile(dynamic=True)), not Python ints,
-    # so a new batch shape does not force a recompile; only the block size is a constant
+    # so a new batch shape does not force a recompile; only the block size (and a window) are constants
     bs = meta.block_size
-    ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
+    ctx_seq, ctx_pos, q_seq, q_anchor, q_pos = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor, meta.q_pos
     if meta.kv_ctx is not None:  # keys are [ctx[kv_ctx], block rows]; a query sees its group's copy only
         ctx_seq, ctx_pos, q_seq = meta.kv_ctx_seq, ctx_pos[meta.kv_ctx], meta.q_copy_seq
 
@@ -168,7 +194,24 @@ def _flex_mask_mod(meta: PackedMeta):
         blk_ok = (kb // bs) == (q // bs)
         return torch.where(kv < tc, ctx_ok, blk_ok & (kv - tc < tq))
 
-    return mask_mod
+    def windowed_mask_mod(b, h, q, kv):   # a sliding layer: causal, the last `window` positions
+        tc, tq = ctx_seq.shape[0], q_seq.shape[0]
+        kc = torch.clamp(kv, max=tc - 1)
+        ctx_ok = (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q]) & (q_pos[q] - ctx_pos[kc] < window)
+        kb = torch.clamp(kv - tc, min=0, max=tq - 1)
+        blk_ok = ((kb // bs) == (q // bs)) & (kb <= q) & (q_pos[q] - q_pos[kb] < window)
+        return torch.where(kv < tc, ctx_ok, blk_ok & (kv - tc < tq))
+
+    return mask_mod if window is None else windowed_mask_mod
+
+
+def flex_tile_lists(meta: PackedMeta, window: int | None = None):
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a layer's BlockMask: the plan's
+    lists. A sliding layer's window cuts into tiles the plan found fully visible (FlexAttention skips
+    mask_mod on those), so it gets no full tiles: every listed tile goes through its mask_mod."""
+    if window is not None:
+        return meta.kv_num_blocks, meta.kv_indices, None, None
+    return meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices
 
 
 _compiled_flex = None
@@ -204,26 +247,33 @@ def ctx_flex_lists(num: torch.Tensor, idx: torch.Tensor | None, tc: int):
     return (listed & (idx < n)).sum(-1, dtype=torch.int32), idx
 
 
-def _ctx_mask_mod(meta: PackedMeta):
-    """Context-only mask of the split path: a block row sees context rows of its sequence before its anchor."""
-    ctx_seq, ctx_pos, q_seq, q_anchor = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor
+def _ctx_mask_mod(meta: PackedMeta, window: int | None = None):
+    """Context-only mask of the split path: a block row sees context rows of its sequence before its anchor
+    (a sliding layer: those in its window too)."""
+    ctx_seq, ctx_pos, q_seq, q_anchor, q_pos = meta.ctx_seq, meta.ctx_pos, meta.q_seq, meta.q_anchor, meta.q_pos
 
     def mask_mod(b, h, q, kv):
         kc = torch.clamp(kv, max=ctx_seq.shape[0] - 1)
         return (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q])
 
-    return mask_mod
+    def windowed_mask_mod(b, h, q, kv):
+        kc = torch.clamp(kv, max=ctx_seq.shape[0] - 1)
+        return (ctx_seq[kc] == q_seq[q]) & (ctx_pos[kc] < q_anchor[q]) & (q_pos[q] - ctx_pos[kc] < window)
+
+    return mask_mod if window is None else windowed_mask_mod
 
 
-def ctx_attention_flex(q, k, v, meta: PackedMeta, kernel_options=None):
+def ctx_attention_flex(q, k, v, meta: PackedMeta, kernel_options=None, window: int | None = None):
     """Context part of the split path through FlexAttention: q [1, nh, Tq, hd], k/v [1, nkv, Tc, hd] ->
-    (out [Tq, nh, hd] in q's dtype, lse [Tq, nh] fp32; -inf for a row that sees no context, its out 0)."""
+    (out [Tq, nh, hd] in q's dtype, lse [Tq, nh] fp32; -inf for a row that sees no context, its out 0).
+    window: a sliding layer's; the plan's fully visible tiles are not fully visible then (none are passed)."""
     from torch.nn.attention.flex_attention import BlockMask
     tq, tc = q.shape[2], k.shape[2]
-    num, idx = ctx_flex_lists(meta.kv_num_blocks, meta.kv_indices, tc)
-    fnum, fidx = ctx_flex_lists(meta.full_kv_num_blocks, meta.full_kv_indices, tc)
-    block_mask = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=_ctx_mask_mod(meta),
-                                          seq_lengths=(tq, tc))
+    lists = flex_tile_lists(meta, window)
+    num, idx = ctx_flex_lists(*lists[:2], tc)
+    fnum, fidx = ctx_flex_lists(*lists[2:], tc)
+    block_mask = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=FLEX_BLOCK,
+                                          mask_mod=_ctx_mask_mod(meta, window), seq_lengths=(tq, tc))
     out, lse = _flex_with_lse(flex_attention_fn(q.device), q, k, v, block_mask, q.shape[1] != k.shape[1],
                               kernel_options)
     return out[0].transpose(0, 1), _acc(lse[0].transpose(0, 1))
@@ -239,13 +289,13 @@ def _flex_with_lse(fn, q, k, v, block_mask, gqa, kernel_options):
     return out, aux.lse
 
 
-def ctx_attention_dense(q, k, v, meta: PackedMeta, kernel_options=None):
+def ctx_attention_dense(q, k, v, meta: PackedMeta, kernel_options=None, window: int | None = None):
     """The same as ctx_attention_flex by a dense mask in fp32 (the CPU reference; FlexAttention has no
     backward on the CPU)."""
     nh, nkv = q.shape[1], k.shape[1]
     qf, kf, vf = (_acc(t[0]) for t in (q, k, v))
     kf, vf = (t.repeat_interleave(nh // nkv, 0) for t in (kf, vf))
-    ctx_ok = (meta.ctx_seq[None, :] == meta.q_seq[:, None]) & (meta.ctx_pos[None, :] < meta.q_anchor[:, None])
+    ctx_ok = dense_mask(meta, window)[:, :meta.ctx_seq.shape[0]]
     s = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
     m = s.masked_fill(~ctx_ok, float("-inf")).amax(-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)) * ctx_ok
@@ -261,18 +311,28 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def block_attention(q, k, v, block_size: int):
-    """In-block part of the split path: every row of a block sees every row of its block (bidirectional),
-    nothing else. q [Tq, nh, hd], k/v [Tq, nkv, hd] of the block rows -> (out [Tq, nh, hd], lse [Tq, nh]),
-    both fp32. A block is a tiny dense attention (block_size^2 scores per head), batched over blocks."""
+def block_attention(q, k, v, block_size: int, causal: bool = False):
+    """In-block part of the split path: every row of a block sees every row of its block (bidirectional;
+    causal: the rows up to its own, a sliding layer's), nothing else. q [Tq, nh, hd], k/v [Tq, nkv, hd] of
+    the block rows -> (out [Tq, nh, hd], lse [Tq, nh]), both fp32. A block is a tiny dense attention
+    (block_size^2 scores per head), batched over blocks. (A window shorter than the block is not supported
+    here: validate refuses it.)"""
     tq, nh, hd = q.shape
     nkv = k.shape[1]
     qb = _acc(q).view(-1, block_size, nkv, nh // nkv, hd)          # head h uses kv head h // (nh / nkv)
     kb, vb = (_acc(t).view(-1, block_size, nkv, hd) for t in (k, v))
     s = torch.einsum("bqgrd,bkgd->bgrqk", qb, kb) * hd ** -0.5
+    if causal:
+        s = s.masked_fill(~_causal(block_size, s.device), float("-inf"))
     lse = torch.logsumexp(s, -1)                                   # [nb, nkv, r, B]
     o = torch.einsum("bgrqk,bkgd->bqgrd", torch.exp(s - lse[..., None]), vb)
     return o.reshape(tq, nh, hd), lse.permute(0, 3, 1, 2).reshape(tq, nh)
+
+
+def _causal(block_size: int, device) -> torch.Tensor:
+    """[B, B] bool: key slot <= query slot."""
+    r = torch.arange(block_size, device=device)
+    return r[None, :] <= r[:, None]
 
 
 def merge_attention(o1, lse1, o2, lse2):
@@ -306,7 +366,7 @@ class BlockMerge(torch.autograd.Function):
     gradient through the block's log-sum-exp in: dS = p (dO v - D) = P_full (g v - <g, O>)."""
 
     @staticmethod
-    def forward(ctx, oc, lc, q, k, v, block_size: int):
+    def forward(ctx, oc, lc, q, k, v, block_size: int, causal: bool = False):
         tq, nh, hd = q.shape
         nkv = k.shape[1]
         r = nh // nkv
@@ -314,6 +374,8 @@ class BlockMerge(torch.autograd.Function):
         qg = q.view(-1, block_size, nkv, r, hd).permute(0, 2, 3, 1, 4).reshape(-1, r * block_size, hd)
         kg, vg = (t.view(-1, block_size, nkv, hd).transpose(1, 2).reshape(-1, block_size, hd) for t in (k, v))
         s = _bmm_f32(qg, kg.transpose(1, 2)) * hd ** -0.5                 # [nb * nkv, r * B, B]
+        if causal:   # a sliding layer (p = 0 where masked, so the backward below needs nothing more)
+            s = s.masked_fill(~_causal(block_size, s.device).repeat(r, 1), float("-inf"))
         lb = torch.logsumexp(s, -1, keepdim=True)
         p = torch.exp(s - lb)
         ob = _bmm_f32(p.to(vg.dtype), vg)                                  # [nb * nkv, r * B, hd]
@@ -346,16 +408,17 @@ class BlockMerge(torch.autograd.Function):
         dvg = _bmm_f32(p.to(d_og.dtype).transpose(1, 2), d_og)
         dq = dqg.view(-1, nkv, r, bs, hd).permute(0, 3, 1, 2, 4).reshape(tq, nh, hd).to(qg.dtype)
         dk, dv = (t.view(-1, nkv, bs, hd).transpose(1, 2).reshape(tq, nkv, hd).to(qg.dtype) for t in (dkg, dvg))
-        return g_oc, g_lc, dq, dk, dv, None
+        return g_oc, g_lc, dq, dk, dv, None, None
 
 
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose K/V are cat(proj(ctx), proj(block)): context injected as keys and values."""
 
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, layer: int = 0):
         super().__init__()
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.window = cfg.window(layer)   # a sliding layer's window (module docstring); None: full attention
         self.q_proj = nn.Linear(h, nh * hd, bias=False)
         self.k_proj = nn.Linear(h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(h, nkv * hd, bias=False)
@@ -384,11 +447,13 @@ class DFlashAttention(nn.Module):
             if meta.kv_ctx is not None:
                 raise ValueError("SPLIT_BLOCKS needs --flex-ctx-group 0")
             as4 = lambda t: t.transpose(0, 1).unsqueeze(0)   # noqa: E731  [T, heads, hd] -> [1, heads, T, hd]
-            oc, lc = CTX_ATTENTION[self.split_blocks](as4(q), as4(k[:tc]), as4(v[:tc]), meta, self.kernel_options)
+            oc, lc = CTX_ATTENTION[self.split_blocks](as4(q), as4(k[:tc]), as4(v[:tc]), meta, self.kernel_options,
+                                                      window=self.window)
+            causal = self.window is not None
             if self.split_fused:
-                out = BlockMerge.apply(oc, lc, q, k[tc:], v[tc:], meta.block_size)
+                out = BlockMerge.apply(oc, lc, q, k[tc:], v[tc:], meta.block_size, causal)
             else:
-                ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size)
+                ob, lb = block_attention(q, k[tc:], v[tc:], meta.block_size, causal)
                 out = merge_attention(oc, lc, ob, lb).to(q.dtype)
             return self.o_proj(out.reshape(tq, self.nh * self.hd))
         if backend == "flex" and meta.kv_ctx is not None:
@@ -397,22 +462,22 @@ class DFlashAttention(nn.Module):
         if backend == "flex":
             from torch.nn.attention.flex_attention import BlockMask
             block_mask = BlockMask.from_kv_blocks(
-                meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices,
-                BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta), seq_lengths=(tq, k.shape[2]))
+                *flex_tile_lists(meta, self.window),
+                BLOCK_SIZE=FLEX_BLOCK, mask_mod=_flex_mask_mod(meta, self.window), seq_lengths=(tq, k.shape[2]))
             out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=self.nkv != self.nh,
                                               kernel_options=self.kernel_options)
         else:
-            mask = dense_mask(meta)
+            mask = dense_mask(meta, self.window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=self.nkv != self.nh)
         out = out[0].transpose(0, 1).reshape(tq, self.nh * self.hd)
         return self.o_proj(out)
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = DFlashAttention(cfg)
+        self.self_attn = DFlashAttention(cfg, layer)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg.qwen3_config())
         self.attention_conv = self.mlp_conv = None   # DFlash2: a convolution around each sublayer
@@ -441,7 +506,7 @@ class DFlashDrafter(nn.Module):
         k = len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())
         if cfg.is_dflash2:   # used by the loss (dflash2.selector_loss) and at inference, not in forward

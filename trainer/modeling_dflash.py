@@ -13,7 +13,9 @@ model): `forward(position_ids, noise_embedding, target_hidden, past_key_values=N
   target_hidden    [b, Tc, K*H]  tapped target hidden states of the context tokens not yet in the cache
   noise_embedding  [b, Tq, H]    target embeddings of the block: real token at slot 0, MASK after it
   position_ids     [b, Tc + Tq]  positions of those context rows, then of the block rows
-Every block row attends to every cached and new context row and to every block row (not causal).
+Every block row attends to every cached and new context row and to every block row (not causal), except
+in a sliding layer (config.layer_types[i] == "sliding_attention"), which is causal over the last
+config.sliding_window positions, as SGLang and vLLM run it (a row at position p sees keys k <= p, p - k < W).
 Returns the final-normed hidden states of the block rows [b, Tq, H]; feed them to the target's LM head.
 """
 
@@ -83,8 +85,19 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        types = getattr(config, "layer_types", None) or ()
+        sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
+        self.sliding_window = int(config.sliding_window) if sliding else None
 
-    def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None):
+    def window_mask(self, position_ids: torch.LongTensor, cached: int, tq: int) -> torch.Tensor:
+        """[b, 1, Tq, cached + Tc + Tq] bool for a sliding layer: key position <= query position and within
+        the window. The cache holds positions 0..cached-1; position_ids [b, Tc + Tq] are the new rows'."""
+        b = position_ids.shape[0]
+        kpos = torch.cat([torch.arange(cached, device=position_ids.device).expand(b, -1), position_ids], dim=1)
+        d = position_ids[:, -tq:, None] - kpos[:, None, :]
+        return ((d >= 0) & (d < self.sliding_window))[:, None]
+
+    def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None, position_ids=None):
         b, tq, _ = x.shape
         tc = ctx.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, tq, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -94,8 +107,15 @@ class DFlashAttention(nn.Module):
         # cos/sin cover the new context rows then the block rows; queries are the last tq of them
         q, _ = apply_rotary_pos_emb(q, q, cos[:, -tq:], sin[:, -tq:])
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        cached = 0
         if past_key_values is not None:
+            cached = past_key_values.get_seq_length(self.layer_idx)
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if self.sliding_window is not None:
+            if position_ids is None:
+                raise ValueError("a sliding draft layer needs position_ids")
+            win = self.window_mask(position_ids, cached, tq)
+            attention_mask = win if attention_mask is None else attention_mask & win
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
@@ -109,8 +129,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask, past_key_values)
+    def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None, position_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask, past_key_values, position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,7 +163,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         x = noise_embedding.to(ctx.dtype)
         cos, sin = self.rotary_emb(x, position_ids)
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, attention_mask, past_key_values)
+            x = layer(x, ctx, cos, sin, attention_mask, past_key_values, position_ids)
         return self.norm(x)
 
     # ---------------------------------------------------------------- one proposal, as serving does it

@@ -136,7 +136,9 @@ class Trainer:
             tc = AutoConfig.from_pretrained(cfg.target_model, local_files_only=True)
             if topo.is_target:
                 try:
-                    model = load_target(cfg.target_model, dev, self.dtype)
+                    model = load_target(cfg.target_model, dev, self.dtype, cfg.allow_slow_linear_attention)
+                except BadInput:   # e.g. a hybrid target without its fast kernels on a GPU: one line, exit 2
+                    raise
                 except Exception as e:  # noqa: BLE001  a truncated or corrupt shard: name it, exit 2
                     from .config import ConfigError, check_target_shards
                     try:
@@ -149,7 +151,8 @@ class Trainer:
         mask_token = resolve_mask_token(cfg.target_model, tc.vocab_size, cfg.mask_token_id)
         self.feed.mask_token = mask_token
         self.dcfg = DFlashConfig.from_target(tc, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
-                                             mask_token_id=mask_token, target_layer_ids=cfg.target_layers)
+                                             mask_token_id=mask_token, target_layer_ids=cfg.target_layers,
+                                             layer_types=cfg.draft_layer_types, sliding_window=cfg.sliding_window)
         if cfg.arch == "dflash2":
             try:
                 self.dcfg = as_dflash2(self.dcfg)

@@ -47,10 +47,11 @@ if str(REPO) not in sys.path:      # the repo as is: no install needed
 import trainer  # noqa: E402,F401  (fails here, not in a child, when the repo is incomplete)
 
 RUN_ENV_FILE = REPO / "roles" / "dflash_service" / "vars" / "main.yml"
-# torch's warning when eager init serialises unbatched P2P (ProcessGroupNCCL.cpp). Some builds assemble it
-# from several literals (torch 2.11 splits it in two), so it is matched by its three-word windows.
-P2P_SENTENCE = ("In eager initialization mode, unbatched P2P ops are treated as independent collective ops, "
-                "and are thus serialized with all other ops on this ProcessGroup, including other P2P ops.")
+# The core of torch's warning when eager init serialises unbatched P2P (ProcessGroupNCCL.cpp). Some builds
+# assemble it from several literals (torch 2.11 splits it in two), so it is matched by its three-word
+# windows; the variable that silences the warning (newer builds) is a marker too.
+P2P_SENTENCE = "unbatched P2P ops are treated as independent collective ops"
+P2P_SWITCH = b"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"
 SEED_RECIPE = ["--block-size", "32", "--max-anchors", "1024", "--grad-accum", "4", "--gamma", "10"]
 TINY_RECIPE = ["--block-size", "8", "--max-anchors", "64", "--grad-accum", "4", "--gamma", "4",
                "--token-budget", "4096", "--max-seq-len", "512", "--num-draft-layers", "2"]
@@ -67,7 +68,11 @@ def carries_sentence(blob: bytes, sentence: str = P2P_SENTENCE, share: float = 0
 def p2p_mode() -> dict:
     import torch
     lib = Path(torch.__file__).parent / "lib"
-    found = any(carries_sentence(f.read_bytes()) for f in lib.glob("libtorch_cuda*.so*") if f.is_file())
+    found = False
+    for f in lib.glob("libtorch_cuda*.so*"):
+        if f.is_file():
+            blob = f.read_bytes()
+            found = found or carries_sentence(blob) or P2P_SWITCH in blob
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
             "eager_init_serialises_p2p": found}
 

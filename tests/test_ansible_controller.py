@@ -100,3 +100,20 @@ def test_a_controller_without_setuptools_fails_before_the_build_naming_the_fix(t
     assert f"{py} -m pip install -r requirements.txt" in out
     assert "No module named 'setuptools'" not in out          # stopped before pip's own error
     assert "Build | pip wheel the trainer" not in out
+
+
+def test_ssh_to_the_node_sends_keepalives_through_the_longest_silent_command():
+    """Issue 41 item 6: `pct reboot --timeout <stop timeout + 120>` and the unit stop before it run
+    over SSH to the node silent for up to 1020 s; ServerAliveInterval keeps the connection alive.
+    Read back through ansible-config, as ansible-playbook sees it from the repo root."""
+    r = subprocess.run([str(Path(sys.executable).parent / "ansible-config"), "dump", "--only-changed", "-t", "connection",
+                        "-f", "json"], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")})
+    assert r.returncode == 0, r.stderr
+    ssh = next(opts for plugin in json.loads(r.stdout) for name, opts in plugin.items() if name == "ssh")
+    args = next(o["value"] for o in ssh if o["name"] == "ssh_args")
+    interval = int(re.search(r"ServerAliveInterval=(\d+)", args).group(1))
+    count = int(re.search(r"ServerAliveCountMax=(\d+)", args).group(1))
+    assert 0 < interval <= 60 and interval * count >= 120
+    defaults = yaml.safe_load((REPO / "roles/dflash_node/defaults/main.yml").read_text())
+    assert "dflash_service_timeout_stop_s | default(900)" in defaults["dflash_node_shutdown_timeout_s"]

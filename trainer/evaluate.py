@@ -26,6 +26,10 @@ Public entry point for the trainer: `evaluate_checkpoint(checkpoint, target_mode
 
 from __future__ import annotations
 
+if __name__ == "__main__":   # run as a program (python -m): torchao only when asked for (trainer/optional.py)
+    from trainer.optional import defer
+    defer()
+
 import argparse
 import json
 import logging

@@ -18,6 +18,10 @@ Exports are world-readable (files 0644, the directory 0755); checkpoints are not
 
 from __future__ import annotations
 
+if __name__ == "__main__":   # run as a program (python -m): torchao only when asked for (trainer/optional.py)
+    from trainer.optional import defer
+    defer()
+
 import argparse
 import dataclasses
 import json

@@ -113,4 +113,6 @@ def plan_main(args) -> int:
 
 
 if __name__ == "__main__":
+    from .optional import defer
+    defer()   # a program: torchao only when asked for (trainer/optional.py)
     raise SystemExit(main())

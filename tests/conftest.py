@@ -7,6 +7,12 @@ dflash-tiny output per test session (target model + tokenizer, 48 train / 8 held
 
 import pytest
 
+from trainer.optional import defer
+
+# The suite is a program: torchao loads only where a test asks for it (allow), as in the console scripts.
+# Importing trainer no longer defers it (trainer/optional.py); tests/test_import_state.py checks both.
+defer()
+
 
 @pytest.fixture(scope="session")
 def tiny_small_dir(tmp_path_factory):

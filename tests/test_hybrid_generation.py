@@ -251,3 +251,53 @@ def test_the_captured_decoder_with_compiled_small_ops_on_a_hybrid_gives_generate
     ref = gen._batch(prompts)
     got = GraphDecoder(hybrid, "cpu", 4, 8, 0.0, gen.stop_ids, gen.pad_id, fuse=True).generate(prompts, range(4))
     assert [list(a) for a in ref] == [list(b) for b in got]
+
+
+def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hybrid_dir, monkeypatch):
+    """state_inplace: the recurrent kernel writes the new state over the cache's buffer (no new tensor, no
+    copy). FLA's kernel runs on GPUs only; here a stand-in module with FLA's launch convention
+    (`kernel[grid](..., h0=, ht=)`, h0 read before ht is written) computes transformers' torch recurrence,
+    and the tokens must stay those of generate, with every decode launch aliased."""
+    import sys
+    import types
+
+    from trainer import fastgen
+    from trainer.regenerate import TargetGenerator
+
+    mod = sys.modules[type(hybrid.model.layers[0].linear_attn).__module__]
+    torch_recurrent = mod.__dict__[fastgen.RECURRENT_FN]
+    fake = types.ModuleType(fastgen.FLA_RECURRENT)
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(h0, ht, args, out):
+                q, k, v, g, beta, kw = args
+                o, new = torch_recurrent(q, k, v, g=g, beta=beta, initial_state=h0.clone(), **kw)
+                launches.append(ht is h0)
+                ht.copy_(new)
+                out["o"] = o
+            return run
+
+    fake.fused_recurrent_gated_delta_rule_fwd_kernel = Kernel()
+
+    def recurrent(query, key, value, g, beta, initial_state=None, **kw):   # FLA's path: a new final state
+        ht = torch.empty_like(initial_state)
+        out = {}
+        fake.fused_recurrent_gated_delta_rule_fwd_kernel[(1,)](h0=initial_state, ht=ht,
+                                                               args=(query, key, value, g, beta, kw), out=out)
+        return out["o"], ht
+
+    monkeypatch.setitem(sys.modules, fastgen.FLA_RECURRENT, fake)
+    monkeypatch.setattr(mod, fastgen.RECURRENT_FN, recurrent)
+    prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 3)
+    gen = TargetGenerator(hybrid, "cpu", 8, 0.0, 3)
+    ref = gen._batch(prompts)            # generate through the stand-in: a new state each step
+    assert launches and not any(launches)
+    launches.clear()
+    dec = fastgen.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True)
+    got = dec.generate(prompts, range(3))
+    assert [list(a) for a in ref] == [list(b) for b in got]
+    assert len(launches) == 7 * len(dec.linear_ids) and all(launches)   # every decode step's, aliased
+    assert mod.__dict__[fastgen.RECURRENT_FN] is recurrent              # put back after each step
+    assert isinstance(fake.fused_recurrent_gated_delta_rule_fwd_kernel, Kernel)

@@ -328,8 +328,11 @@ class _LinearStates:
         return None if self.fresh else self._view(self.rec[layer_idx])
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        if not self.defer:   # deferred: commit() writes it once the accepted length is known
-            self._view(self.rec[layer_idx]).copy_(recurrent_states)
+        state = self._view(self.rec[layer_idx])
+        # deferred: commit() writes it once the accepted length is known; the buffer itself: the kernel wrote
+        # it in place (`inplace_recurrent_state`)
+        if not self.defer and recurrent_states.data_ptr() != state.data_ptr():
+            state.copy_(recurrent_states)
         return recurrent_states
 
     def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
@@ -401,6 +404,75 @@ def rollback_kernels(base, states: _LinearStates):
         for mod, orig in saved:
             setattr(mod, CHUNK_FN, orig)
         states.chunk_fn = None
+
+
+RECURRENT_FN = "torch_recurrent_gated_delta_rule"   # transformers' one-token kernel (FLA's fused one on GPUs)
+FLA_RECURRENT = "fla.ops.gated_delta_rule.fused_recurrent"
+
+
+class _AliasFinalState:
+    """FLA's fused recurrent kernel with its final state `ht` written over its initial state `h0` (same shape
+    and dtype): safe in flash-linear-attention 0.6, where each program loads its tile of h0 first and stores
+    the same tile of ht last. `hits` collects the h0 pointers launched that way."""
+
+    def __init__(self, kernel):
+        self.kernel, self.hits = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            h0, ht = kwargs.get("h0"), kwargs.get("ht")
+            if h0 is not None and ht is not None and h0.dtype == ht.dtype and h0.shape == ht.shape:
+                kwargs["ht"] = h0
+                self.hits.append(h0.data_ptr())
+            return launch(*args, **kwargs)
+        return run
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+@contextmanager
+def inplace_recurrent_state(base, states: _LinearStates, fla_module=None):
+    """While active, a one-token step's recurrent kernel writes the new state over the old one in the cache's
+    buffer: per step the state is read once and written once, where transformers' call writes a new tensor
+    that the cache then copies (read, write, read, write). Only where transformers' call reaches FLA's fused
+    kernel (`fla_module`, default FLA_RECURRENT, with the buffer itself as h0); elsewhere (the CPU's torch
+    fallback, another FLA) the kernel's own final state is returned and copied as before."""
+    import importlib
+    import sys
+
+    if fla_module is None:
+        try:
+            fla_module = importlib.import_module(FLA_RECURRENT)
+        except Exception:  # noqa: BLE001  no FLA (or one that does not import): nothing to alias
+            yield
+            return
+    kernel_name = "fused_recurrent_gated_delta_rule_fwd_kernel"
+    kernel = getattr(fla_module, kernel_name, None)
+    if kernel is None:
+        yield
+        return
+    alias = _AliasFinalState(kernel)
+    mods = {sys.modules[type(base.layers[i].linear_attn).__module__] for i in states.ids}
+    saved = [(mod, mod.__dict__[RECURRENT_FN]) for mod in mods if RECURRENT_FN in mod.__dict__]
+    for mod, orig in saved:
+        def recurrent(*args, _orig=orig, **kwargs):
+            h0 = kwargs.get("initial_state")
+            alias.hits.clear()
+            o, ht = _orig(*args, **kwargs)
+            if h0 is not None and alias.hits and alias.hits[-1] == h0.data_ptr():
+                return o, h0     # FLA wrote the new state into h0, the cache's buffer
+            return o, ht
+        setattr(mod, RECURRENT_FN, recurrent)
+    setattr(fla_module, kernel_name, alias)
+    try:
+        yield
+    finally:
+        setattr(fla_module, kernel_name, kernel)
+        for mod, orig in saved:
+            setattr(mod, RECURRENT_FN, orig)
 
 
 class _LinearCacheAPI:
@@ -516,7 +588,7 @@ class GraphDecoder:
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
                  float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
-                 fuse_mlp: bool = False):
+                 fuse_mlp: bool = False, state_inplace: bool = False):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -553,6 +625,9 @@ class GraphDecoder:
         if why:
             raise ValueError(f"the captured decoder cannot run this target: {why}")
         self.linear_ids = linear_layer_ids(self.cfg)
+        # state_inplace: a hybrid's decode step writes each recurrent state in place (inplace_recurrent_state;
+        # FLA on GPUs only; off until measured: tests/gpu/regenerate_bench.py's `-inplace` variants)
+        self.state_inplace = state_inplace
         self.cache: _KVCache | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -617,10 +692,10 @@ class GraphDecoder:
         self.step.add_(1)
 
     def _decode_step(self, view: int) -> None:
-        if self.fuse:
-            with fused_small_ops(self.model, whole_mlp=self.fuse_mlp):
-                return self._decode_step_inner(view)
-        return self._decode_step_inner(view)
+        with fused_small_ops(self.model, whole_mlp=self.fuse_mlp) if self.fuse else nullcontext(), \
+                inplace_recurrent_state(self.base, self.cache.linear) if self.state_inplace and self.cache.linear \
+                else nullcontext():
+            return self._decode_step_inner(view)
 
     def _decode_step_inner(self, view: int) -> None:
         cache = self.cache

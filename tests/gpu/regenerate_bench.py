@@ -94,7 +94,54 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             # quantized in place at the first such variant, so they run after the bf16 ones), each MLP compiled
             # whole (GraphDecoder fuse_mlp); -nomlp: the MLP as in `fused`
             "fused-triton-trim-w8": ("triton", True, True, True, False, "bf16", True, True),
-            "fused-triton-trim-w8-nomlp": ("triton", True, True, True, False, "bf16", True, False)}
+            "fused-triton-trim-w8-nomlp": ("triton", True, True, True, False, "bf16", True, False),
+            # inplace: a hybrid's recurrent states written in place by FLA's kernel (GraphDecoder state_inplace)
+            "fused-triton-trim-inplace": ("triton", True, True, True, False, "bf16", False, False, True),
+            "fused-trim-inplace": ("sdpa", True, True, True, False, "bf16", False, False, True)}
+
+# The seeds' hybrid target (issue 39): Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random
+# weights): 16 x (3 Gated DeltaNet + 1 gated full attention), full attention 24 x 256 heads over 4 KV heads,
+# partial mRoPE; linear attention 16 QK / 48 V heads of 128, a 4-tap conv; untied 248,320-token head.
+# "qwen3.5-tiny": the same structure at the CPU smoke size. (Attention dims in SHAPES' order for the
+# attention check: hidden, full-attention layers, heads, KV heads, head dim, mlp, vocab.)
+HYBRID_SHAPES = {
+    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, vocab_size=248320,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
+    "qwen3.5-tiny": dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128, vocab_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
+}
+
+
+def hybrid_dims(name: str) -> tuple:
+    d = HYBRID_SHAPES[name]
+    return (d["hidden_size"], d["num_hidden_layers"] // 4, d["num_attention_heads"], d["num_key_value_heads"],
+            d["head_dim"], d["intermediate_size"], d["vocab_size"])
+
+
+def make_hybrid_target(name: str, dtype, device):
+    """A frozen random-init Qwen3_5ForCausalLM of HYBRID_SHAPES[name] on `device`."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    d = dict(HYBRID_SHAPES[name])
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
+    cfg = Qwen3_5TextConfig(**d, rope_parameters=rope, max_position_embeddings=32768,
+                            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                         "full_attention"] * (d["num_hidden_layers"] // 4))
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            m = Qwen3_5ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    cfg._attn_implementation = "sdpa"
+    return m.eval().requires_grad_(False)
 
 
 def weights_fp8(name: str) -> bool:
@@ -349,6 +396,7 @@ def set_variant(gen, name):
     f.kv_fp8 = v[4] if len(v) > 4 else False
     da.CONFIG["fp8_convert"] = v[5] if len(v) > 5 else "bf16"   # read when the step's graphs are captured
     f.fuse_mlp = v[7] if len(v) > 7 else False
+    f.state_inplace = v[8] if len(v) > 8 else False
     return f
 
 
@@ -519,7 +567,7 @@ def prefill_compare(a, res, record, dev, vocab, target) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
     p.add_argument("--batches", default="64,256", help="captured decoder batch sizes")
     p.add_argument("--old-batch", type=int, default=64, help="generate's batch size in the ratio")
     p.add_argument("--skip-old", action="store_true", help="no generate rows (the 27B figure)")
@@ -564,20 +612,24 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()   # the CPU: a smoke run of the script (--shape tiny)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     batches = [int(b) for b in a.batches.split(",")]
+    hybrid = a.shape in HYBRID_SHAPES
+    dims = hybrid_dims(a.shape) if hybrid else SHAPES[a.shape]
     res, save = results_file(a.out, {"shape": a.shape, "started": time.time(), "shape_dims": dict(zip(
-        ["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"], SHAPES[a.shape]))},
+        ["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"], dims)),
+        **({"hybrid": HYBRID_SHAPES[a.shape]} if hybrid else {})},
         parity={}, ratio=[], headline=[])
     meta = res["meta"]
 
     t0 = time.perf_counter()
-    target = make_target_factory(a.shape, torch.bfloat16 if cuda else torch.float32)(dev)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target = make_hybrid_target(a.shape, dtype, dev) if hybrid else make_target_factory(a.shape, dtype)(dev)
     meta["init_s"] = round(time.perf_counter() - t0, 1)
     vocab = min(target.config.vocab_size, 150000)
     rng = np.random.default_rng(0)
 
     if a.attention_check and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         try:   # a failure is recorded; the decoder rows below still run (theirs fail alone)
-            attention_check(a, res, save, dev, SHAPES[a.shape])
+            attention_check(a, res, save, dev, dims)
         except Exception as e:  # noqa: BLE001
             import traceback
             traceback.print_exc()

@@ -88,6 +88,47 @@ def test_flop_counts_scale_as_expected():
     assert 2 * 6.9e9 * 4096 < eight < 2 * 7.0e9 * 4096 * 1.2
 
 
+def test_hybrid_flops_are_twice_the_parameters_of_qwen36_27b():
+    """qwen3.6-27b: Qwen3.6-27B's language model (its real dims), built on the meta device. At one token per
+    sequence (no attention term) the count is 2 x its non-embedding parameters, plus the delta rule's
+    state work (~1%); the dense 27b shape stays beside it."""
+    import numpy as np
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+    cfg = bench.qwen3_config("qwen3.6-27b")
+    assert cfg.layer_types.count("full_attention") == 16 and cfg.layer_types[3] == "full_attention"
+    with torch.device("meta"):
+        m = Qwen3_5ForCausalLM(cfg)
+    params = sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    assert 24.0e9 < params < 24.7e9            # 24.35B: "27B" less 2 x 1.27B of embedding and head, less the tower
+    f = bench.model_flops_target(np.array([1.0] * 1000), "qwen3.6-27b", 64)
+    assert 2 * params * 1000 < f < 2 * params * 1000 * 1.02
+    assert bench.SHAPES["qwen3.6-27b"][2:] == (24, 4, 256, 17408, 248320) and "27b" in bench.SHAPES
+
+
+@pytest.mark.slow
+def test_bench_hybrid_shape_cpu_smoke(tmp_path):
+    """--shape tiny-hybrid: the qwen3.6-27b shape's code path at a tiny size (Qwen3_5ForCausalLM target, the
+    drafter at its dims with the sliding layers this target gets by default), target and drafter alone and
+    the pipeline at world size 1."""
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny-hybrid", "--settings", "b16",
+                        "--steps", "2", "--parts", "target,drafter,async", "--dataset-tokens", "20000",
+                        "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["meta"]["hybrid_dims"]["linear_num_value_heads"] == 4
+    res = d["results"][0]
+    for part in ("target", "drafter", "async"):
+        assert res[part]["tok_s"] > 0, res[part]
+    assert set(res["target"]["layer_kernels"]) == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
+    assert res["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert res["drafter"]["sliding_window"] == 2048
+
+
 @pytest.mark.slow
 def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     """Nothing the pipeline keeps per step may pile up on the Python heap (work items, events, logs):

@@ -3,7 +3,9 @@
     python -m trainer.bench --shape 8b --settings orig,b16 --out results/h200x2-8b.json
     python -m trainer.bench --shape tiny            # CPU smoke test (the test suite runs this)
 
-Targets are random-init Qwen3-shaped models built in memory (no weights on disk), data is synthetic
+Targets are random-init Qwen3-shaped models built in memory (no weights on disk); the hybrid shapes
+(qwen3.6-27b, tiny-hybrid) are Qwen3.5's language model, Qwen3_5ForCausalLM (3 Gated DeltaNet : 1 gated
+attention layers), as the trainer loads it from the VL checkpoint. Data is synthetic
 with a length mix up to --max-seq-len. Throughput is target context tokens per second. MFU is model
 FLOPs (counted as in docs/performance-archive.md, "The benchmark") over wall time and the datasheet dense bf16 peak.
 Prints a table last and writes everything to JSON.
@@ -42,6 +44,17 @@ SHAPES = {
     "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
     "8b": (4096, 36, 32, 8, 128, 12288, 151936),
     "27b": (5120, 64, 40, 8, 128, 21504, 151936),
+    # hybrids (HYBRID below): the full-attention layers' dims here; the drafter takes these too
+    "tiny-hybrid": (64, 8, 4, 2, 32, 128, 512),
+    "qwen3.6-27b": (5120, 64, 24, 4, 256, 17408, 248320),
+}
+# the hybrid shapes' Gated DeltaNet layers (every 4th layer is full attention) and rope (Qwen3.6-27B's
+# config.json; tiny-hybrid is dflash-tiny --arch qwen3_5's)
+HYBRID = {
+    "tiny-hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
+    "qwen3.6-27b": dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
 }
 SETTINGS = {
     # block, anchors, token budget, max seq, grad accum, soft labels
@@ -117,19 +130,36 @@ def variant_options(name: str) -> dict:
 
 
 def qwen3_config(shape: str):
+    """The target's config: Qwen3Config, or for a hybrid shape Qwen3_5TextConfig (the language model of
+    the VL checkpoint, partial interleaved mRoPE, theta 1e7)."""
     from transformers import Qwen3Config
     h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
+    if shape in HYBRID:
+        from transformers import Qwen3_5TextConfig
+        lin = dict(HYBRID[shape])
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                "mrope_section": lin.pop("mrope_section"), "mrope_interleaved": True}
+        return Qwen3_5TextConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh,
+                                 num_key_value_heads=nkv, head_dim=hd, intermediate_size=mlp, vocab_size=vocab,
+                                 max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                 rope_parameters=rope, **lin)
     return Qwen3Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh, num_key_value_heads=nkv,
                        head_dim=hd, intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=32768,
                        tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
 def make_target_factory(shape: str, dtype, layers: int | None = None):
-    """device -> a frozen random-init Qwen3 of `shape` (its first `layers` layers only, if given)."""
-    from transformers import Qwen3ForCausalLM
+    """device -> a frozen random-init Qwen3 of `shape` (its first `layers` layers only, if given); a hybrid
+    shape gives Qwen3_5ForCausalLM. Logs the kernels each layer class runs there (trainer/target.py)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
+
+    from .target import describe_kernels, layer_kernels
     cfg = qwen3_config(shape)
     if layers is not None:
         cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
+    cls = Qwen3_5ForCausalLM if shape in HYBRID else Qwen3ForCausalLM
 
     def factory(device):
         prev = torch.get_default_dtype()
@@ -137,10 +167,12 @@ def make_target_factory(shape: str, dtype, layers: int | None = None):
         try:
             with torch.device(device):
                 torch.manual_seed(0)
-                m = Qwen3ForCausalLM(cfg)
+                m = cls(cfg)
         finally:
             torch.set_default_dtype(prev)
         cfg._attn_implementation = "sdpa"
+        log.info("bench target %s on %s: kernels %s", shape, device,
+                 describe_kernels(layer_kernels(m, torch.device(device).type)))
         return m.eval().requires_grad_(False)
     return factory
 
@@ -162,10 +194,25 @@ def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float
 
 
 def model_flops_target(lengths, shape: str, layers_run: int) -> float:
+    """Forward FLOPs of the first `layers_run` layers over sequences of `lengths`. Hybrid shapes: every 4th
+    layer is gated full attention (q_proj also makes the output gate: 2 x heads x head_dim); the others are
+    Gated DeltaNet: its projections (qkv, z, a, b, out), the 4-tap conv, and the chunked delta rule counted
+    as 6 dk dv + 2 C (dk + dv) per token and value head (C = 64: state read, update and the in-chunk part)."""
     h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
-    per_layer = 2 * (h * nh * hd * 2 + h * nkv * hd * 2) + 2 * 3 * h * mlp
     lengths = np.asarray(lengths, np.float64)
-    return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
+    if shape not in HYBRID:
+        per_layer = 2 * (h * nh * hd * 2 + h * nkv * hd * 2) + 2 * 3 * h * mlp
+        return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
+    lin = HYBRID[shape]
+    nk, nv = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
+    dk, dv, conv = lin["linear_key_head_dim"], lin["linear_value_head_dim"], lin["linear_conv_kernel_dim"]
+    full = sum(1 for i in range(layers_run) if (i + 1) % 4 == 0)
+    linear = layers_run - full
+    mlp_f = 2 * 3 * h * mlp
+    full_f = 2 * h * (3 * nh * hd + 2 * nkv * hd) + mlp_f
+    lin_f = (2 * h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + 2 * nv * dv * h + 2 * conv * (2 * nk * dk + nv * dv)
+             + nv * (6 * dk * dv + 2 * 64 * (dk + dv)) + mlp_f)
+    return float((full * full_f + linear * lin_f) * lengths.sum() + full * 2 * nh * hd * (lengths ** 2).sum())
 
 
 def model_flops_drafter_before(plan, dcfg, soft: bool) -> float:
@@ -401,6 +448,7 @@ def timed_after_warm(run, warm: list, timed: list, devices) -> tuple[float, dict
 
 def bench_target(ctx: Ctx, t) -> dict:
     """Forward + capture + pack on the target stage, slots recycled; no drafter, nothing sent."""
+    from .target import layer_kernels
     items = [t.feed.make_item(s) for s in timed_window(t)]
     n = len(items) - 1
     st = t.target
@@ -424,7 +472,8 @@ def bench_target(ctx: Ctx, t) -> dict:
     peak = peak_flops(1)
     return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall, "batches": n,
             "wall_s": wall, "tflops": flops / wall / 1e12, "mfu": flops / wall / peak if peak else None,
-            "memory": mem_snapshot(devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0)}
+            "memory": mem_snapshot(devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0),
+            "layer_kernels": layer_kernels(st.model, st.device.type)}
 
 
 def bench_drafter(ctx: Ctx, t) -> dict:
@@ -475,7 +524,8 @@ def bench_drafter(ctx: Ctx, t) -> dict:
             "mfu_as_counted_before": (sum(model_flops_drafter_before(b[0].plan, t.dcfg, t.cfg.use_soft_labels)
                                           for b in bufs[1:]) / wall / peak) if peak else None,
             "memory": mem_snapshot(devices), "kernels": prof,
-            "compiles_in_timed_window": _compiles(c0)}
+            "compiles_in_timed_window": _compiles(c0),
+            "layer_types": t.dcfg.layer_types, "sliding_window": t.dcfg.sliding_window}
 
 
 def _shared_gpu(ctx: Ctx) -> bool:
@@ -789,7 +839,7 @@ def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), 
 
 def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: None, variant: str = "base") -> dict:
     base = dict(SETTINGS[setting])
-    if shape == "tiny":
+    if shape.startswith("tiny"):
         base.update(TINY_SETTINGS)
     if args.token_budget:
         base["token_budget"] = args.token_budget
@@ -935,7 +985,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--settings", default="orig,b16")
     p.add_argument("--parts", default="target,drafter,sync,async")
-    p.add_argument("--target-gpus", default=None, help="default: 0 (cpu for --shape tiny)")
+    p.add_argument("--target-gpus", default=None, help="default: 0 (cpu for the tiny shapes)")
     p.add_argument("--drafter-gpus", default=None, help="default: 1 if present, else 0")
     p.add_argument("--dataset-tokens", type=int, default=20_000_000, help="synthetic corpus size")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per stage-alone run (first untimed)")
@@ -966,7 +1016,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     setup_console()  # the console setup_logging also uses: each line printed once
-    cuda = torch.cuda.is_available() and a.shape != "tiny"
+    cuda = torch.cuda.is_available() and not a.shape.startswith("tiny")
     if a.pipeline_steps <= 0:
         a.pipeline_steps = 11 if cuda else a.steps
     if a.target_gpus is None:
@@ -981,7 +1031,8 @@ def main(argv=None) -> int:
     meta = {"device": gpu_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus, "shape": a.shape,
             "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
-                                   SHAPES[a.shape])), "argv": sys.argv[1:], "started": time.time(),
+                                   SHAPES[a.shape])), "hybrid_dims": HYBRID.get(a.shape),
+            "argv": sys.argv[1:], "started": time.time(),
             **git_commit()}
     out = Path(a.out) if a.out else None
     if a.shape_cache_probe:

@@ -348,7 +348,13 @@ def token_parity(res, save, target, dev, rng, vocab) -> None:
         f.decode_kernel, f.prefill_tokens, f.prefill_trim = "triton", 256, on
         trim[on] = g.complete(ps, 0)
     first_trim = [int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(trim[True], trim[False])]
-    res["token_parity"] = {"rows": 8, "new_tokens": 64, "triton_graphs_equal_eager_rows": sum(same),
+    extra = {}
+    if getattr(f, "linear_ids", None):   # a hybrid: FLA's kernel writing the states in place, the same tokens
+        g = make_gen(target, dev, 8, 64, "captured")
+        g._fast_decoder().decode_kernel, g._fast_decoder().state_inplace = "triton", True
+        inplace = g.complete(ps, 0)
+        extra["inplace_equal_triton_rows"] = sum(bool(np.array_equal(x, y)) for x, y in zip(inplace, outs["triton"]))
+    res["token_parity"] = {**extra, "rows": 8, "new_tokens": 64, "triton_graphs_equal_eager_rows": sum(same),
                            "triton_equal_sdpa_rows": sum(eq_sdpa), "first_token_differing_from_sdpa": first,
                            "trim_equal_untrimmed_rows": sum(x == 64 for x in first_trim),
                            "trim_first_token_differing": first_trim}
@@ -623,6 +629,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if cuda else torch.float32
     target = make_hybrid_target(a.shape, dtype, dev) if hybrid else make_target_factory(a.shape, dtype)(dev)
+    if hybrid:   # which Gated DeltaNet kernels transformers resolved (FLA's, or its torch fallback)
+        import importlib.util
+        meta["fla"] = (importlib.import_module("fla").__version__ if importlib.util.find_spec("fla") else None)
     meta["init_s"] = round(time.perf_counter() - t0, 1)
     vocab = min(target.config.vocab_size, 150000)
     rng = np.random.default_rng(0)

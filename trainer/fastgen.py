@@ -390,11 +390,14 @@ def rollback_kernels(base, states: _LinearStates):
     saved = []
     for mod in mods:
         orig = mod.__dict__[CHUNK_FN]
+        if getattr(orig, "reports_to", None) is states:   # already active (re-entered): as it is
+            continue
 
         def chunk(query, key, value, g, beta, _orig=orig, **kwargs):
             g, beta = states.on_chunk(query, key, value, g, beta, kwargs)
             return _orig(query, key, value, g=g, beta=beta, **kwargs)
 
+        chunk.reports_to = states
         saved.append((mod, orig))
         setattr(mod, CHUNK_FN, chunk)
         states.chunk_fn = orig
@@ -403,7 +406,8 @@ def rollback_kernels(base, states: _LinearStates):
     finally:
         for mod, orig in saved:
             setattr(mod, CHUNK_FN, orig)
-        states.chunk_fn = None
+        if saved:
+            states.chunk_fn = None
 
 
 RECURRENT_FN = "torch_recurrent_gated_delta_rule"   # transformers' one-token kernel (FLA's fused one on GPUs)
@@ -985,7 +989,15 @@ class BatchedSpecDecoder:
                    attention_mask=mask, past_key_values=self.dcache)
         return self.head(hidden[:, 1:].to(self.head.weight.dtype)).float().argmax(-1)
 
+    def _rollback(self):
+        """A hybrid's chunked kernel reporting to the cache (rollback_kernels), for the forwards inside."""
+        return rollback_kernels(self.base, self.tcache.linear) if self.tcache.linear is not None else nullcontext()
+
     def _step(self, view: int) -> None:
+        with self._rollback():
+            self._step_inner(view)
+
+    def _step_inner(self, view: int) -> None:
         """One verify step of every row, then the next drafts: all on the device, no host reads."""
         bs, tc, dc = self.block, self.tcache, self.dcache
         pos = self.start[:, None] + self.slot[None]                       # [R, B] the block's positions
@@ -1066,8 +1078,7 @@ class BatchedSpecDecoder:
         self.out.zero_()
         self.accepted.zero_()
         self.step.zero_()
-        rollback = rollback_kernels(self.base, tc.linear) if tc.linear is not None else nullcontext()
-        with self._target_attn(), rollback:
+        with self._target_attn(), self._rollback():
             # target prefill, right padded, in row chunks; first token and taps of each row
             chunk = max(1, self.prefill_tokens // width)
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()[None, None]

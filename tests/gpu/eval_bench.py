@@ -37,6 +37,9 @@ from trainer.model import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.runlog import format_table  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from regenerate_bench import HYBRID_SHAPES, make_hybrid_target  # noqa: E402  (the hybrid shapes: one table)
+
 
 def sync():
     if torch.cuda.is_available():
@@ -45,7 +48,7 @@ def sync():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--single-prompts", type=int, default=3, help="prompts timed with today's loop (a rate)")
@@ -62,7 +65,8 @@ def main(argv=None) -> int:
     meta = res["meta"]
 
     t0 = time.perf_counter()
-    target = make_target_factory(a.shape, dtype)(dev)
+    target = (make_hybrid_target(a.shape, dtype, dev) if a.shape in HYBRID_SHAPES
+              else make_target_factory(a.shape, dtype)(dev))
     dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,
                                     mask_token_id=target.config.vocab_size - 1)
     torch.manual_seed(0)

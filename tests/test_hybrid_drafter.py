@@ -95,6 +95,10 @@ def test_window_mask_with_context_copies_is_the_same_attention():
         seen[:, src] += copies_of_ctx[:, j]
     assert np.array_equal(seen > 0, ref[:, :meta.num_ctx]) and seen.max() <= 1
     assert np.array_equal(got[:, len(kv_ctx):], ref[:, meta.num_ctx:])
+    num, idx, _, _ = flex_tile_lists(meta, W)     # the window's tile lists over the copies still hold every pair
+    qi, ki = np.nonzero(got)
+    assert {(int(a), int(b)) for a, b in zip(qi // 128, ki // 128)} <= _tiles(num, idx)
+    assert _tiles(num, idx) <= _tiles(meta.kv_num_blocks, meta.kv_indices)
 
 
 def _tiny(block, layer_types, window=W, nh=4, nkv=2):
@@ -133,6 +137,10 @@ def test_flex_path_with_the_plans_tiles_equals_the_dense_windowed_mask():
         assert {(int(a), int(b)) for a, b in zip(qi // 128, ki // 128)} <= listed
         for qb, kb in (_tiles(fnum, fidx) if fnum is not None else ()):
             assert dm[qb * 128:(qb + 1) * 128, kb * 128:(kb + 1) * 128].all(), (window, qb, kb)
+    # and the window's lists drop the tiles it hides entirely (the work it saves)
+    num, idx, _, _ = flex_tile_lists(meta, W)
+    plan_tiles = _tiles(meta.kv_num_blocks, meta.kv_indices) | _tiles(meta.full_kv_num_blocks, meta.full_kv_indices)
+    assert _tiles(num, idx) < plan_tiles
     # the window matters here: the same weights with both layers full give another output
     _, full = _tiny(8, ["full_attention", "full_attention"])
     assert not torch.allclose(full(taps, emb, meta, backend="sdpa"), ref, atol=1e-3)

@@ -208,10 +208,29 @@ def _flex_mask_mod(meta: PackedMeta, window: int | None = None):
 def flex_tile_lists(meta: PackedMeta, window: int | None = None):
     """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a layer's BlockMask: the plan's
     lists. A sliding layer's window cuts into tiles the plan found fully visible (FlexAttention skips
-    mask_mod on those), so it gets no full tiles: every listed tile goes through its mask_mod."""
-    if window is not None:
-        return meta.kv_num_blocks, meta.kv_indices, None, None
-    return meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices
+    mask_mod on those), so it gets no full tiles: every listed tile goes through its mask_mod; and a listed
+    tile whose every key lies `window` or more positions before every query of its query tile is dropped
+    (nothing in it is visible), so the window saves the work it hides."""
+    if window is None:
+        return meta.kv_num_blocks, meta.kv_indices, meta.full_kv_num_blocks, meta.full_kv_indices
+    num, idx = meta.kv_num_blocks, meta.kv_indices
+    if num is None:
+        return None, None, None, None
+    ctx_pos = meta.ctx_pos if meta.kv_ctx is None else meta.ctx_pos[meta.kv_ctx]
+    q_first = _tile_reduce(meta.q_pos, num.shape[-1], torch.amin)            # [query tiles]
+    k_last = _tile_reduce(torch.cat([ctx_pos, meta.q_pos]), idx.shape[-1], torch.amax)   # [key tiles]
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    keep = listed & ((q_first[:, None] - k_last[idx.long()]) < window)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)      # kept tiles first, in order
+    return keep.sum(-1, dtype=torch.int32), idx.gather(-1, order).contiguous(), None, None
+
+
+def _tile_reduce(pos: torch.Tensor, tiles: int, op) -> torch.Tensor:
+    """op (amin / amax) of `pos` over each FLEX_BLOCK-row tile, for `tiles` tiles (rows past the end pad with
+    the value that changes nothing: the last row's)."""
+    n = tiles * FLEX_BLOCK
+    pad = pos.new_full((max(n - pos.shape[0], 0),), 0) + (pos[-1] if pos.shape[0] else 0)
+    return op(torch.cat([pos, pad])[:n].view(tiles, FLEX_BLOCK), dim=-1)
 
 
 _compiled_flex = None

@@ -142,6 +142,7 @@ def _rms_1p(x, w, eps: float):
 
 
 NORMS = {"rms": _rms, "rms1p": _rms_1p}
+_norm_kinds: dict[type, tuple[str, str] | None] = {}   # norm_kind per class: probed once, never in a capture
 
 
 def norm_kind(module) -> tuple[str, str] | None:
@@ -195,10 +196,13 @@ def fused_small_ops(model, whole_mlp: bool = False):
         setattr(owner, name, new)
 
     silu_mul = _compile("silu_mul", _silu_mul)
-    norms = {}   # class -> (NORMS key, epsilon attribute), probed on its first instance
+    norms = {}   # class -> (NORMS key, epsilon attribute), probed on its first instance, once per process
     for m in base.modules():
-        if type(m) not in norms and "norm" in type(m).__name__.lower():
-            norms[type(m)] = norm_kind(m)
+        cls = type(m)
+        if cls not in norms and "norm" in cls.__name__.lower():
+            if cls not in _norm_kinds:   # a probe syncs the host: never inside a CUDA graph capture
+                _norm_kinds[cls] = norm_kind(m)
+            norms[cls] = _norm_kinds[cls]
     for cls, found in norms.items():
         if found is not None:
             fn, eps = _compile(found[0], NORMS[found[0]]), found[1]

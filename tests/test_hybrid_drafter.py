@@ -320,3 +320,16 @@ def test_exported_model_and_the_reference_class_compute_the_trainers_windowed_fo
         got = ref(position_ids=pos[None], noise_embedding=emb[:bs][None], target_hidden=taps[:a][None],
                   attention_mask=mask)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
+    """The benchmark's MFU counts the pairs each layer attends to (fewer in a sliding layer) and its executed
+    work the tiles it runs (the window's cut lists)."""
+    from trainer.bench import _executed_pairs, _visible_pairs
+    c = plan.chunks[0]
+    meta = _meta(c, 4)
+    for window in (W, None):
+        assert _visible_pairs(c, 4, window) == float(dense_mask(meta, window).sum())
+        num, _, fnum, _ = flex_tile_lists(meta, window)
+        assert _executed_pairs(c, 4, window) == (int(num.sum()) + (int(fnum.sum()) if fnum is not None else 0)) * 128 ** 2
+    assert _visible_pairs(c, 4, W) < _visible_pairs(c, 4, None)

@@ -245,26 +245,40 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
     k = len(dcfg.target_layer_ids)
     rows = sum(len(c.q_seq) for c in plan.chunks)
     ctx = sum(c.c1 - c.c0 for c in plan.chunks)
+    windows = [dcfg.window(i) for i in range(dcfg.num_hidden_layers)]   # sliding layers see fewer pairs
     if executed:
-        pairs = 0.0
-        for c in plan.chunks:
-            if c.kv_num_blocks is not None:
-                tiles = int(c.kv_num_blocks.sum()) + (int(c.full_kv_num_blocks.sum())
-                                                      if c.full_kv_num_blocks is not None else 0)
-                pairs += tiles * 128.0 * 128.0
-            else:
-                pairs += float(len(c.q_seq)) * (c.c1 - c.c0 + len(c.q_seq))
+        pairs = sum(_executed_pairs(c, dcfg.block_size, w) for w in windows for c in plan.chunks)
         head_rows = sum(len(c.loss_rows) if c.loss_rows is not None else len(c.q_seq) for c in plan.chunks)
         soft_rows = sum(len(c.soft_unique) if c.soft_unique is not None else len(c.q_seq) for c in plan.chunks)
     else:
-        pairs = sum(float(c.q_anchor.sum()) + len(c.q_seq) * dcfg.block_size for c in plan.chunks)
+        pairs = sum(_visible_pairs(c, dcfg.block_size, w) for w in windows for c in plan.chunks)
         head_rows = sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
         soft_rows = len(plan.final_gather) if plan.final_gather is not None else 0
-    layer = (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter) + (rows + ctx) * 2 * h * nkv * hd * 2
-             + 4 * nh * hd * pairs)
+    layers = (dcfg.num_hidden_layers * (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter)
+                                        + (rows + ctx) * 2 * h * nkv * hd * 2) + 4 * nh * hd * pairs)
     fc = ctx * 2 * k * h * h
     head = 2 * h * vocab
-    return 3 * dcfg.num_hidden_layers * layer + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0)
+    return 3 * layers + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0)
+
+
+def _visible_pairs(c, block_size: int, window: int | None) -> float:
+    """(query, key) pairs a chunk's block rows attend to in one layer: the context before the anchor and the
+    whole block; a sliding layer (model.py): the context in (p - window, anchor) and the block up to p."""
+    if window is None:
+        return float(c.q_anchor.sum()) + len(c.q_seq) * block_size
+    p, a = c.q_pos.astype(np.float64), c.q_anchor.astype(np.float64)
+    return float(np.maximum(0.0, a - np.maximum(0.0, p - window + 1)).sum() + (p - a + 1).sum())
+
+
+def _executed_pairs(c, block_size: int, window: int | None) -> float:
+    """The pairs one layer computes: its FlexAttention tiles (model.flex_tile_lists: a sliding layer's lists
+    are cut to its window), or every pair (SDPA's dense mask)."""
+    if c.kv_num_blocks is None:
+        return float(len(c.q_seq)) * (c.c1 - c.c0 + len(c.q_seq))
+    from .model import PackedMeta, flex_tile_lists
+    meta = PackedMeta.from_chunk({k: torch.from_numpy(v) for k, v in c.arrays().items()}, block_size)
+    num, _, fnum, _ = flex_tile_lists(meta, window)
+    return (int(num.sum()) + (int(fnum.sum()) if fnum is not None else 0)) * 128.0 * 128.0
 
 
 def git_commit() -> dict:

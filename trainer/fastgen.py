@@ -339,15 +339,6 @@ class _LinearStates:
             state.copy_(recurrent_states)
         return recurrent_states
 
-    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
-        return 0
-
-    def is_recording_past(self, layer_idx) -> bool:
-        return False
-
-    def increase_count(self, layer_idx, state_idx=0) -> None:
-        pass
-
     # the rollback
     def _set_conv(self, layer_idx: int, window: torch.Tensor, n: torch.Tensor | None) -> None:
         conv = self._view(self.conv[layer_idx])
@@ -501,13 +492,13 @@ class _LinearCacheAPI:
         return self.linear.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
-        return 0
+        return 0          # no per-position states: the rollback re-runs the accepted prefix (_LinearStates)
 
     def is_recording_past(self, layer_idx) -> bool:
-        return False
+        return False      # one-token steps: transformers' in-place conv update on the buffer
 
     def increase_count(self, layer_idx, state_idx=0) -> None:
-        pass
+        pass              # positions are the loop's, not the cache's
 
 
 class _KVCache(_LinearCacheAPI):

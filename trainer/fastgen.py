@@ -21,6 +21,11 @@ and changes only what is around them:
   by that kernel only (half the memory and, with the fp8 tile of decode_attn.CONFIG, 1.12x the decode on the
   8B shape; changes the numerics, off by default).
 
+* a hybrid target (Qwen3.5/3.6: Gated DeltaNet layers beside gated full attention): its linear layers' conv
+  and recurrent states live in buffers allocated once (`_LinearStates`, answering transformers' cache API),
+  KV buffers only for the attention layers; the speculative loop rolls the states back to each row's
+  accepted prefix after a verify step (docs/serving.md, "Hybrid targets").
+
 Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
 the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs
 without graphs. Sampling (temperature > 0) is Gumbel-max over softmax(logits / T) with noise hashed from

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# choices of the speed options (trainer/fast.py; the transport's in trainer/dist.py); kept here so config stays torch-free
+# choices of the speed options (trainer/fast.py; the transport's in trainer/groups.py); kept here so config stays torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
-TRANSPORTS = ("pair", "world")   # dist.Groups: a communicator per (target, drafter) pair, or the world's
+TRANSPORTS = ("pair", "world")   # groups.Groups: a communicator per (target, drafter) pair, or the world's
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
 # --fp8: torchao float8 training recipes for the drafter's linear layers (trainer/drafter.py)
 FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -192,7 +192,7 @@ class TrainConfig:
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
     cpu_target_workers: int = opt(1, "CPU runs: target ranks (processes)", ge=1)
     cpu_drafter_replicas: int = opt(1, "CPU runs: drafter ranks (processes; the drafter is sharded over them)", ge=1)
-    # ---- torch.distributed (trainer/dist.py; one process per GPU) ----
+    # ---- torch.distributed (trainer/groups.py, trainer/launch.py; one process per GPU) ----
     nnodes: int = opt(1, "nodes in the job (each runs `python -m trainer` with its own --target-gpus/--drafter-gpus)",
                       group=DIST, ge=1)
     node_rank: int = opt(0, "this node's rank (0 = the first drafter's node)", group=DIST, ge=0)
@@ -593,7 +593,7 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
         raise ConfigError(f"--target-model: {cfg.target_model}: cannot read its identity ({e})") from None
 
     if read_shards is None:
-        from .dist import in_launched_rank
+        from .topology import in_launched_rank
         read_shards = not in_launched_rank()
     for flag, d in (("--data-dir", cfg.data_dir), ("--eval-data-dir", cfg.eval_data_dir)):
         if not d:

@@ -79,6 +79,36 @@ def test_fp8_swaps_every_drafter_linear_and_keeps_the_state_dict():
         assert 0 < rel < 0.25, rel   # > 0: the FP8 path ran; e5m2 gradients keep 2 mantissa bits
 
 
+def test_fp8_leaves_dflash2s_own_linears_in_the_compute_dtype():
+    """DFlash2 (issue 43): the same 15 layers as DFlash swap; the convolutions' kernel projections and the
+    selector's projection stay nn.Linear (drafter.to_float8 says why), and the selector's loss still
+    reaches every parameter through the FP8 layers."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from trainer.dflash2 import as_dflash2, selector_loss
+    from trainer.drafter import to_float8
+    dcfg, _ = _drafter()
+    m = DFlashDrafter(as_dflash2(dcfg))
+    init_drafter_weights(m, seed=0)
+    assert to_float8(m, "tensorwise") == 1 + 7 * 2
+    kept = [n for n, x in m.named_modules() if type(x) is torch.nn.Linear]
+    assert sorted(kept) == ["candidate_selector.hidden_projection", "layers.0.attention_conv.kernel_projection",
+                            "layers.0.mlp_conv.kernel_projection", "layers.1.attention_conv.kernel_projection",
+                            "layers.1.mlp_conv.kernel_projection"]
+    assert sum(isinstance(x, Float8Linear) for x in m.modules()) == 15
+    taps, emb, meta = _inputs(dcfg)
+    h = m(taps, emb, meta)
+    g = torch.Generator().manual_seed(3)
+    head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, generator=g)
+    rows = torch.arange(1, h.shape[0])
+    tokens = torch.randint(0, dcfg.vocab_size, (h.shape[0],), generator=g)
+    cand = torch.topk(h.detach() @ head.t(), 16, dim=-1).indices
+    loss, _ = selector_loss(m.candidate_selector, h, head, cand, tokens, tokens.roll(1), torch.ones(h.shape[0]),
+                            1.0, rows)
+    (loss + h.square().mean()).backward()
+    assert [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+
+
 def test_fp8_run_trains_like_bf16_and_its_checkpoint_resumes_without_it(tiny_small_dir, tmp_path):
     """The real trainer with --fp8 tensorwise: losses within a few percent of the same run without it,
     step by step, and it learns. Its checkpoint resumes in a run without --fp8 (same keys)."""

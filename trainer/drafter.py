@@ -137,7 +137,11 @@ def to_float8(model: DFlashDrafter, recipe: str) -> int:
     scaling. Before fully_shard and compile: FSDP2 then shards the same fp32 master weights (the
     state_dict keys do not change, so checkpoints and exports are the same with --fp8 on or off) and the
     casts compile into the layers' graphs. pad_inner_dim: a weight gradient contracts over the rows,
-    whose count varies per chunk; FP8 GEMMs need it to be a multiple of 16. Returns the layers swapped."""
+    whose count varies per chunk; FP8 GEMMs need it to be a multiple of 16. Returns the layers swapped.
+    DFlash2's own linears stay in the compute dtype: the convolutions' kernel projections (H -> H/4 at
+    group 16 and two taps: ~4% of a layer's GEMM FLOPs at width 5120, so FP8 would gain little, and their
+    output multiplies every activation of the sublayer) and the candidate selector's rank-256 projection
+    (called outside forward, on the loss rows only)."""
     import dataclasses
 
     from . import allow_optional
@@ -147,7 +151,8 @@ def to_float8(model: DFlashDrafter, recipe: str) -> int:
     names = []
 
     def eligible(mod: torch.nn.Module, fqn: str) -> bool:
-        ok = (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+        ok = (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+              and not fqn.endswith("kernel_projection") and not fqn.startswith("candidate_selector"))
         if ok:
             names.append(fqn)
         return ok

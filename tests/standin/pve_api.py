@@ -38,9 +38,17 @@ Endpoints (paths below /api2/json; PVE API viewer: https://pve.proxmox.com/pve-d
   GET    /nodes/{node}/tasks/{upid}/log             [{n, t}] task log lines (the module reads it on timeout)
 
 As in PVE, an API token may not set bind mounts (mpN with a host path), devN passthrough, or
-feature flags other than nesting (403 "Permission check failed"), and raw lxc.* keys are not
-API parameters at all (400). That is why GPU passthrough, the bind mounts and the /dev/shm
-mount live in the node-side role, which runs as root.
+feature flags other than nesting, nor any feature flag of a privileged CT (403 "Permission check
+failed"), and raw lxc.* keys are not API parameters at all (400). That is why GPU passthrough, the
+bind mounts and the /dev/shm mount live in the node-side role, which runs as root.
+
+PVE 8's rules for what root may set (pve-container stable-bookworm): a devN path must exist and be
+a block or character device ("Device X does not exist", "X is not a device"); on a running CT a devN
+change, set or delete, stays in [pve:pending] until the next start; at a start a device passed twice
+fails (the pre-start hook's mknod: "File exists"), and so does one that is gone; the device is
+mknod'ed for the CT, never an optional bind mount. A raw lxc.* key outside is_valid_lxc_conf_key's
+list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. The generated LXC config has
+PVE's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group.
 
 State: PVE-format configs in <pve-etc>/lxc/<vmid>.conf (default /etc/pve, as on a node: the
 node-side role edits the same file); the LXC container is <lxcpath>/<vmid> (default

@@ -333,3 +333,43 @@ def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
         num, _, fnum, _ = flex_tile_lists(meta, window)
         assert _executed_pairs(c, 4, window) == (int(num.sum()) + (int(fnum.sum()) if fnum is not None else 0)) * 128 ** 2
     assert _visible_pairs(c, 4, W) < _visible_pairs(c, 4, None)
+
+
+class _BufferCache:
+    """A preallocated KV buffer as the batched decoder keeps one (trainer/fastgen.py): the context rows are
+    written at their positions, the first `view` slots are attended, the block rows appended after them."""
+
+    def __init__(self, layers, kv_heads, head_dim, capacity):
+        self.k = [torch.zeros(1, kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.v = [torch.zeros(1, kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.wpos, self.view = None, 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        n = self.wpos.shape[0]
+        self.k[layer_idx][:, :, self.wpos] = key_states[:, :, :n]
+        self.v[layer_idx][:, :, self.wpos] = value_states[:, :, :n]
+        return (torch.cat([self.k[layer_idx][:, :, :self.view], key_states[:, :, n:]], dim=2),
+                torch.cat([self.v[layer_idx][:, :, :self.view], value_states[:, :, n:]], dim=2))
+
+    def get_seq_length(self, layer_idx=0):
+        return 0
+
+
+def test_exported_sliding_layers_follow_positions_in_a_preallocated_buffer(sliding_export):
+    """The batched decoder's cache layout (keys at their positions in a buffer, block rows after its view):
+    the window is placed by position there too, so the drafts equal a full recompute's."""
+    from transformers import AutoModel
+    dst, cfg = sliding_export
+    hf = AutoModel.from_pretrained(dst, trust_remote_code=True, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    bs, width = cfg.block_size, len(cfg.target_layer_ids) * cfg.hidden_size
+    taps = torch.randn(1, 21, width, generator=g)
+    noise = torch.randn(1, bs, cfg.hidden_size, generator=g)
+    cache = _BufferCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64)
+    with torch.no_grad():
+        for prev, start in ((0, 9), (9, 21)):
+            cache.wpos, cache.view = torch.arange(prev, start), start
+            inc = hf(position_ids=torch.arange(prev, start + bs)[None], noise_embedding=noise,
+                     target_hidden=taps[:, prev:start], past_key_values=cache)
+            full = hf(position_ids=torch.arange(start + bs)[None], noise_embedding=noise, target_hidden=taps[:, :start])
+            assert torch.allclose(inc, full, atol=1e-5), (start, (inc - full).abs().max())

@@ -89,12 +89,9 @@ class DFlashAttention(nn.Module):
         sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
         self.sliding_window = int(config.sliding_window) if sliding else None
 
-    def window_mask(self, position_ids: torch.LongTensor, cached: int, tq: int) -> torch.Tensor:
-        """[b, 1, Tq, cached + Tc + Tq] bool for a sliding layer: key position <= query position and within
-        the window. The cache holds positions 0..cached-1; position_ids [b, Tc + Tq] are the new rows'."""
-        b = position_ids.shape[0]
-        kpos = torch.cat([torch.arange(cached, device=position_ids.device).expand(b, -1), position_ids], dim=1)
-        d = position_ids[:, -tq:, None] - kpos[:, None, :]
+    def window_mask(self, key_pos: torch.LongTensor, query_pos: torch.LongTensor) -> torch.Tensor:
+        """[b, 1, Tq, K] bool for a sliding layer: key position <= query position, within the window."""
+        d = query_pos[:, :, None] - key_pos[:, None, :]
         return ((d >= 0) & (d < self.sliding_window))[:, None]
 
     def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None, position_ids=None):
@@ -107,14 +104,17 @@ class DFlashAttention(nn.Module):
         # cos/sin cover the new context rows then the block rows; queries are the last tq of them
         q, _ = apply_rotary_pos_emb(q, q, cos[:, -tq:], sin[:, -tq:])
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-        cached = 0
         if past_key_values is not None:
-            cached = past_key_values.get_seq_length(self.layer_idx)
             k, v = past_key_values.update(k, v, self.layer_idx)
         if self.sliding_window is not None:
             if position_ids is None:
                 raise ValueError("a sliding draft layer needs position_ids")
-            win = self.window_mask(position_ids, cached, tq)
+            # without a cache the keys are the rows given; with one, a key's index is its position (a
+            # DynamicCache of positions 0.., or a preallocated buffer written at each position) except the
+            # block rows, always the last tq keys (a buffer may append them after its view)
+            kpos = position_ids if past_key_values is None else torch.cat(
+                [torch.arange(k.shape[2] - tq, device=k.device).expand(b, -1), position_ids[:, -tq:]], dim=1)
+            win = self.window_mask(kpos, position_ids[:, -tq:])
             attention_mask = win if attention_mask is None else attention_mask & win
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                              enable_gqa=self.num_kv_heads != self.num_heads)

@@ -301,3 +301,47 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
     assert len(launches) == 7 * len(dec.linear_ids) and all(launches)   # every decode step's, aliased
     assert mod.__dict__[fastgen.RECURRENT_FN] is recurrent              # put back after each step
     assert isinstance(fake.fused_recurrent_gated_delta_rule_fwd_kernel, Kernel)
+
+
+def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_layers(hybrid, tiny_hybrid_dir):
+    """A Qwen3.5 target's drafter gets sliding-window layers by default (--draft-layer-types auto): the batched
+    loop's drafter cache (a buffer written at each position, the block rows after its view) must show each
+    sliding layer the same keys as the single loop's DynamicCache. Every draft of every step is compared
+    (an untrained drafter: its drafts depend on the whole context the window shows)."""
+    from trainer.fastgen import BatchedSpecDecoder
+    from trainer.modeling_dflash import dflash_generate
+
+    cfg = DFlashConfig.from_target(hybrid.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3,
+                                   layer_types="auto", sliding_window=8)
+    assert "sliding_attention" in cfg.layer_types
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed=0)
+    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
+    prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 3)
+    single = []
+    real = hf.draft_logits
+
+    def recorded(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        single[-1].append(logits.argmax(-1).tolist())
+        return logits
+    hf.draft_logits = recorded
+    for p in prompts:
+        single.append([])
+        dflash_generate(hf, hybrid, torch.as_tensor(p)[None], 16, [])
+    del hf.draft_logits
+    dec = BatchedSpecDecoder(hybrid, hf, "cpu", len(prompts), 16, [], graphs=False)
+    batched, draft = [[] for _ in prompts], dec._draft
+
+    def recorded_rows(first, *args):
+        out = draft(first, *args)
+        rows = [dec.lens_now.pop(0)] if first.shape[0] == 1 else range(len(prompts))
+        for r, d in zip(rows, out.tolist()):
+            if r < len(prompts) and not (first.shape[0] > 1 and dec.done[r]):
+                batched[r].append(d)
+        return out
+    dec.lens_now = list(range(len(prompts)))
+    dec._draft = recorded_rows
+    dec.generate(prompts)
+    for s, b in zip(single, batched):
+        assert b[:len(s)] == s

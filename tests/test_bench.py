@@ -226,6 +226,53 @@ def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
     assert useful <= ex_new < ex_old
 
 
+def test_dflash2_drafter_flops_add_its_projections_and_the_selector_on_the_loss_rows():
+    """issue 43: the DFlash2 count is DFlash's plus 3x (forward + both gradients) each kernel projection's
+    weights per block row, and on the rows with a loss the K candidates' head rows 2x (frozen) and the
+    selector's projection and pair scores 3x; parameter counts read off the real module."""
+    import numpy as np
+    from trainer.dflash2 import as_dflash2
+    from trainer.model import DFlashConfig, DFlashDrafter
+    from trainer.plan import plan_micro_batch
+    dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=500, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=4096, block_size=16, target_layer_ids=[0, 1, 2],
+                        mask_token_id=499, target_num_hidden_layers=6)
+    d2 = as_dflash2(dcfg)
+    model = DFlashDrafter(d2)
+    proj = sum(p.numel() for n, p in model.named_parameters() if n.endswith("kernel_projection.weight"))
+    sel_proj = model.candidate_selector.hidden_projection.weight.numel()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 498, size=(1, 600))
+    mask = np.zeros(ids.shape, bool)
+    mask[0, 100:] = True
+    plan = plan_micro_batch(ids, mask, np.array([600]), [0], 0, seed=0, block_size=16, max_anchors=30,
+                            mask_token_id=499, gamma=7.0, soft_labels=False, chunk_rows=10**6, flex=False,
+                            selector=True)
+    rows = sum(len(c.q_seq) for c in plan.chunks)
+    valid = sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
+    k, r = d2.selector_top_k, d2.selector_rank
+    extra = 3 * 2 * proj * rows + valid * (2 * 2 * 64 * k + 3 * (2 * sel_proj + 2 * r * k))
+    assert bench.model_flops_drafter(plan, d2, False) - bench.model_flops_drafter(plan, dcfg, False) == extra
+
+
+@pytest.mark.slow   # about 8 CPU-s
+def test_bench_drafter_stage_of_dflash2_cpu_smoke(tmp_path):
+    """--variants dflash2 (and with the D-PACE loss) times the DFlash2 drafter stage beside DFlash's."""
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
+                        "--parts", "drafter", "--variants", "base,dflash2+dpace", "--dataset-tokens", "20000",
+                        "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    base, d2 = [x for x in json.loads(out.read_text())["results"] if "variant" in x]
+    assert d2["options"] == {"arch": "dflash2", "loss": "ce+dpace", "use_soft_labels": False}
+    for res in (base, d2):
+        assert res["drafter"]["block_rows_per_s"] > 0 and res["drafter"]["tflops"] > 0, res["drafter"]
+    assert base["drafter"]["block_rows_per_token"] == d2["drafter"]["block_rows_per_token"]   # the same plans
+
+
 def test_serving_figures_count_what_the_loops_did(tmp_path, capsys):
     """--serving: the eval loop's verify steps and regeneration's generated tokens are counted from
     what ran (no stop ids on random weights: every row generates exactly NEW_TOKENS); a malformed

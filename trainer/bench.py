@@ -90,6 +90,10 @@ VARIANTS = {
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
     "fp8row": {"fp8": "rowwise"},
+    # issue 43: the DFlash2 drafter (block-local convolutions around every sublayer, the candidate selector's
+    # loss beside the LM head's), and the D-PACE loss (hard labels: it is defined on them)
+    "dflash2": {"arch": "dflash2"},
+    "dpace": {"loss": "ce+dpace", "use_soft_labels": False},
     # FlexAttention kernel options for the drafter's 128-row tiles (PyTorch's H100 defaults for bf16, head
     # dim 128: forward 128x64, 8 warps, 3 stages; backward 64/128/128/64, 8 warps, 3 stages)
     "fk64": {"flex_kernel_options": "fwd_BLOCK_M=64,fwd_BLOCK_N=64,fwd_num_warps=4"},
@@ -235,7 +239,11 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
     input, the tapped hidden states, needs no gradient: forward + weight gradient); 2x for the frozen LM
     head on the rows that carry a loss (forward + grad w.r.t. its input); 1x for the soft-label target
     logits once per unique position of the micro-batch (len(plan.final_gather)); attention over the
-    visible (query, key) pairs only.
+    visible (query, key) pairs only. DFlash2 (dcfg.is_dflash2) adds per layer its two convolutions' kernel
+    projections (H -> 2 x 2KG on every block row: the input side's and the output side's kernels of the
+    attention and the MLP convolution) and, on the rows with a loss, the selector: the K candidates' unary
+    scores 2x (frozen head rows; forward + grad w.r.t. the hidden state), its rank-r projection and pair
+    scores 3x; the convolutions' and top-K's elementwise work is not counted.
     executed=True: what the code runs. The LM head on plan.loss_rows (all block rows with --no-loss-dedup),
     the soft-label logits on each loss chunk's soft rows (plan.soft_unique: unique per loss chunk, or one
     per row with --no-loss-dedup), attention over the listed FlexAttention tiles (or every pair, SDPA's
@@ -258,7 +266,13 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
                                         + (rows + ctx) * 2 * h * nkv * hd * 2) + 4 * nh * hd * pairs)
     fc = ctx * 2 * k * h * h
     head = 2 * h * vocab
-    return 3 * layers + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0)
+    selector = 0
+    if dcfg.is_dflash2:
+        kg = 2 * dcfg.conv_kernel_size * (h // dcfg.conv_group_size)
+        layers += dcfg.num_hidden_layers * 2 * rows * 2 * h * kg
+        top, r = dcfg.selector_top_k, dcfg.selector_rank
+        selector = head_rows * (2 * 2 * h * top + 3 * (2 * h * r + 2 * r * top))
+    return 3 * layers + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0) + selector
 
 
 def _visible_pairs(c, block_size: int, window: int | None) -> float:

@@ -331,16 +331,15 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
         dflash_generate(hf, hybrid, torch.as_tensor(p)[None], 16, [])
     del hf.draft_logits
     dec = BatchedSpecDecoder(hybrid, hf, "cpu", len(prompts), 16, [], graphs=False)
-    batched, draft = [[] for _ in prompts], dec._draft
+    batched, draft, prefill_rows = [[] for _ in prompts], dec._draft, list(range(len(prompts)))
 
     def recorded_rows(first, *args):
         out = draft(first, *args)
-        rows = [dec.lens_now.pop(0)] if first.shape[0] == 1 else range(len(prompts))
+        rows = [prefill_rows.pop(0)] if first.shape[0] == 1 else range(len(prompts))   # prefill: row by row
         for r, d in zip(rows, out.tolist()):
             if r < len(prompts) and not (first.shape[0] > 1 and dec.done[r]):
                 batched[r].append(d)
         return out
-    dec.lens_now = list(range(len(prompts)))
     dec._draft = recorded_rows
     dec.generate(prompts)
     for s, b in zip(single, batched):

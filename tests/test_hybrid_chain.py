@@ -111,6 +111,18 @@ def test_the_hybrid_run_refuses_another_target(world1, tiny_hybrid_dir, tiny_sma
     line = one_line(capfd.readouterr().err)
     assert "target's config.json differs from the one the checkpoint was trained on" in line, line
     assert snapshot(out) == before
+    # the resumed drafter keeps its attention: other layer types or another window exit 2 naming the flag
+    args = tiny_args(tiny_hybrid_dir, out, *EXTRA, "--max-steps", "6")
+    for extra, needle in ((["--draft-layer-types", "full,full"], "--draft-layer-types: this run's draft layers "
+                                                                 "are full,full, the checkpoint's sliding,full"),
+                          (["--sliding-window", "32"], "--sliding-window: 32, the checkpoint's sliding layers "
+                                                       "were trained with 16")):
+        assert train_main(args + extra + ["--check-config"]) == 2
+        line = one_line(capfd.readouterr().err)
+        assert needle in line, line
+    assert snapshot(out) == before
+    assert train_main(args + ["--check-config"]) == 0
+    capfd.readouterr()
     assert export_main([str(world1), str(tmp_path / "e"), "--target-model", str(tiny_small_dir / "target")]) == 2
     line = one_line(capfd.readouterr().err)
     assert line.startswith("dflash-export: error: ") and "target" in line, line

@@ -622,7 +622,34 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
                           "(choose another --output-dir or drop --no-resume)")
     if cfg.resume and out.is_dir() and any(out.glob("step-*")):
         facts["target_changes"] = check_resume_target(cfg, target)
+        check_resume_layers(cfg, tcfg)
     return facts
+
+
+def check_resume_layers(cfg: TrainConfig, target_config: dict) -> None:
+    """The drafter a run resumes keeps its attention: the draft layers' types and window this run resolves
+    (--draft-layer-types, --sliding-window) must be the newest checkpoint's. ConfigError names the flag."""
+    from .checkpoint import CheckpointManager
+    latest = CheckpointManager(cfg.output_dir).latest()
+    if latest is None:
+        return
+    try:
+        old = json.loads((latest / "config.json").read_text())
+    except (OSError, ValueError):
+        return   # an unreadable checkpoint config is the resume's own error to report
+    if old.get("num_hidden_layers") != cfg.num_draft_layers:
+        return   # a changed depth is check_resume_target's (and the load's) to report
+    names = {v: k for k, v in DRAFT_LAYER_TYPES.items()}
+    want = draft_layer_types(cfg.draft_layer_types, cfg.num_draft_layers, target_config)
+    have = old.get("layer_types") if "sliding_attention" in (old.get("layer_types") or ()) else None
+    show = lambda t: ",".join(names[x] for x in t) if t else ",".join(["full"] * cfg.num_draft_layers)  # noqa: E731
+    if want != have:
+        raise ConfigError(f"--draft-layer-types: this run's draft layers are {show(want)}, the checkpoint's "
+                          f"{show(have)} (resuming {latest}; give --draft-layer-types {show(have)})",
+                          leave_output=True)
+    if have and old.get("sliding_window") != cfg.sliding_window:
+        raise ConfigError(f"--sliding-window: {cfg.sliding_window}, the checkpoint's sliding layers were trained "
+                          f"with {old.get('sliding_window')} (resuming {latest})", leave_output=True)
 
 
 def check_data(flag: str, data_dir: str, read_shards: bool) -> dict:

@@ -30,6 +30,31 @@ from test_trainer import _wait_for, losses, tiny_args  # noqa: E402
 EXTRA = ["--max-steps", "4", "--save-interval", "2", "--use-soft-labels", "--sliding-window", "16"]
 
 
+def test_prepare_tokenizes_chats_with_the_hybrid_target(tiny_hybrid_dir, tmp_path, capsys):
+    """dflash-prepare with the VL checkpoint's tokenizer (its chat template, the vision tokens among the
+    specials): the shards are the template's rendering, supervised on the assistant turns only, recorded
+    with that tokenizer, and a run accepts them."""
+    from transformers import AutoTokenizer
+
+    from test_prepare import CONVS, expected_assistant_text, masked_text, write_jsonl
+    from trainer.data import load_dataset
+    from trainer.prepare import main as prepare_main
+    target = tiny_hybrid_dir / "target"
+    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVS])
+    out = tmp_path / "shards"
+    assert prepare_main(["--target-model", str(target), "--input", str(src), "--output-dir", str(out)]) == 0
+    ds = load_dataset(out)
+    assert len(ds) == len(CONVS)
+    for i, msgs in enumerate(CONVS):
+        ids, mask = ds[i]
+        assert tok.decode(ids.tolist()) == tok.apply_chat_template(msgs, tokenize=False)
+        assert masked_text(tok, ids, mask) == expected_assistant_text(msgs)
+    assert ds.index["target"]["tokenizer"] == identity.tokenizer_fingerprint(target)
+    capsys.readouterr()
+    assert train_main(tiny_args(tiny_hybrid_dir, tmp_path / "o", "--check-config") + ["--data-dir", str(out)]) == 0
+
+
 @pytest.fixture(scope="module")
 def world1(tiny_hybrid_dir, tmp_path_factory):
     """World size 1 (one rank: target and drafter), grad accum 4: the reference run."""

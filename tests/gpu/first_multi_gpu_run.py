@@ -315,7 +315,9 @@ def main() -> int:
     target, data, recipe, recipe_name = a.target_model, a.data_dir, SEED_RECIPE, "seed (block 32, 1,024 anchors)"
     if not target:
         from trainer.tiny import make_tiny
-        make_tiny(work / "tiny", seed=0, num_train=512, num_heldout=8, log=lambda *x, **k: None)
+        if not (work / "tiny" / "data").is_dir():      # a second run in the same --work reuses the set
+            shutil.rmtree(work / "tiny", ignore_errors=True)
+            make_tiny(work / "tiny", seed=0, num_train=512, num_heldout=8, log=lambda *x, **k: None)
         target, data = str(work / "tiny" / "target"), str(work / "tiny" / "data")
         recipe = TINY_RECIPE
         recipe_name = "tiny (block 8, 64 anchors, 2 draft layers; a tiny random target: rates mean nothing)"
@@ -338,8 +340,8 @@ def main() -> int:
     la, lb = losses(resumed), losses(straight)
     common = sorted(set(la) & set(lb))
     worst = max((abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12) for s in common), default=None)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit or None, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    from trainer.bench import git_commit      # $DFLASH_GIT_COMMIT where the tree travelled without .git
+    result = {**git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "p2p": mode, "nccl_smoke": smoke_result, "recipe": recipe_name,
               "layout": {"target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus},
               "argv": base, "steps": st.get("step"), "stopped_at": cut, "wall_s": round(wall, 1),

@@ -301,6 +301,13 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
     assert len(launches) == 7 * len(dec.linear_ids) and all(launches)   # every decode step's, aliased
     assert mod.__dict__[fastgen.RECURRENT_FN] is recurrent              # put back after each step
     assert isinstance(fake.fused_recurrent_gated_delta_rule_fwd_kernel, Kernel)
+    # bf16 states (state_dtype): the kernel stores its fp32 result into the bf16 buffer it read
+    launches.clear()
+    dec16 = fastgen.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
+                                 state_dtype=torch.bfloat16)
+    assert [len(c) for c in dec16.generate(prompts, range(3))] == [len(c) for c in ref]
+    assert all(t.dtype == torch.bfloat16 for t in dec16.cache.linear.rec.values())
+    assert len(launches) == 7 * len(dec.linear_ids) and all(launches)
 
 
 def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_layers(hybrid, tiny_hybrid_dir):

@@ -297,14 +297,15 @@ class _LinearStates:
       accepted prefix recomputed: O(block) activations kept, not a state per position).
     Decode steps of one token use transformers' in-place conv update and its recurrent kernel."""
 
-    def __init__(self, base, batch: int, dtype, device):
+    def __init__(self, base, batch: int, dtype, device, state_dtype=torch.float32):
         self.ids = linear_layer_ids(base.config)
         self.conv, self.rec = {}, {}
         for i in self.ids:
             la = base.layers[i].linear_attn
             self.conv[i] = torch.zeros(batch, la.conv_dim, la.conv_kernel_size, dtype=dtype, device=device)
-            self.rec[i] = torch.zeros(batch, la.num_v_heads, la.head_k_dim, la.head_v_dim, dtype=torch.float32,
+            self.rec[i] = torch.zeros(batch, la.num_v_heads, la.head_k_dim, la.head_v_dim, dtype=state_dtype,
                                       device=device)
+        self.state_dtype = state_dtype
         self.rows = slice(None)
         self.fresh = False
         self.keep: torch.Tensor | None = None
@@ -415,9 +416,10 @@ FLA_RECURRENT = "fla.ops.gated_delta_rule.fused_recurrent"
 
 
 class _AliasFinalState:
-    """FLA's fused recurrent kernel with its final state `ht` written over its initial state `h0` (same shape
-    and dtype): safe in flash-linear-attention 0.6, where each program loads its tile of h0 first and stores
-    the same tile of ht last. `hits` collects the h0 pointers launched that way."""
+    """FLA's fused recurrent kernel with its final state `ht` written over its initial state `h0` (same shape;
+    the kernel computes in fp32 and casts to the dtype it stores to): safe in flash-linear-attention 0.6, where
+    each program loads its tile of h0 first and stores the same tile of ht last. `hits` collects the h0
+    pointers launched that way."""
 
     def __init__(self, kernel):
         self.kernel, self.hits = kernel, []
@@ -427,7 +429,7 @@ class _AliasFinalState:
 
         def run(*args, **kwargs):
             h0, ht = kwargs.get("h0"), kwargs.get("ht")
-            if h0 is not None and ht is not None and h0.dtype == ht.dtype and h0.shape == ht.shape:
+            if h0 is not None and ht is not None and h0.shape == ht.shape:   # the kernel casts to ht's dtype
                 kwargs["ht"] = h0
                 self.hits.append(h0.data_ptr())
             return launch(*args, **kwargs)
@@ -592,7 +594,7 @@ class GraphDecoder:
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
                  float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
-                 fuse_mlp: bool = False, state_inplace: bool = False):
+                 fuse_mlp: bool = False, state_inplace: bool = False, state_dtype=torch.float32):
         from .target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -632,6 +634,9 @@ class GraphDecoder:
         # state_inplace: a hybrid's decode step writes each recurrent state in place (inplace_recurrent_state;
         # FLA on GPUs only; off until measured: tests/gpu/regenerate_bench.py's `-inplace` variants)
         self.state_inplace = state_inplace
+        # state_dtype: the recurrent states' storage (fp32 as transformers keeps them; bf16 halves the bytes a
+        # step moves, as serving engines store them by default, and changes the numerics; off until measured)
+        self.state_dtype = state_dtype
         self.cache: _KVCache | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -644,7 +649,8 @@ class GraphDecoder:
 
     # ---------------------------------------------------------------- state
     def _alloc(self, capacity: int) -> None:
-        if self.cache is not None and self.cache.capacity >= capacity and self.cache.fp8 == self.kv_fp8:
+        if (self.cache is not None and self.cache.capacity >= capacity and self.cache.fp8 == self.kv_fp8
+                and (self.cache.linear is None or self.cache.linear.state_dtype == self.state_dtype)):
             return
         capacity = -(-capacity // self.view_step) * self.view_step
         self._graphs.clear()          # captured against the old buffers
@@ -655,7 +661,7 @@ class GraphDecoder:
         c, dev, b = self.cfg, self.device, self.batch
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        linear = _LinearStates(self.base, b, self.dtype, dev) if self.linear_ids else None
+        linear = _LinearStates(self.base, b, self.dtype, dev, self.state_dtype) if self.linear_ids else None
         self.cache = _KVCache(c.num_hidden_layers, b, kv_heads, capacity, head_dim, self.dtype, dev, fp8=self.kv_fp8,
                               linear=linear)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)

@@ -97,7 +97,10 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "fused-triton-trim-w8-nomlp": ("triton", True, True, True, False, "bf16", True, False),
             # inplace: a hybrid's recurrent states written in place by FLA's kernel (GraphDecoder state_inplace)
             "fused-triton-trim-inplace": ("triton", True, True, True, False, "bf16", False, False, True),
-            "fused-trim-inplace": ("sdpa", True, True, True, False, "bf16", False, False, True)}
+            "fused-trim-inplace": ("sdpa", True, True, True, False, "bf16", False, False, True),
+            # bf16state: the recurrent states stored in bf16 (GraphDecoder state_dtype; other numerics)
+            "fused-triton-trim-inplace-bf16state": ("triton", True, True, True, False, "bf16", False, False, True,
+                                                    True)}
 
 # The seeds' hybrid target (issue 39): Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random
 # weights): 16 x (3 Gated DeltaNet + 1 gated full attention), full attention 24 x 256 heads over 4 KV heads,
@@ -354,6 +357,11 @@ def token_parity(res, save, target, dev, rng, vocab) -> None:
         g._fast_decoder().decode_kernel, g._fast_decoder().state_inplace = "triton", True
         inplace = g.complete(ps, 0)
         extra["inplace_equal_triton_rows"] = sum(bool(np.array_equal(x, y)) for x, y in zip(inplace, outs["triton"]))
+        g = make_gen(target, dev, 8, 64, "captured")   # bf16 states: where each row parts from fp32 states
+        f16 = g._fast_decoder()
+        f16.decode_kernel, f16.state_inplace, f16.state_dtype = "triton", True, torch.bfloat16
+        extra["bf16_state_first_token_differing"] = [
+            int(np.argmax(x != y)) if not np.array_equal(x, y) else len(x) for x, y in zip(g.complete(ps, 0), inplace)]
     res["token_parity"] = {**extra, "rows": 8, "new_tokens": 64, "triton_graphs_equal_eager_rows": sum(same),
                            "triton_equal_sdpa_rows": sum(eq_sdpa), "first_token_differing_from_sdpa": first,
                            "trim_equal_untrimmed_rows": sum(x == 64 for x in first_trim),
@@ -403,6 +411,7 @@ def set_variant(gen, name):
     da.CONFIG["fp8_convert"] = v[5] if len(v) > 5 else "bf16"   # read when the step's graphs are captured
     f.fuse_mlp = v[7] if len(v) > 7 else False
     f.state_inplace = v[8] if len(v) > 8 else False
+    f.state_dtype = torch.bfloat16 if len(v) > 9 and v[9] else torch.float32
     return f
 
 

@@ -141,7 +141,10 @@ def test_the_hybrid_run_refuses_another_target(world1, tiny_hybrid_dir, tiny_sma
     for extra, needle in ((["--draft-layer-types", "full,full"], "--draft-layer-types: this run's draft layers "
                                                                  "are full,full, the checkpoint's sliding,full"),
                           (["--sliding-window", "32"], "--sliding-window: 32, the checkpoint's sliding layers "
-                                                       "were trained with 16")):
+                                                       "were trained with 16"),
+                          (["--draft-heads", "8", "--draft-head-dim", "16"], "--draft-heads: this run's draft layers "
+                                                                             "have 8 query heads, 2 kv heads of dim "
+                                                                             "16, the checkpoint's 4, 2 of dim 32")):
         assert train_main(args + extra + ["--check-config"]) == 2
         line = one_line(capfd.readouterr().err)
         assert needle in line, line

@@ -373,3 +373,30 @@ def test_exported_sliding_layers_follow_positions_in_a_preallocated_buffer(slidi
                      target_hidden=taps[:, prev:start], past_key_values=cache)
             full = hf(position_ids=torch.arange(start + bs)[None], noise_embedding=noise, target_hidden=taps[:, :start])
             assert torch.allclose(inc, full, atol=1e-5), (start, (inc - full).abs().max())
+
+
+def test_draft_attention_geometry_can_be_the_published_drafters(tiny_hybrid_dir, tmp_path, capsys):
+    """z-lab's Qwen3.5/3.6-27B drafters do not copy the target's attention (24 x 256 heads, 4 KV): they use
+    32 x 128 and 8 KV heads at the target's width. --draft-heads / --draft-kv-heads / --draft-head-dim set
+    that (0: the target's); the export says it; a geometry that cannot be built exits 2 naming the flag."""
+    from transformers import AutoConfig
+
+    from trainer.__main__ import main as train_main
+    from trainer.export import hf_config_dict
+    hybrid = AutoConfig.from_pretrained(tiny_hybrid_dir / "target")
+    own = DFlashConfig.from_target(hybrid, num_draft_layers=2, block_size=4, mask_token_id=3)
+    assert (own.num_attention_heads, own.num_key_value_heads, own.head_dim) == (4, 2, 32)   # the target's
+    cfg = DFlashConfig.from_target(hybrid, num_draft_layers=2, block_size=4, mask_token_id=3, num_heads=8,
+                                   num_kv_heads=4, head_dim=16)
+    model = DFlashDrafter(cfg)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (8 * 16, 64)
+    assert model.layers[0].self_attn.k_proj.weight.shape == (4 * 16, 64)
+    c = hf_config_dict(cfg)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["hidden_size"]) == (8, 4, 16, 64)
+    base = ["--target-model", str(tiny_hybrid_dir / "target"), "--data-dir", str(tiny_hybrid_dir / "data"),
+            "--output-dir", str(tmp_path / "o"), "--target-gpus", "cpu", "--drafter-gpus", "cpu",
+            "--num-draft-layers", "2", "--block-size", "8", "--sliding-window", "16", "--check-config"]
+    assert train_main(base + ["--draft-heads", "8", "--draft-kv-heads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-kv-heads: 3 must divide the draft layers' 8 query heads" in err and "Traceback" not in err
+    assert train_main(base + ["--draft-heads", "8", "--draft-kv-heads", "4", "--draft-head-dim", "16"]) == 0

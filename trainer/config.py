@@ -142,6 +142,12 @@ class TrainConfig:
                                          "z-lab/Qwen3.6-27B-DFlash ships), full otherwise", metavar="TYPES")
     sliding_window: int = opt(2048, "window of the sliding draft layers, in positions (the current one included, "
                                     "as in Hugging Face configs)", ge=1)
+    draft_heads: int = opt(0, "query heads of each draft layer (0: the target's; z-lab's Qwen3.5/3.6-27B drafters "
+                              "use 32 where the target has 24)", ge=0)
+    draft_kv_heads: int = opt(0, "key/value heads of each draft layer (0: the target's; z-lab's Qwen3.5/3.6-27B "
+                                 "drafters: 8, the target 4)", ge=0)
+    draft_head_dim: int = opt(0, "head dim of the draft layers (0: the target's; z-lab's Qwen3.5/3.6-27B drafters: "
+                                 "128, the target 256)", ge=0)
     allow_slow_linear_attention: bool = opt(False, "train a hybrid (Gated DeltaNet) target on GPUs without "
                                                    "flash-linear-attention, on transformers' slow torch fallback "
                                                    "(default: such a run exits 2 naming the package)")
@@ -474,6 +480,16 @@ def draft_layer_types(text: str, num_layers: int, target_config: dict | None) ->
     return types if "sliding_attention" in types else None
 
 
+def draft_attention(cfg, target_config: dict) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of the draft layers: --draft-heads / --draft-kv-heads /
+    --draft-head-dim, each 0 meaning the target's (its text config)."""
+    t = target_config.get("text_config", target_config)
+    heads = t.get("num_attention_heads") or 1
+    own = (heads, t.get("num_key_value_heads") or heads,
+           t.get("head_dim") or (t.get("hidden_size") or heads) // heads)
+    return tuple(x or o for x, o in zip((cfg.draft_heads, cfg.draft_kv_heads, cfg.draft_head_dim), own))
+
+
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
     """A hybrid target (Gated DeltaNet layers) on GPUs needs flash-linear-attention: without it transformers
     runs its torch fallback, about 1.5x slower, and out of GPU memory where every hidden state is kept
@@ -581,6 +597,10 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
 
+    heads, kv_heads, head_dim = draft_attention(cfg, tcfg)
+    if heads % kv_heads or head_dim % 2:
+        raise ConfigError(f"--draft-kv-heads: {kv_heads} must divide the draft layers' {heads} query heads, and "
+                          f"their head dim ({head_dim}) be even (--draft-heads, --draft-head-dim)")
     if draft_layer_types(cfg.draft_layer_types, cfg.num_draft_layers, tcfg) and cfg.sliding_window < cfg.block_size:
         raise ConfigError(f"--sliding-window: ({cfg.sliding_window}) must hold a block (--block-size "
                           f"{cfg.block_size}) for the sliding draft layers")
@@ -639,6 +659,13 @@ def check_resume_layers(cfg: TrainConfig, target_config: dict) -> None:
         return   # an unreadable checkpoint config is the resume's own error to report
     if old.get("num_hidden_layers") != cfg.num_draft_layers:
         return   # a changed depth is check_resume_target's (and the load's) to report
+    want_attn = draft_attention(cfg, target_config)
+    have_attn = tuple(old.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    if None not in have_attn and want_attn != have_attn:
+        raise ConfigError(f"--draft-heads: this run's draft layers have {want_attn[0]} query heads, {want_attn[1]} "
+                          f"kv heads of dim {want_attn[2]}, the checkpoint's {have_attn[0]}, {have_attn[1]} of dim "
+                          f"{have_attn[2]} (resuming {latest}; give --draft-heads {have_attn[0]} --draft-kv-heads "
+                          f"{have_attn[1]} --draft-head-dim {have_attn[2]})", leave_output=True)
     names = {v: k for k, v in DRAFT_LAYER_TYPES.items()}
     want = draft_layer_types(cfg.draft_layer_types, cfg.num_draft_layers, target_config)
     have = old.get("layer_types") if "sliding_attention" in (old.get("layer_types") or ()) else None

@@ -71,23 +71,26 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_cfg, *, num_draft_layers: int, block_size: int, mask_token_id: int,
                     target_layer_ids: list[int] | None = None, layer_types: str = "full",
-                    sliding_window: int = 2048) -> "DFlashConfig":
+                    sliding_window: int = 2048, num_heads: int = 0, num_kv_heads: int = 0,
+                    head_dim: int = 0) -> "DFlashConfig":
         """layer_types: --draft-layer-types' text (auto | full,sliding,...), resolved against the target
-        (config.draft_layer_types); "full" (the default here): every layer full attention."""
+        (config.draft_layer_types); "full" (the default here): every layer full attention. num_heads,
+        num_kv_heads, head_dim: the draft layers' attention (--draft-heads ...; 0: the target's)."""
         from .config import draft_layer_types
         t = getattr(target_cfg, "text_config", None) or target_cfg
         whole = target_cfg.to_dict() if hasattr(target_cfg, "to_dict") else dict(target_cfg)
         types = (None if layer_types == "full" else
                  draft_layer_types(layer_types, num_draft_layers, whole))
-        heads = t.num_attention_heads
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+        heads = num_heads or t.num_attention_heads
+        kv_heads = num_kv_heads or getattr(t, "num_key_value_heads", t.num_attention_heads)
+        head_dim = head_dim or getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
         layers = target_layer_ids or tap_layers(t.num_hidden_layers, num_draft_layers)
         return cls(
             hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
             num_hidden_layers=num_draft_layers, num_attention_heads=heads,
-            num_key_value_heads=getattr(t, "num_key_value_heads", heads), head_dim=head_dim,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
             vocab_size=t.vocab_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=getattr(t, "max_position_embeddings", 32768), block_size=block_size,
             target_layer_ids=list(layers), mask_token_id=mask_token_id,

@@ -152,7 +152,9 @@ class Trainer:
         self.feed.mask_token = mask_token
         self.dcfg = DFlashConfig.from_target(tc, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
                                              mask_token_id=mask_token, target_layer_ids=cfg.target_layers,
-                                             layer_types=cfg.draft_layer_types, sliding_window=cfg.sliding_window)
+                                             layer_types=cfg.draft_layer_types, sliding_window=cfg.sliding_window,
+                                             num_heads=cfg.draft_heads, num_kv_heads=cfg.draft_kv_heads,
+                                             head_dim=cfg.draft_head_dim)
         if cfg.arch == "dflash2":
             try:
                 self.dcfg = as_dflash2(self.dcfg)

@@ -376,7 +376,7 @@ def test_exported_sliding_layers_follow_positions_in_a_preallocated_buffer(slidi
 
 
 def test_draft_attention_geometry_can_be_the_published_drafters(tiny_hybrid_dir, tmp_path, capsys):
-    """z-lab's Qwen3.5/3.6-27B drafters do not copy the target's attention (24 x 256 heads, 4 KV): they use
+    """z-lab's Qwen3.5-27B drafter does not copy the target's attention (24 x 256 heads, 4 KV): it uses
     32 x 128 and 8 KV heads at the target's width. --draft-heads / --draft-kv-heads / --draft-head-dim set
     that (0: the target's); the export says it; a geometry that cannot be built exits 2 naming the flag."""
     from transformers import AutoConfig

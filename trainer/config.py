@@ -142,11 +142,11 @@ class TrainConfig:
                                          "z-lab/Qwen3.6-27B-DFlash ships), full otherwise", metavar="TYPES")
     sliding_window: int = opt(2048, "window of the sliding draft layers, in positions (the current one included, "
                                     "as in Hugging Face configs)", ge=1)
-    draft_heads: int = opt(0, "query heads of each draft layer (0: the target's; z-lab's Qwen3.5/3.6-27B drafters "
-                              "use 32 where the target has 24)", ge=0)
-    draft_kv_heads: int = opt(0, "key/value heads of each draft layer (0: the target's; z-lab's Qwen3.5/3.6-27B "
-                                 "drafters: 8, the target 4)", ge=0)
-    draft_head_dim: int = opt(0, "head dim of the draft layers (0: the target's; z-lab's Qwen3.5/3.6-27B drafters: "
+    draft_heads: int = opt(0, "query heads of each draft layer (0: the target's; z-lab's Qwen3.5-27B drafter "
+                              "uses 32 where the target has 24)", ge=0)
+    draft_kv_heads: int = opt(0, "key/value heads of each draft layer (0: the target's; z-lab's Qwen3.5-27B "
+                                 "drafter: 8, the target 4)", ge=0)
+    draft_head_dim: int = opt(0, "head dim of the draft layers (0: the target's; z-lab's Qwen3.5-27B drafter: "
                                  "128, the target 256)", ge=0)
     allow_slow_linear_attention: bool = opt(False, "train a hybrid (Gated DeltaNet) target on GPUs without "
                                                    "flash-linear-attention, on transformers' slow torch fallback "

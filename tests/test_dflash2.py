@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -258,10 +259,11 @@ def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_eq
 
 
 @pytest.mark.slow   # about 6 CPU-s and the tiny target
-def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_small_dir, tmp_path):
+def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_small_dir, tmp_path, capsys):
     """--arch dflash2 --loss ce+dpace at world size 1 (FSDP2 on gloo): the steps are finite, the selector
-    and the convolutions learn (they start as the identity and at the init draw), and the checkpoint
-    exports into the reference class with no missing or unexpected keys."""
+    and the convolutions learn (they start as the identity and at the init draw), tau is evaluated during
+    the run and at its end by the selector's loop (--eval-data-dir), and the checkpoint exports into the
+    reference class with no missing or unexpected keys."""
     import sys
     from pathlib import Path
     import safetensors.torch
@@ -269,13 +271,18 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     from trainer.checkpoint import CheckpointManager
     from trainer.export import export_drafter
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_trainer import losses, tiny_args
+    from test_trainer import losses, records, tiny_args
 
     out = tmp_path / "run"
     assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--arch", "dflash2",
-                                "--loss", "ce+dpace", "--save-interval", "3")) == 0
+                                "--loss", "ce+dpace", "--save-interval", "3", "--eval-data-dir",
+                                str(tiny_small_dir / "heldout"), "--eval-every", "2", "--eval-prompts", "2",
+                                "--eval-max-new-tokens", "12")) == 0
     seen = losses(out)
     assert sorted(seen) == [1, 2, 3] and all(math.isfinite(v) for v in seen.values())
+    evals = records(out, "eval")
+    assert [r["step"] for r in evals] == [2, 3] and all(1 <= r["tau"] <= 8 for r in evals), evals
+    assert json.loads((out / "eval.json").read_text())["loop"] == "single"
     step = CheckpointManager(out).latest()
     dst = export_drafter(step, tmp_path / "export")
     w = safetensors.torch.load_file(str(dst / "model.safetensors"))
@@ -291,11 +298,22 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
         assert not torch.allclose(w[name].float(), fresh.state_dict()[name].bfloat16().float(), rtol=0.01), name
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # dflash-eval on the export: the selector's sampled loop; the batched loop is refused in one line
+    from trainer.evaluate import main as eval_main
+    args = ["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(dst), "--data-dir",
+            str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "2", "--max-new-tokens", "12"]
+    capsys.readouterr()
+    assert eval_main(args + ["--temperature", "0.7", "--json", "--no-block-accuracy"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["loop"] == "single" and res["temperature"] == 0.7 and 1 <= res["tau"] <= 8
+    assert eval_main(args + ["--loop", "batched"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dflash-eval: error: --loop batched: a DFlash2 drafter"), err
 
 
-def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_refused():
+def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_accepted():
     import numpy as np
-    from trainer.config import ConfigError, parse_args, validate_flags
+    from trainer.config import parse_args, validate_flags
     from trainer.plan import plan_micro_batch
     ids = np.arange(100, 130)[None]
     mask = np.zeros(ids.shape, bool)
@@ -309,5 +327,96 @@ def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_
     assert (pos - 1 >= 30).any()
     assert (c.prev_tokens == want).all()
     paths = ["--target-model", "t", "--data-dir", "d", "--output-dir", "o"]
-    with pytest.raises(ConfigError, match="^--eval-data-dir: the tau evaluation of an --arch dflash2"):
-        validate_flags(parse_args(paths + ["--arch", "dflash2", "--eval-data-dir", "h"]), gpu_count=-1)
+    validate_flags(parse_args(paths + ["--arch", "dflash2", "--eval-data-dir", "h"]), gpu_count=-1)   # dflash2_eval
+
+
+# ----------------------------------------------------------------------------- dflash-eval's selector loop
+
+def _proposer_recording(model):
+    """dflash2_eval.DFlash2Proposer that counts the positions where the selector left the unary argmax."""
+    from trainer.dflash2_eval import DFlash2Proposer
+
+    class Recording(DFlash2Proposer):
+        moved = 0
+
+        def propose(self, *a, **k):
+            path, cand, q = super().propose(*a, **k)
+            Recording.moved += int((path != cand[:, 0]).sum())   # top-K is sorted: column 0 is the argmax
+            return path, cand, q
+    return Recording(model)
+
+
+@pytest.mark.slow   # about 10 CPU-s: a DFlash drafter trained 3 epochs, made DFlash2
+def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small_dir, tmp_path, monkeypatch):
+    """dflash-eval's DFlash2 loop (trainer/dflash2_eval.py) against the reference package's dflash_generate
+    on the export of the same weights: the same tokens and, step by step, the same accept lengths (the
+    last step aside: near the token budget the reference shortens its block, which changes the drafts).
+    The drafter: a DFlash drafter trained briefly, its convolutions moved off the identity and its
+    selector's codebooks drawn so that the selector's path leaves the unary argmax."""
+    import sys
+    from pathlib import Path
+
+    from trainer.checkpoint import CheckpointManager
+    from trainer.data import load_dataset
+    from trainer.dflash2 import as_dflash2
+    from trainer.dflash2_eval import dflash2_generate
+    from trainer.evaluate import heldout_prompts, load_target
+    from trainer.export import export_drafter, read_checkpoint
+    from trainer.model import DFlashDrafter
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_eval_specgen import train_drafter
+
+    import time
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)   # its stats' clock synchronises CUDA
+    torch.set_num_threads(1)
+    target = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+    cfg, dense = train_drafter(target, tiny_small_dir / "data", epochs=3)
+    cfg2 = as_dflash2(cfg, selector_rank=16)
+    model = DFlashDrafter(cfg2)
+    missing, unexpected = model.load_state_dict(dense.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "selector" in k for k in missing)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "conv" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            elif "selector" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.6 if "codebook" in n else 0.6 / cfg.hidden_size ** 0.5))
+    ckpt = CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg2.to_dict(), {"step": 1})
+    out = export_drafter(ckpt, tmp_path / "export")
+    theirs = ref.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    rcfg, state, _ = read_checkpoint(out)                 # ours, from the same (bf16) weights
+    ours = DFlashDrafter(rcfg)
+    ours.load_state_dict({k: v.float() for k, v in state.items()})
+    proposer = _proposer_recording(ours)
+    lengths = []
+    for prompt in heldout_prompts(load_dataset(tiny_small_dir / "heldout"), 4):
+        ids = torch.as_tensor(prompt)[None]
+        want = ref.dflash_generate(theirs, target, ids, 40, None, 0.0, return_stats=True)
+        got = dflash2_generate(proposer, target, ids, 40, [], 0.0)
+        assert torch.equal(got.output_ids, want.output_ids)
+        assert got.accept_lengths[:-1] == want.acceptance_lengths[:-1]
+        lengths += got.accept_lengths
+    assert max(lengths) > 1 and proposer.moved > 0, (lengths, proposer.moved)   # not trivially ones or argmax
+
+
+def test_dflash2_sampled_verification_keeps_the_targets_distribution():
+    """One draft drawn from the selector's q over its candidates: the first emitted token is distributed as
+    the target's p, whatever q is (a candidate set that misses p's mass included); q == p accepts all."""
+    from trainer.dflash2_eval import verify_candidates
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]]))
+    cand = torch.tensor([[2, 0, 3]])               # K = 3 of V = 4: token 1 is no candidate
+    q = torch.tensor([[0.6, 0.1, 0.3]])
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        i = torch.multinomial(q[0], 1, generator=g)
+        path = cand[0, i]
+        acc, nxt = verify_candidates(path, cand, q, p_logits, 1.0, g)
+        counts[int(path) if acc == 1 else nxt] += 1
+    assert (counts / n - torch.tensor([0.5, 0.3, 0.1, 0.1])).abs().max() < 0.015, counts / n
+    cand_all, q_p = torch.tensor([[1, 0, 2, 3]]), torch.tensor([[0.3, 0.5, 0.1, 0.1]])
+    accs = [verify_candidates(cand_all[0, torch.multinomial(q_p[0], 1, generator=g)], cand_all, q_p, p_logits, 1.0,
+                              g)[0] for _ in range(200)]
+    assert accs == [1] * 200

@@ -434,9 +434,6 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
         (cfg.nnodes == 1 or ":" in cfg.rdzv_endpoint, "--rdzv-endpoint",
          f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
         (cfg.dpace_alpha <= 1, "--dpace-alpha", f"must be in (0, 1], got {cfg.dpace_alpha}"),
-        (cfg.arch != "dflash2" or not cfg.eval_data_dir, "--eval-data-dir",
-         "the tau evaluation of an --arch dflash2 drafter (its selector's greedy and sampled verification) is "
-         "not built yet; train without it and evaluate the export with the reference dflash package"),
         (cfg.loss != "ce+dpace" or not cfg.use_soft_labels, "--loss",
          "ce+dpace is defined on hard labels: add --no-use-soft-labels"),
         (cfg.eval_every == 0 or bool(cfg.eval_data_dir), "--eval-every",

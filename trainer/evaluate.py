@@ -12,6 +12,8 @@ emitted (trainer/modeling_dflash.py `dflash_generate`, the same loop the export 
                              teacher_forced_block_len (mean accepted prefix + 1). Not tau.
 
 Greedy (temperature 0) by default; temperature > 0 runs standard speculative sampling.
+A DFlash2 drafter (its export's DFlash2DraftModel) proposes its candidate selector's path and is verified
+against the selector's q at temperature > 0 (trainer/dflash2_eval.py), one prompt at a time.
 
     dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
                 [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
@@ -59,7 +61,13 @@ from .target import load_target  # noqa: E402  (the one loader; target.py import
 
 
 def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:
-    """The servable drafter class with these weights, loaded strictly (a name mismatch raises)."""
+    """The servable drafter class with these weights, loaded strictly (a name mismatch raises). DFlash2
+    (cfg.is_dflash2): the trainer's class behind dflash2_eval.DFlash2Proposer, whose loop runs the selector."""
+    if cfg.is_dflash2:
+        from .dflash2_eval import DFlash2Proposer
+        model = DFlashDrafter(cfg)
+        model.load_state_dict(state, strict=True)
+        return DFlash2Proposer(model.to(device=device, dtype=dtype).requires_grad_(False))
     from transformers import Qwen3Config
     model = DFlashDraftModel(Qwen3Config(**hf_config_dict(cfg)))
     model.load_state_dict(state, strict=True)
@@ -75,7 +83,7 @@ def load_drafter(checkpoint: str, device, dtype=torch.float32) -> tuple[DFlashDr
 
 
 def _as_hf(drafter, cfg: DFlashConfig) -> DFlashDraftModel:
-    if isinstance(drafter, DFlashDraftModel):
+    if isinstance(drafter, DFlashDraftModel) or getattr(drafter, "is_dflash2", False):
         return drafter
     p = next(drafter.parameters())
     return hf_drafter(cfg, {k: v.detach() for k, v in drafter.state_dict().items()}, p.device, p.dtype)
@@ -145,6 +153,13 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs)."""
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
+    if getattr(drafter, "is_dflash2", False):   # the selector's loop: one prompt at a time
+        from .dflash2_eval import dflash2_generate
+        gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+        return [(r.accept_lengths, r.output_ids.shape[1] - r.num_prompt_tokens)
+                for r in (dflash2_generate(drafter, target, torch.as_tensor(np.asarray(p), dtype=torch.long,
+                                                                            device=dev)[None],
+                                           max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
     loop = runnable_loop(target, resolve_loop(loop, temperature))
     if loop == "batched":
         from .fastgen import BatchedSpecDecoder
@@ -168,7 +183,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
     """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
     dev = next(target.parameters()).device
     bs = drafter.block_size
-    loop = runnable_loop(target, resolve_loop(loop, temperature))
+    loop = "single" if getattr(drafter, "is_dflash2", False) else runnable_loop(target, resolve_loop(loop, temperature))
     t0 = time.perf_counter()
     each = generate_each(target, drafter, prompts, max_new_tokens, temperature, stop_ids, seed, loop, batch_size,
                          graphs)
@@ -264,7 +279,8 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
     res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed, loop=loop,
                            batch_size=batch_size, graphs=graphs)
     if with_block_accuracy:
-        packed = drafter if isinstance(drafter, DFlashDrafter) else None
+        packed = drafter if isinstance(drafter, DFlashDrafter) else (hf.model if getattr(hf, "is_dflash2", False)
+                                                                     else None)
         if packed is None:
             packed = DFlashDrafter(dcfg).to(device=device, dtype=next(hf.parameters()).dtype)
             packed.load_state_dict(hf.state_dict(), strict=True)
@@ -382,6 +398,8 @@ def main(argv=None) -> int:
         check_model_dir(a.target_model)
         ds = load_dataset(a.data_dir)
         cfg, state, ckpt = read_checkpoint(src)
+        if cfg.is_dflash2 and a.loop == "batched":
+            raise ValueError("--loop batched: a DFlash2 drafter's selector runs in the single loop (--loop single)")
         allowed = identity.check_drafter_on_target(ckpt, a.target_model, allow=a.allow_target_change)
         identity.check_data_tokenizer(read_index(a.data_dir), identity.of_target(a.target_model), "--data-dir",
                                       a.data_dir)

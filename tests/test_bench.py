@@ -264,7 +264,8 @@ def test_bench_drafter_stage_of_dflash2_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
                         "--parts", "drafter", "--variants", "base,dflash2+dpace", "--dataset-tokens", "20000",
-                        "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "--work", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     base, d2 = [x for x in json.loads(out.read_text())["results"] if "variant" in x]
     assert d2["options"] == {"arch": "dflash2", "loss": "ce+dpace", "use_soft_labels": False}

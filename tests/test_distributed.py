@@ -191,6 +191,13 @@ def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(arch, tiny_sma
     wa, wb = _final_weights(ref), _final_weights(out)
     assert wa.keys() == wb.keys()
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+    if arch == "dflash2":   # and world size 1 trains the same (DFlash: the test at the top of this file)
+        one = tmp_path / "world1"
+        assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4", *ARCHS[arch])) == 0
+        w1 = losses(one)
+        assert sorted(w1) == sorted(a)
+        for step in a:
+            assert w1[step] == pytest.approx(a[step], rel=1e-5), f"step {step}: world size 1 vs 1 + 2 ranks"
 
 
 @pytest.mark.slow

@@ -281,6 +281,31 @@ def test_8b_a_privileged_ct_is_made_with_the_token_no_features_and_a_workspace_o
     assert r.returncode == 0 and re.search(r"ct253\s*:\s*ok=\d+\s+changed=0\s", r.stdout), r.text[-3000:]
 
 
+def test_8c_a_workspace_on_nfs_is_not_chowned_and_must_belong_to_the_cts_root(node):
+    """Issue 41 item 6: root_squash refuses the node's root a chown on an NFS share. With the
+    default owner (auto) the role leaves the share's ownership alone, and fails naming the chown to
+    run on the server while it does not belong to the CT's root (uid 100000 here). A `stat` on PATH
+    that calls every filesystem nfs stands for the share (the role asks `stat -f`)."""
+    fake = node["tmp"] / "nfsbin"
+    fake.mkdir(exist_ok=True)
+    (fake / "stat").write_text('#!/bin/sh\n[ "$1" = -f ] && { echo nfs; exit 0; }\nexec /usr/bin/stat "$@"\n')
+    (fake / "stat").chmod(0o755)
+    ws = node["tmp"] / "nfs-ws"
+    ws.mkdir(exist_ok=True)
+    os.chown(ws, 0, 0)
+    nfs = {**node, "env": {**node["env"], "PATH": f"{fake}:{node['env']['PATH']}"}}
+    r = play(nfs, dflash_node_workspace_host_path=str(ws))
+    assert r.returncode != 0, r.text[-3000:]
+    assert f"The workspace {ws} is on nfs, where the node's root may not chown (root_squash), and it belongs to 0:0" \
+        in r.text and "chown 100000:100000 <export>/<dir>" in r.text, r.text[-3000:]
+    os.chown(ws, 100000, 100000)                      # as the NFS server's admin makes it
+    r = play(nfs, dflash_node_workspace_host_path=str(ws))
+    assert r.returncode == 0, r.text[-3000:]
+    assert (ws.stat().st_uid, ws.stat().st_gid) == (100000, 100000)
+    r = play(node)                                    # back to the fixture's workspace
+    assert r.returncode == 0, r.text[-3000:]
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """Two stand-in nodes, pve-a and pve-b (an API server each, separate state: two nodes that are

@@ -585,6 +585,12 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     tcfg = facts["target_config"]
     if gpu_count != -1:   # the Ansible controller (-1) has not the trainer's packages: the host checks this
         check_linear_attention_kernels(cfg, tcfg)
+        if cfg.eval_data_dir:   # the in-training and final tau generate with the target (trainer/hybrid.py)
+            from .hybrid import HybridTransformersTooOld, check_hybrid_transformers
+            try:
+                check_hybrid_transformers(tcfg, f"--target-model {cfg.target_model}")
+            except HybridTransformersTooOld as e:
+                raise ConfigError(f"--eval-data-dir: {e}") from None
     text = tcfg.get("text_config", tcfg)
     layers = text.get("num_hidden_layers")
     if cfg.target_layers is not None:

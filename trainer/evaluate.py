@@ -150,7 +150,10 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
                   batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> list[tuple[list[int], int]]:
     """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
     loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
-    (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs)."""
+    (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
+    A hybrid target on a transformers older than trainer/hybrid.py's floor: HybridTransformersTooOld first."""
+    from .hybrid import check_hybrid_transformers
+    check_hybrid_transformers(target)
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
     if getattr(drafter, "is_dflash2", False):   # the selector's loop: one prompt at a time
@@ -389,13 +392,15 @@ def main(argv=None) -> int:
     from . import identity
     from .config import ConfigError, check_model_dir
     from .data import DataError, load_dataset, read_index
+    from .hybrid import check_hybrid_transformers
     src = a.checkpoint or a.output_dir
     try:
         if not src:
             raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
         check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature, a.loop, a.batch_size)
         dev = parse_device(a.device)
-        check_model_dir(a.target_model)
+        # a hybrid target on a transformers older than our cache API: one line, before anything is read
+        check_hybrid_transformers(check_model_dir(a.target_model), f"--target-model {a.target_model}")
         ds = load_dataset(a.data_dir)
         cfg, state, ckpt = read_checkpoint(src)
         if cfg.is_dflash2 and a.loop == "batched":

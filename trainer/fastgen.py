@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hybrid import check_hybrid_transformers
+
 ATTN_NAME = "dflash_decode"   # registered in transformers' AttentionInterface while this loop runs
 PAD_TO = 64                   # prompt widths rounded up to this (the KV capacity is width + new tokens)
 
@@ -626,7 +628,9 @@ class GraphDecoder:
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
-        # a hybrid target (Qwen3.5): its linear-attention layers' states live in the cache too (_LinearStates)
+        # a hybrid target (Qwen3.5): its linear-attention layers' states live in the cache too (_LinearStates),
+        # which answers the cache API of transformers >= trainer/hybrid.py's floor (else one line, here)
+        check_hybrid_transformers(self.cfg)
         why = hybrid_unsupported(self.base)
         if why:
             raise ValueError(f"the captured decoder cannot run this target: {why}")
@@ -932,7 +936,9 @@ class BatchedSpecDecoder:
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(target.parameters()).dtype
-        # a hybrid target: its linear-attention states are rolled back to each row's accepted length
+        # a hybrid target: its linear-attention states are rolled back to each row's accepted length (on
+        # transformers >= trainer/hybrid.py's floor, else one line, here)
+        check_hybrid_transformers(self.cfg)
         why = hybrid_unsupported(self.base, speculative=True)
         if why:
             raise ValueError(f"the batched loop cannot run this target: {why}")

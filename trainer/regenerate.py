@@ -156,6 +156,8 @@ class TargetGenerator:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
         if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
             from .fastgen import hybrid_unsupported
+            from .hybrid import check_hybrid_transformers
+            check_hybrid_transformers(self.model)   # a transformers too old for it: no fallback, one line
             from .target import decoder as decoder_stack
             why = hybrid_unsupported(decoder_stack(self.model))
             if why:
@@ -380,7 +382,7 @@ def regenerate(
         raise RegenerateError("give exactly one of --data-dir and --input")
     src = str(data_dir) if data_dir is not None else ", ".join(map(str, inputs))
     try:
-        check_model_dir(str(target))
+        target_config = check_model_dir(str(target))
         if data_dir is not None:   # the prompts were tokenized by the target's tokenizer (trainer/identity.py)
             from .identity import check_data_dir_tokenizer
             check_data_dir_tokenizer(data_dir, target, "--data-dir")
@@ -401,6 +403,12 @@ def regenerate(
         decoder = "captured" if all(d.startswith("cuda") for d in devs) else "generate"
     if decoder not in DECODERS:
         raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
+    if decoder == "captured":   # a hybrid on a transformers older than our cache API: one line, nothing loaded
+        from .hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        try:
+            check_hybrid_transformers(target_config, f"--target-model {target}")
+        except HybridTransformersTooOld as e:
+            raise RegenerateError(f"{e}; or --decoder generate (transformers' own loop)") from None
     if fuse is None:
         fuse = decoder == "captured" and all(d.startswith("cuda") for d in devs)
     if fuse and decoder != "captured":

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 from trainer.evaluate import hf_drafter  # noqa: E402
 from trainer.fastgen import BatchedSpecDecoder  # noqa: E402
+from trainer.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.runlog import format_table  # noqa: E402
@@ -57,6 +58,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile-batch", type=int, default=16, help="kernel classes of one eager step (0: none)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    try:   # a hybrid shape on a transformers older than our cache API: one line, before the target is built
+        check_hybrid_transformers(a.shape in HYBRID_SHAPES, f"--shape {a.shape}")
+    except HybridTransformersTooOld as e:
+        print(f"eval_bench: error: {e}", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
+from trainer.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.regenerate import TargetGenerator  # noqa: E402
 from trainer.runlog import format_table  # noqa: E402
 
@@ -628,6 +629,11 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     batches = [int(b) for b in a.batches.split(",")]
     hybrid = a.shape in HYBRID_SHAPES
+    try:   # a hybrid shape on a transformers older than our cache API: one line, before the target is built
+        check_hybrid_transformers(hybrid, f"--shape {a.shape}")
+    except HybridTransformersTooOld as e:
+        print(f"regenerate_bench: error: {e}", file=sys.stderr)
+        return 2
     dims = hybrid_dims(a.shape) if hybrid else SHAPES[a.shape]
     res, save = results_file(a.out, {"shape": a.shape, "started": time.time(), "shape_dims": dict(zip(
         ["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"], dims)),

@@ -350,8 +350,9 @@ DEPLOY_FAULTS = {
                       ["not enough room on /dev/shm"],
                       "Preflight | stop here when the weights cannot be staged"),
     "unknown-flag": (lambda ct: {"dflash_service_trainer_flags": {"no_such_flag": 1}},
-                     ["dflash-train: error: unrecognized arguments: --no-such-flag 1"],
-                     "Validate | stop on a flag the trainer rejects"),
+                     # the role's argument spec (the trainer's flags, generated) refuses it first, before any host
+                     ["Validation of arguments failed", "dflash_service_trainer_flags.no_such_flag"],
+                     "Validating arguments against arg spec"),
     "bad-value": (lambda ct: {"dflash_service_trainer_flags": {"block_size": 1}},
                   ["dflash-train: error: --block-size: must be >= 2, got 1"],
                   "Validate | stop on a flag the trainer rejects"),

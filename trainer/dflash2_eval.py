@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from .model import DFlashDrafter, PackedMeta
-from .modeling_dflash import SpecResult, _cache_kw, crop_cache, target_cache, verify_block
+from .modeling_dflash import SpecResult, _cache_kw, crop_cache, finish_output, target_cache, verify_block
 
 
 class DFlash2Proposer:
@@ -142,10 +142,4 @@ def dflash2_generate(drafter: DFlash2Proposer, target, input_ids: torch.LongTens
             if t in stops:
                 break
         token = generated[-1]
-    generated = generated[:max_new_tokens]
-    for i, t in enumerate(generated):
-        if t in stops:
-            generated = generated[:i + 1]
-            break
-    res.output_ids = torch.cat([input_ids, torch.tensor([generated], device=dev, dtype=input_ids.dtype)], dim=1)
-    return res
+    return finish_output(res, input_ids, generated, stops, max_new_tokens)

@@ -290,10 +290,17 @@ def dflash_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens
             if t in stops:
                 break
         token = generated[-1]
+    return finish_output(res, input_ids, generated, stops, max_new_tokens)
+
+
+def finish_output(res, input_ids, generated: list, stops, max_new_tokens: int):
+    """The generation loops' last step: `generated` cut at max_new_tokens and after the first stop token,
+    appended to the prompt as res.output_ids."""
     generated = generated[:max_new_tokens]
     for i, t in enumerate(generated):
         if t in stops:
             generated = generated[:i + 1]
             break
-    res.output_ids = torch.cat([input_ids, torch.tensor([generated], device=dev, dtype=input_ids.dtype)], dim=1)
+    res.output_ids = torch.cat([input_ids, torch.tensor([generated], device=input_ids.device,
+                                                        dtype=input_ids.dtype)], dim=1)
     return res

@@ -47,3 +47,10 @@ def test_summary_and_rates_from_the_records(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     assert cmp.bench_rates(tmp_path / "bench.json")["dflash2_over_dflash"] == 0.75
 
+
+
+def test_a_failed_runs_error_carries_its_logs_last_lines(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("starting\n\nwarmup done\ndflash-train: error: --eval-prompts: bad\n\n")
+    assert cmp.log_tail(log, 2) == "warmup done | dflash-train: error: --eval-prompts: bad"
+    assert cmp.log_tail(tmp_path / "missing.log").startswith("no log (")

@@ -84,6 +84,16 @@ def plan(a) -> dict:
     return {"tiny": tiny_argv, "bench": bench, "runs": runs}
 
 
+def log_tail(path: Path, lines: int = 3) -> str:
+    """The last lines of a run's log (its one-line error), so the JSON says why a run failed on a machine
+    whose /tmp does not come back."""
+    try:
+        text = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError as e:
+        return f"no log ({e.strerror})"
+    return " | ".join(text[-lines:])[-1500:]
+
+
 def bench_rates(path: Path) -> dict:
     """The bench's drafter-stage figures per variant, and DFlash2's over DFlash's."""
     try:
@@ -246,7 +256,7 @@ def main(argv=None) -> int:
         log.close()
         res[name] = {**collect(out), "acc_tail": acc_tail(out)}
         if proc.returncode != 0:
-            res[name]["error"] = f"exit {proc.returncode}; see {work / (name + '.log')}"
+            res[name]["error"] = f"exit {proc.returncode}: {log_tail(work / (name + '.log'))}"
     write("done")
     print(f"{'run':<14} {'final loss':>10} {'tau':>6}  evals")
     for name, r in res.items():

@@ -163,3 +163,15 @@ def test_compiled_layers_get_one_forward_per_mixer_class_and_the_warmup_runs_bot
     kinds = {fast.layer_kind(layer)[1].__name__ for layer in layers}
     assert kinds == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
     assert calls == {0: 2 * 5, 1: 2 * 1}       # 5 linear + 1 full layer, two warmup shapes
+
+
+def test_targets_load_without_hub_kernels(tiny_hybrid_dir, tiny_small_dir, hybrid):
+    """transformers >= 5.25 kernelizes every from_pretrained by default when the `kernels` package is installed
+    (a dependency of transformers 5.25); on a GPU that fetches layer code from the Hub at load time, and
+    offline the load fails ("Kernel repository 'kernels-community/rotary' could not verify publisher trust
+    status": all four DFlash2 comparison runs on the H200). Our loader turns it off, dense and hybrid."""
+    from transformers import AutoModelForCausalLM
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_small_dir / "target"), local_files_only=True)
+    assert plain.use_kernels, "transformers no longer kernelizes by default: this guard may be dropped"
+    dense = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+    assert not dense.use_kernels and not hybrid.use_kernels

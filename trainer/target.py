@@ -32,6 +32,10 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype, allow_slow_
     tower's weights (transformers maps qwen3_5 -> Qwen3_5ForCausalLM and ignores `model.visual.*`), so the
     tower never reaches the GPU. Where a config's causal-LM class would still carry a tower, the model is
     loaded on the CPU, the tower dropped, and only then moved.
+    Hub kernels stay off (use_kernels=False): transformers >= 5.25 kernelizes by default when the `kernels`
+    package is installed, which on a GPU fetches layer code from the Hub at load time (offline it fails:
+    "Kernel repository 'kernels-community/rotary' could not verify publisher trust status", as on the H200)
+    and swaps in code our taps, compile and captured decoder were not verified against.
     Logs the kernels each layer class runs; a hybrid target whose linear-attention layers would run
     transformers' torch fallback on a GPU raises errors.BadInput naming the missing package, unless
     `allow_slow_linear_attention`."""
@@ -41,7 +45,7 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype, allow_slow_
     on_cpu_first = vision_tower_class(cls)
     model = cls.from_pretrained(
         path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa",
-        device_map={"": str(device)} if device.type == "cuda" and not on_cpu_first else None)
+        use_kernels=False, device_map={"": str(device)} if device.type == "cuda" and not on_cpu_first else None)
     dropped = drop_vision_tower(model)
     if dropped:
         log.info("target %s: dropped its vision tower (%d parameters) before moving it to %s", path, dropped, device)

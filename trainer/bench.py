@@ -893,11 +893,15 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
         t = _new_trainer(ctx, max_steps=args.steps, target_gpus=gpus[:1], drafter_gpus=gpus[:1],
                          cpu_target_workers=1, cpu_drafter_replicas=1)
         try:
-            if p == "drafter":   # the drafter alone needs no target model: give its memory back first
+            # each stage alone needs nothing of the other: give its memory back first (and its warmup: at the
+            # 27B shapes the drafter's warmup beside the target ran the GPU out of memory)
+            if p == "drafter":
                 t.target = None
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            else:
+                t.drafter = t.opt = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             t.warmup()
             log.info("bench %s/%s: %s stage alone", shape, setting, p)
             try:

@@ -126,6 +126,8 @@ def test_bench_hybrid_shape_cpu_smoke(tmp_path):
     for part in ("target", "drafter", "async"):
         assert res[part]["tok_s"] > 0, res[part]
     assert set(res["target"]["layer_kernels"]) == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
+    # the target's batches are timed twice: tok_s is the steady (second) pass, the first pass beside it
+    assert res["target"]["tok_s_first_pass"] > 0 and res["target"]["first_pass_wall_s"] > 0
     assert res["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert res["drafter"]["sliding_window"] == 2048
 

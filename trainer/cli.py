@@ -9,32 +9,32 @@ import importlib
 def _run(module: str, argv=None) -> int:
     from .optional import defer
     defer()
-    return importlib.import_module(f"trainer.{module}").main(argv)
+    return importlib.import_module(module).main(argv)
 
 
 def train(argv=None) -> int:
-    return _run("__main__", argv)
+    return _run("trainer.__main__", argv)
 
 
 def status(argv=None) -> int:
-    return _run("status", argv)
+    return _run("trainer.status", argv)
 
 
 def prepare(argv=None) -> int:
-    return _run("prepare", argv)
+    return _run("trainer.prepare", argv)
 
 
 def regenerate(argv=None) -> int:
-    return _run("regenerate", argv)
+    return _run("trainer.regenerate", argv)
 
 
 def tiny(argv=None) -> int:
-    return _run("tiny", argv)
+    return _run("trainer.tiny", argv)
 
 
 def evaluate(argv=None) -> int:
-    return _run("evaluate", argv)
+    return _run("trainer.evaluate", argv)
 
 
 def export(argv=None) -> int:
-    return _run("export", argv)
+    return _run("trainer.export", argv)

@@ -50,7 +50,7 @@ def test_writer_fields_and_contract_keys(tmp_path):
 
 def test_nonfinite_floats_become_null(tmp_path):
     p = tmp_path / "status.json"
-    w = StatusWriter(p, "r")
+    w = StatusWriter(p, "r", strict=False)    # `extra`: an undeclared key, written outside tests
     w.update(loss=float("nan"), tokens_per_s=float("inf"), extra={"x": [float("-inf"), 1.0]},
              last_checkpoint=tmp_path / "step-00000001")
     text = p.read_text()
@@ -72,7 +72,7 @@ def test_tensor_scalars_are_numbers(tmp_path):
 
 def test_concurrent_reader_only_sees_valid_json(tmp_path):
     p = tmp_path / "status.json"
-    w = StatusWriter(p, "r")
+    w = StatusWriter(p, "r", strict=False)    # `blob`: an undeclared key, to make the file big
     w.update(phase="training", step=0)
     stop = threading.Event()
     seen = {"reads": 0, "bad": [], "steps": set()}
@@ -107,7 +107,7 @@ def test_concurrent_reader_only_sees_valid_json(tmp_path):
 
 def test_concurrent_writers_thread_safe(tmp_path):
     p = tmp_path / "status.json"
-    w = StatusWriter(p, "r")
+    w = StatusWriter(p, "r", strict=False)    # f0, f1, f2: undeclared keys, one per thread
 
     def work(k):
         for i in range(30):
@@ -450,41 +450,106 @@ def test_record_failure_creates_nothing_under_a_mistyped_path_and_never_raises(t
 
 
 
-# What status.json reports, in one place: the keys status.py declares are the ones every writer writes and
-# the ones docs/contracts.md names.
+# What status.json reports, in one place: the keys status.py declares (STATUS_SCHEMA) are the ones every writer
+# writes; docs/contracts.md's table is rendered from them (tests/test_contracts_tables.py).
 
-def _written_status_keys() -> dict[str, set[str]]:
-    """Every keyword given to a status writer in trainer/: `<...>status.update(...)`, `beating(<writer>, ...)`."""
+def _status_writes(tree) -> list[tuple[int, set[str]]]:
+    """(line, keys) of every write to status.json in one module's AST: `<...>status.update(...)` (the receiver a
+    name or attribute called status, e.g. `self.report.status`, `status`), `beating(<writer>, ...)`."""
     import ast
-    from pathlib import Path
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        recv = f.value if isinstance(f, ast.Attribute) else None
+        is_update = f.attr == "update" if isinstance(f, ast.Attribute) else False
+        is_update = is_update and ((isinstance(recv, ast.Attribute) and recv.attr == "status")
+                                   or (isinstance(recv, ast.Name) and recv.id == "status"))
+        is_beating = (isinstance(f, ast.Name) and f.id == "beating") or (isinstance(f, ast.Attribute) and f.attr == "beating")
+        if is_update or is_beating:
+            out.append((node.lineno, {k.arg for k in node.keywords if k.arg not in (None, "force", "interval")}))
+    return out
+
+
+def _written_status_keys(root: Path | None = None) -> dict[str, set[str]]:
+    """Every keyword given to a status writer in trainer/ (its subpackages too), per file."""
+    import ast
+    root = root or REPO / "trainer"
     out: dict[str, set[str]] = {}
-    for src in sorted((Path(__file__).resolve().parents[1] / "trainer").glob("*.py")):
-        for node in ast.walk(ast.parse(src.read_text())):
-            if not isinstance(node, ast.Call):
-                continue
-            f = node.func
-            is_update = (isinstance(f, ast.Attribute) and f.attr == "update" and isinstance(f.value, ast.Attribute)
-                         and f.value.attr == "status")
-            is_beating = isinstance(f, ast.Name) and f.id == "beating"
-            if is_update or is_beating:
-                out.setdefault(src.name, set()).update(k.arg for k in node.keywords if k.arg not in (None, "force", "interval"))
+    for src in sorted(root.rglob("*.py")):
+        for _, keys in _status_writes(ast.parse(src.read_text())):
+            out.setdefault(str(src.relative_to(root.parent)), set()).update(keys)
     return out
 
 
 def test_every_key_a_writer_puts_in_status_json_is_declared():
-    from trainer.status import STATUS_FIELDS, STATUS_LATER_FIELDS
+    from trainer.status import STATUS_KEYS
     written = _written_status_keys()
-    assert written, "no status writer found: the scan is broken"
-    undeclared = {f: sorted(k - set(STATUS_FIELDS) - set(STATUS_LATER_FIELDS)) for f, k in written.items()}
-    assert not any(undeclared.values()), undeclared
+    assert {"trainer/train.py", "trainer/report.py"} <= set(written), f"a status writer not found: the scan is broken ({sorted(written)})"
+    assert {"phase", "error", "nan_streak", "world_size", "ranks", "eval"} <= set().union(*written.values())
+    undeclared = {f: sorted(k - STATUS_KEYS) for f, k in written.items() if k - STATUS_KEYS}
+    assert not undeclared, (f"status.json keys written but not declared in trainer/status.py STATUS_SCHEMA: "
+                            f"{undeclared}; declare them, then .venv/bin/python tests/contracts_tables.py --write")
 
 
-def test_contracts_names_every_status_field_and_the_phases_as_declared():
-    import re
-    from pathlib import Path
-    from trainer.status import PHASES, STATUS_FIELDS, STATUS_LATER_FIELDS
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "contracts.md").read_text()
-    section = doc.split("## status.json", 1)[1].split("\nWritten by", 1)[0]
-    named = set(re.findall(r"`([a-z_]+)`", section))
-    assert set(STATUS_FIELDS) | set(STATUS_LATER_FIELDS) <= named, sorted(set(STATUS_FIELDS) | set(STATUS_LATER_FIELDS) - named)
-    assert f"`phase` ({'|'.join(PHASES)})" in section
+def test_the_scan_finds_an_undeclared_key_in_every_writer_form(tmp_path):
+    """A key written but not declared, in each form a writer takes, is found (the scan cannot pass on anything)."""
+    from trainer.status import STATUS_KEYS
+    pkg = tmp_path / "trainer" / "wing"
+    pkg.mkdir(parents=True)
+    (pkg / "w.py").write_text("def f(self, status, w):\n"
+                              "    self.report.status.update(phase='x', gpu_temp=1, force=True)\n"
+                              "    status.update(disk_free=2)\n"
+                              "    with beating(w, interval=1, phase='eval', eval_owner=3):\n"
+                              "        pass\n")
+    written = _written_status_keys(tmp_path / "trainer")
+    assert written["trainer/wing/w.py"] - STATUS_KEYS == {"gpu_temp", "disk_free", "eval_owner"}
+
+
+def test_schema_is_one_declaration_the_contract_tuples_come_from():
+    from trainer.status import PHASES, STATUS_FIELDS, STATUS_KEYS, STATUS_LATER_FIELDS, STATUS_SCHEMA
+    names = [f.name for f in STATUS_SCHEMA]
+    assert len(names) == len(set(names)) and set(names) == STATUS_KEYS
+    assert set(STATUS_FIELDS) | set(STATUS_LATER_FIELDS) == STATUS_KEYS and not set(STATUS_FIELDS) & set(STATUS_LATER_FIELDS)
+    for f in STATUS_SCHEMA:
+        assert f.meaning and f.phases and set(f.phases) <= set(PHASES), f
+
+
+def test_the_writer_refuses_an_undeclared_key_under_the_tests(tmp_path):
+    from trainer.status import UndeclaredStatusField, beating
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r")                           # strict by default under pytest
+    assert w.strict
+    with pytest.raises(UndeclaredStatusField, match=r"gpu_temp not declared in trainer/status.py STATUS_SCHEMA.*"
+                                                    r"tests/contracts_tables.py --write"):
+        w.update(phase="training", gpu_temp=71)
+    assert not p.exists() and "gpu_temp" not in w.snapshot()   # nothing merged, nothing written
+    with pytest.raises(UndeclaredStatusField):
+        with beating(w, interval=10, phase="eval", eval_owner=3):
+            pass
+
+
+def test_outside_the_tests_an_undeclared_key_is_written_and_logged_once(tmp_path, caplog):
+    p = tmp_path / "status.json"
+    w = StatusWriter(p, "r", strict=False)
+    assert w.update(gpu_temp=71) and w.update(gpu_temp=72)
+    assert _read(p)["gpu_temp"] == 72
+    assert sum("gpu_temp not declared" in r.message for r in caplog.records) == 1
+
+
+def test_strictness_follows_the_environment():
+    assert st.strict_default({"PYTEST_CURRENT_TEST": "t"}) is True
+    assert st.strict_default({}) is False                             # a deployed trainer: never raises
+    assert st.strict_default({"DFLASH_STATUS_STRICT": "1"}) is True
+    assert st.strict_default({"DFLASH_STATUS_STRICT": "0", "PYTEST_CURRENT_TEST": "t"}) is False
+
+
+def test_contracts_status_section_holds_the_generated_table():
+    from trainer.status import PHASES, STATUS_SCHEMA
+    doc = (REPO / "docs" / "contracts.md").read_text()
+    section = doc.split("## status.json", 1)[1].split("\n## ", 1)[0]
+    assert "<!-- generated: status fields" in section
+    for f in STATUS_SCHEMA:
+        assert f"| `{f.name}` |" in section, f.name
+    assert "\\|".join(PHASES) in section

@@ -2,6 +2,9 @@
 
 Standard library only (importable without torch), so `dflash-status` starts fast.
 
+* :data:`STATUS_SCHEMA` declares every key status.json can hold, once: its meaning, the phases that write it,
+  and whether it is there from the first write. docs/contracts.md's table is rendered from it
+  (``tests/contracts_tables.py --write``).
 * :class:`StatusWriter` keeps the current status dict and writes ``status.json`` atomically
   (temp file in the same directory, flush + fsync, ``os.replace``, directory fsync). Non-finite
   floats become JSON ``null``; the file is always valid JSON.
@@ -24,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from .fsutil import atomic_write_text
 
@@ -32,16 +35,74 @@ log = logging.getLogger(__name__)
 
 PHASES = ("starting", "loading", "warmup", "training", "checkpointing", "eval", "done", "failed")
 
-# Every key of the contract, present from the first write on (null until known).
-STATUS_FIELDS = (
-    "phase", "step", "epoch", "tokens_seen", "tokens_per_s", "loss", "nan_skips", "nan_streak",
-    "updated_at", "started_at", "pid", "run_id", "last_checkpoint", "error", "resumed_from",
-    "log_file", "eval",
+
+class StatusField(NamedTuple):
+    """One key of status.json: its meaning, the phases whose writes set it, and whether it is in the file
+    from the first write on (``always``, null until known) or only once first written."""
+    name: str
+    meaning: str
+    phases: tuple[str, ...]
+    always: bool = True
+
+
+# What status.json reports, declared once. StatusWriter refuses (under pytest, or DFLASH_STATUS_STRICT=1) a key
+# not declared here; docs/contracts.md's table is rendered from it (python tests/contracts_tables.py --write);
+# tests/test_status.py checks every writer in trainer/ against it.
+STATUS_SCHEMA: tuple[StatusField, ...] = (
+    StatusField("phase", "where the job is: " + "|".join(PHASES) + " (`failed` also by the supervisor for a "
+                "failed rank, and by a start refused as bad input)", PHASES),
+    StatusField("step", "optimizer steps done (0 before the first; the checkpoint's step on resume)",
+                ("starting", "training", "checkpointing", "eval", "done", "failed")),
+    StatusField("epoch", "the epoch the data has reached (0-based)", ("training",)),
+    StatusField("tokens_seen", "tokens trained on so far (carried over a resume)", ("training",)),
+    StatusField("tokens_per_s", "training tokens/s over the last 50 steps (eval pauses left out)", ("training",)),
+    StatusField("loss", "loss of the last step with a finite loss", ("training",)),
+    StatusField("nan_skips", "optimizer steps skipped for a non-finite loss or gradient, in total",
+                ("starting", "training", "failed")),
+    StatusField("nan_streak", "of those, how many in a row up to the last step (--max-nan-skips fails the run)",
+                ("starting", "training", "failed")),
+    StatusField("updated_at", "unix seconds (float) of this write: the heartbeat dflash-status ages", PHASES),
+    StatusField("started_at", "unix seconds the writer started (a pid that started later is a reused one)",
+                ("starting",)),
+    StatusField("pid", "the job's process: the supervisor `python -m trainer`, the unit's MainPID; its ranks "
+                "die with it", PHASES),
+    StatusField("run_id", "this run's id (also in its log file's name)", PHASES),
+    StatusField("last_checkpoint", "path of the newest checkpoint, or null", ("training",)),
+    StatusField("error", "why the run failed (a failed rank is named: `rank N failed (signal 9): ...`), else null",
+                ("done", "failed")),
+    StatusField("resumed_from", "the checkpoint this run resumed from, or null", ("training",)),
+    StatusField("log_file", "this run's log file", ("starting",)),
+    StatusField("eval", "the last tau eval, null until one ran (a resumed run starts with the last one "
+                "metrics.jsonl kept): `step`, `tau`, `per_position_acceptance`, `prompts`, `verify_steps`, "
+                "`seconds`, and `block_accuracy` for the end-of-run eval", ("loading", "eval")),
+    StatusField("world_size", "processes in the job (ranks)", ("starting",), always=False),
+    StatusField("ranks", "per rank, from the first training step on (null until its first stop vote): `rank`, "
+                "`role` (target, drafter or target+drafter), `items` (micro-batches), `busy_s` (stage seconds), "
+                "`wait_s` (seconds waiting), `peak_gib` (peak GPU memory)", ("training",), always=False),
 )
-# Keys written once known, absent before (trainer/train.py: world_size at start; trainer/report.py: ranks with
-# the first profile). With STATUS_FIELDS, every key status.json can hold (docs/contracts.md "status.json";
-# tests/test_status.py checks the doc and every writer against them).
-STATUS_LATER_FIELDS = ("world_size", "ranks")
+
+# Every key of the contract, present from the first write on (null until known).
+STATUS_FIELDS = tuple(f.name for f in STATUS_SCHEMA if f.always)
+# Keys written once known, absent before (world_size at start, ranks from the first training step).
+STATUS_LATER_FIELDS = tuple(f.name for f in STATUS_SCHEMA if not f.always)
+STATUS_KEYS = frozenset(f.name for f in STATUS_SCHEMA)
+
+
+class UndeclaredStatusField(TypeError):
+    """A writer gave StatusWriter a key STATUS_SCHEMA does not declare (raised only when strict), as a
+    function refuses an unexpected keyword."""
+
+
+def strict_default(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a StatusWriter refuses undeclared keys by default: DFLASH_STATUS_STRICT=1/0 when set, else
+    under pytest (PYTEST_CURRENT_TEST, which a trainer the tests start inherits). Outside tests an undeclared
+    key is written and logged once: the heartbeat must not kill training."""
+    env = os.environ if env is None else env
+    flag = env.get("DFLASH_STATUS_STRICT")
+    if flag is not None:
+        return flag.strip() not in ("", "0")
+    return "PYTEST_CURRENT_TEST" in env
+
 
 DEFAULT_MAX_AGE = 300.0
 
@@ -91,12 +152,16 @@ class StatusWriter:
     write only merges its fields in memory, unless the phase changed or ``force=True``.
     ``notifier`` (a :class:`Notifier`), when given, gets a ``STATUS=`` line on every write.
     Write errors (e.g. a full disk) are logged, not raised: the heartbeat must not kill training.
+    A key :data:`STATUS_SCHEMA` does not declare raises :class:`UndeclaredStatusField` when ``strict``
+    (default :func:`strict_default`: under pytest), else it is written and logged once.
     """
 
     def __init__(self, path: str | os.PathLike, run_id: str, *, min_interval: float = 0.0,
                  notifier: "Notifier | None" = None, started_at: float | None = None,
-                 pid: int | None = None):
+                 pid: int | None = None, strict: bool | None = None):
         self.path = Path(path)
+        self.strict = strict_default() if strict is None else bool(strict)
+        self._undeclared_logged: set[str] = set()
         self.run_id = str(run_id)
         self.pid = int(pid) if pid is not None else os.getpid()   # the job's process (the unit's MainPID)
         self.min_interval = float(min_interval)
@@ -124,6 +189,9 @@ class StatusWriter:
 
     def update(self, force: bool = False, **fields: Any) -> bool:
         """Merge ``fields`` and write status.json; returns True when the file was written."""
+        undeclared = fields.keys() - STATUS_KEYS
+        if undeclared:
+            self._undeclared(sorted(undeclared))
         with self._lock:
             self._state.update(fields)
             now = time.time()
@@ -152,6 +220,17 @@ class StatusWriter:
         if self.notifier is not None:
             self.notifier.status(format_status_line(data))
         return True
+
+    def _undeclared(self, keys: list[str]) -> None:
+        msg = (f"status.json field(s) {', '.join(keys)} not declared in trainer/status.py STATUS_SCHEMA: declare "
+               f"each there (meaning, phases), then render docs/contracts.md with "
+               f"`.venv/bin/python tests/contracts_tables.py --write`")
+        if self.strict:
+            raise UndeclaredStatusField(msg)
+        new = [k for k in keys if k not in self._undeclared_logged]
+        if new:
+            self._undeclared_logged.update(new)
+            log.warning("%s", msg)
 
     def flush(self) -> bool:
         """Write the current state now (ignores throttling)."""

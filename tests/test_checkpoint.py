@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import checkpoint as ck
-from trainer.checkpoint import (CheckpointError, CheckpointManager, capture_rng_state, load,
-                                restore_rng_state)
+from trainer import ckpt_format as ck
+from trainer.ckpt_format import CheckpointError, CheckpointManager, load
+from trainer.train_state import capture_rng_state, restore_rng_state
 
 CONFIG = {"architectures": ["DFlashDraftModel"], "hidden_size": 8, "block_size": 4,
           "target_layer_ids": [1, 3], "mask_token_id": 5}

@@ -8,9 +8,9 @@ alone runs the eval, with the target replica it trains with, and it alone reads 
 At an eval step (every multiple of --eval-every, and the last step of a run that was not stopped), all
 ranks, after the step's metrics are drained and before a checkpoint of the same step:
   1. quiesce: this rank's sends of the step complete and its device is synchronised. No receive is
-     posted across a step boundary (Trainer._post_receives), so nothing of the pipeline is in flight:
+     posted across a step boundary (Feed.post_receives), so nothing of the pipeline is in flight:
      the target's streams and slots are idle while the owner evaluates on the main thread.
-  2. drafter ranks: the consolidated drafter on the leader's CPU (Trainer.consolidated_state, the
+  2. drafter ranks: the consolidated drafter on the leader's CPU (checkpoint.consolidated_state, the
      all-gather the checkpoint uses).
   3. leader -> owner, when they differ: a manifest (send_object_list), then each tensor (send), point-to-point
      on `control` (gloo, host memory), in the job's compute dtype (what the eval casts to anyway).

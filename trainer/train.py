@@ -2,7 +2,9 @@
 state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target.py and
 drafter.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
 warmup.py, optim.py,
-checkpoint.py (the checkpoint protocol), report.py (status, metrics, sinks, tables), faults.py, errors.py.
+train_state.py (what a checkpoint holds: one typed state whose parts their owners declare),
+checkpoint.py (the checkpoint protocol; ckpt_format.py its files on disk),
+report.py (status, metrics, sinks, tables), faults.py, errors.py.
 
 Owners on a rank (one each):
   main thread      the step loop (here): target forwards and sends, drafter receives (posted by feed.py)
@@ -34,7 +36,7 @@ import torch
 from . import __version__, oprecord
 from .checkpoint import CheckpointError, Checkpointer, consolidated_state
 from .config import TrainConfig, validate
-from .data import DataError, DataPosition
+from .data import DataError
 from .groups import Groups, StopVote, abort_groups, hold_together, init_rank
 from .drafter import DrafterStage, build_stage, resolve_mask_token, target_embed_head
 from .errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
@@ -51,6 +53,8 @@ from .runlog import setup_logging
 from .status import beating
 from .target import TargetStage, decoder, load_target
 from .topology import Topology
+from .train_state import (DataFeedState, DrafterState, NanSkips, Progress, RNGState, RunInfo, Schedule,
+                          TrainState)
 from .transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
 from .warmup import warmup
 
@@ -86,12 +90,36 @@ class Trainer:
         self.evaluator: InTrainingEval | None = None     # with --eval-data-dir (evaltrain.py)
         self.batches_per_step: int = 0
         self.total_steps: int = 0
-        self.warmup_steps: int = 0
-        # the loop's state
-        self.step: int = 0
-        self.tokens_seen: int = 0
+        self.state: TrainState | None = None    # what a checkpoint holds, built once in setup()
+        # the loop's state (step, tokens_seen and warmup_steps live in the train state's parts)
+        self.progress: Progress = Progress()
+        self.schedule: Schedule = Schedule()
         self.wait_s: float = 0.0     # seconds the main thread waited for received hidden states
         self.items_done: int = 0     # micro-batches this rank worked on (as target, drafter or both)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int):
+        self.progress.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int):
+        self.progress.tokens_seen = value
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.schedule.warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, value: int):
+        self.schedule.warmup_steps = value
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self) -> dict:
@@ -113,6 +141,7 @@ class Trainer:
         self.feed.load()
         self._build_stages()
         self._build_schedule()
+        self._build_state()
         self._resume()
         if cfg.eval_data_dir:
             try:
@@ -191,29 +220,28 @@ class Trainer:
         self.warmup_steps = warmup_steps(cfg.warmup_ratio, self.total_steps)
 
     # ------------------------------------------------------------------------------ checkpointing
+    def _build_state(self):
+        """The train state, once: each part is its owner's (train_state.py), the checkpointer reads it."""
+        topo = self.topo
+        self.state = TrainState(
+            progress=self.progress, schedule=self.schedule,
+            data=DataFeedState(self.feed, self.progress, self.batches_per_step),
+            health=NanSkips(self.report),
+            run=RunInfo(self.run_id, self.cfg, len(topo.drafter_ranks)),
+            rng=RNGState(topo.drafter_index if topo.is_drafter else None, len(topo.drafter_ranks),
+                         self.groups.dctl, topo.leader),
+            drafter=DrafterState(self.drafter.model, self.opt, self.dcfg) if topo.is_drafter else None)
+
     def _resume(self):
-        model = self.drafter.model if self.topo.is_drafter else None
-        r = self.ckpt.resume(self.cfg.resume, model, self.opt, self.batches_per_step)
-        if r is None:
-            return
-        self.step, self.tokens_seen, self.report.nan_skips = r["step"], r["tokens_seen"], r["nan_skips"]
-        if r["warmup_steps"] is not None:
-            self.warmup_steps = int(r["warmup_steps"])
-        log.info("resumed from %s: step %d of %d (warmup %d steps)", r["path"], self.step, self.total_steps,
-                 self.warmup_steps)
+        path = self.ckpt.resume(self.state, self.cfg.resume)
+        if path is not None:
+            log.info("resumed from %s: step %d of %d (warmup %d steps)", path, self.step, self.total_steps,
+                     self.warmup_steps)
 
     def save_checkpoint(self, reason: str):
         """Drafter ranks, together (checkpoint.py has the protocol)."""
         self.report.status.update(phase="checkpointing", step=self.step, force=True)
-        ep, bi = self.feed.position(self.step * self.batches_per_step)
-        tstate = {"step": self.step, "seq_next": self.step * self.batches_per_step,
-                  "batches_per_step": self.batches_per_step, "warmup_steps": self.warmup_steps,
-                  "data_position": DataPosition(ep, bi).to_dict(), "tokens_seen": self.tokens_seen,
-                  "nan_skips": self.report.nan_skips, "drafter_ranks": len(self.topo.drafter_ranks),
-                  "config": self.cfg.to_dict(), "run_id": self.run_id}
-        meta = {"step": self.step, "epoch": ep, "trainer_version": __version__, "reason": reason}
-        path = self.ckpt.save(self.step, reason, self.drafter.model, self.opt, self.device, self.dcfg.to_dict(),
-                              tstate, meta)
+        path = self.ckpt.save(self.state, reason, self.device)
         self.report.status.update(phase="training", last_checkpoint=path, force=True)
 
     # ------------------------------------------------------------------------------ tau eval

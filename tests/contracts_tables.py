@@ -153,7 +153,7 @@ def flag_table() -> str:
              f"{len(groups)} groups, as `dflash-train --help` groups them."]
     if left_out:
         lines[0] += (f" Left out: {len(left_out)} flags for A/B measurements only (group "
-                     f"{' / '.join(HIDDEN_GROUPS)}, hidden from `--help`).")
+                     f"{' / '.join(HIDDEN_GROUPS)}, or marked hidden).")
     for group, fields in groups.items():
         lines += ["", f"**{_cell(group)}**", "", "| flag | default | values | meaning |", "|---|---|---|---|"]
         for f in fields:

@@ -4,6 +4,7 @@ STATUS_SCHEMA and TrainConfig's options, and a status key written but not declar
 
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,20 +24,27 @@ def test_contracts_md_is_what_the_generator_renders():
 
 
 def test_the_check_command_fails_on_a_stale_table_and_names_the_fix(tmp_path, monkeypatch):
-    stale = ct.DOC.read_text().replace("| `--epochs` | `6` |", "| `--epochs` | `7` |")
-    assert stale != ct.DOC.read_text()
+    fresh = ct.render(ct.DOC.read_text())
+    stale = fresh.replace("| `--epochs` | `6` |", "| `--epochs` | `7` |")
+    assert stale != fresh
     doc = tmp_path / "contracts.md"
     doc.write_text(stale)
     monkeypatch.setattr(ct, "DOC", doc)
     assert ct.main(["--check"]) == 1
     assert ct.main(["--write"]) == 0 and ct.main(["--check"]) == 0
-    assert doc.read_text() == (REPO / "docs" / "contracts.md").read_text()
+    assert doc.read_text() == fresh
 
 
-def test_the_check_runs_as_a_command():
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "contracts_tables.py"), "--check"],
-                       capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_the_check_runs_as_a_command_and_names_the_fix(tmp_path):
+    """`--check` in a checkout whose doc is stale: exit 1 and the command that fixes it."""
+    copy = tmp_path / "repo"
+    (copy / "tests").mkdir(parents=True)
+    (copy / "docs").mkdir()
+    (copy / "tests" / "contracts_tables.py").write_text((REPO / "tests" / "contracts_tables.py").read_text())
+    (copy / "docs" / "contracts.md").write_text(ct.render(ct.DOC.read_text()).replace("| `pid` | always |", "| `pid` | once |"))
+    r = subprocess.run([sys.executable, str(copy / "tests" / "contracts_tables.py"), "--check"],
+                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 1 and ct.COMMAND in r.stderr, r.stdout + r.stderr
 
 
 def test_a_missing_block_is_an_error_naming_the_markers():

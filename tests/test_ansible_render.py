@@ -123,7 +123,7 @@ def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):
 
 
 def test_run_sh_is_the_original_run(rendered):
-    from trainer.config import parse_args
+    from trainer.options import parse_args
     argv = exec_args((rendered / "run.sh").read_text())[5:-1]
     assert parse_args(argv) == parse_args(ORIGINAL_RUN.split())
 

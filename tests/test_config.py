@@ -1,4 +1,4 @@
-"""trainer.config: the command line generated from TrainConfig, the recommended defaults, and the cheap
+"""trainer.options and trainer.preflight: the command line generated from TrainConfig, the recommended defaults, and the cheap
 checks that turn bad input into exit 2 with one line naming the flag or file (shard headers, the output
 directory, GPU indices), plus the TensorBoard sink. No model is loaded here."""
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from trainer.__main__ import main as train_main
-from trainer.config import (ConfigError, TrainConfig, build_parser, check_safetensors_header, check_target_shards,
-                            cli_fields, flag_of, flag_spec, parse_args, validate, validate_flags)
+from trainer.options import (ConfigError, TrainConfig, build_parser, cli_fields, flag_of, flag_spec, parse_args,
+                             validate_flags)
+from trainer.preflight import check_safetensors_header, check_target_shards, validate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -313,7 +313,7 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
 
 def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_accepted():
     import numpy as np
-    from trainer.config import parse_args, validate_flags
+    from trainer.options import parse_args, validate_flags
     from trainer.plan import plan_micro_batch
     ids = np.arange(100, 130)[None]
     mask = np.zeros(ids.shape, bool)

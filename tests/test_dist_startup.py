@@ -95,7 +95,7 @@ def test_the_count_sees_a_gloo_group_that_leaves_ranks_out():
 def test_roles_are_exchanged_on_the_gloo_control_group_not_the_world_group(monkeypatch, tmp_path):
     """init_rank's exchange of roles and hosts: an object collective on the NCCL world group would connect
     its ring and keep its buffers, which --transport pair never uses again."""
-    from trainer.config import TrainConfig
+    from trainer.options import TrainConfig
     from trainer.groups import finish_single, init_single
     calls = []
     real = dist.all_gather_object

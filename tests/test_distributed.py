@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.__main__ import main as train_main
-from trainer.config import parse_args
+from trainer.options import parse_args
 from trainer.data import BatchPlanner, load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))

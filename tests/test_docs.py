@@ -131,7 +131,7 @@ def flag_choices() -> dict[str, set[str]]:
     import argparse
     import importlib
 
-    from trainer.config import build_parser
+    from trainer.options import build_parser
     parsers = [build_parser()]
     real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     deferred = {n: sys.modules[n] for n in ("torchao",) if n in sys.modules}   # a main() defers it: put it back

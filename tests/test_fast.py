@@ -119,7 +119,7 @@ def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes(monkeypatch):
 
 
 def test_resolve_compile_and_flags():
-    from trainer.config import ConfigError, parse_args
+    from trainer.options import ConfigError, parse_args
     assert fast.resolve_compile("auto", on_cpu=True) == "none"
     assert fast.resolve_compile("auto", on_cpu=False) == "all"
     assert fast.resolve_compile("target", on_cpu=True) == "target"
@@ -219,7 +219,7 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
     materializes the whole score matrix: the 27B-width OOM). Dynamo specializes sizes 0 and 1, so the
     warmup must plan chunks with one sequence, full chunks with several, and a partial tail chunk."""
     import numpy as np
-    from trainer.config import parse_args
+    from trainer.options import parse_args
     from trainer.plan import plan_micro_batch
     from trainer.warmup import warmup_batches
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),

@@ -16,7 +16,7 @@ import torch
 
 from trainer import allow_optional
 from trainer.__main__ import main as train_main
-from trainer.config import ConfigError, parse_args, parse_kernel_options, validate_flags
+from trainer.options import ConfigError, parse_args, parse_kernel_options, validate_flags
 from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 
 sys.path.insert(0, str(Path(__file__).parent))

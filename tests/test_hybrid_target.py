@@ -110,7 +110,8 @@ def test_a_hybrid_without_its_fast_kernels_on_a_gpu_is_refused_unless_asked(tiny
     import importlib.util
 
     import trainer.target as target
-    from trainer.config import ConfigError, parse_args, validate
+    from trainer.options import ConfigError, parse_args
+    from trainer.preflight import validate
     from trainer.errors import BadInput
     if importlib.util.find_spec("fla") is not None:
         pytest.skip("flash-linear-attention is installed here")

@@ -94,7 +94,7 @@ def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybr
     assert TargetGenerator(model, "cpu", 4, 0.0, 2, decoder="generate").decoder == "generate"
     with pytest.raises(hybrid.HybridTransformersTooOld):   # config.json's form: layer_types under text_config
         hybrid.check_hybrid_transformers(model.config.to_dict())
-    from trainer.config import check_model_dir
+    from trainer.preflight import check_model_dir
     hybrid.check_hybrid_transformers(check_model_dir(str(tiny_small_dir / "target")))   # dense: nothing
 
 

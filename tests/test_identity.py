@@ -13,7 +13,8 @@ import pytest
 
 from trainer import identity
 from trainer.__main__ import main as train_main
-from trainer.config import ConfigError, parse_args, validate
+from trainer.options import ConfigError, parse_args
+from trainer.preflight import validate
 
 
 def tiny_args(tiny: Path, out: Path, *extra: str, target: Path | None = None) -> list[str]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import ConfigError, parse_args, validate_flags
+from trainer.options import ConfigError, parse_args, validate_flags
 from trainer.loss import dflash_loss, dpace_weights
 from trainer.plan import plan_micro_batch
 

@@ -207,7 +207,7 @@ def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus
     float64), so the flag check refuses that combination before anything runs, naming the flag; the drafter
     build refuses it too (BadInput: exit 2, no restart loop)."""
     import dataclasses
-    from trainer.config import ConfigError, TrainConfig, validate_flags
+    from trainer.options import ConfigError, TrainConfig, validate_flags
     from trainer.drafter import build_drafter
     from trainer.errors import BadInput
     cfg = dataclasses.replace(TrainConfig(target_model="t", data_dir="d", output_dir="o"), flex_kernel_options=opts,

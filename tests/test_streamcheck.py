@@ -250,7 +250,7 @@ def test_the_recorded_order_of_the_real_trainer_and_its_replay(tiny_small_dir, t
     rules (the checker can fail on the code we run), the fixed one does not; and the replay of the same
     plan issues the same ops in the same order, op for op, on every rank (so the long replays below check
     the code we ship, not a description of it)."""
-    from trainer.config import parse_args
+    from trainer.options import parse_args
     from trainer.data import load_dataset
 
     real = _record(tiny_small_dir, tmp_path, order)

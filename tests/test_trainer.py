@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from trainer.__main__ import main as train_main
-from trainer.config import parse_args, validate
+from trainer.options import parse_args
+from trainer.preflight import validate
 from trainer.loss import dflash_loss
 from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
 from trainer.plan import plan_micro_batch

@@ -43,7 +43,7 @@ def test_warmup_brings_a_one_query_tile_chunk():
     """A micro-batch's tail chunk can hold a single 128-row query tile: a size-1 dimension of the FlexAttention
     tile lists, which dynamo specializes even in a dynamic graph. The warmup brings one."""
     import numpy as np
-    from trainer.config import parse_args
+    from trainer.options import parse_args
     from trainer.plan import FLEX_BLOCK, plan_micro_batch
     from trainer.warmup import warmup_batches
     for bs in (16, 32):

@@ -13,7 +13,8 @@ import sys
 def main(argv=None) -> int:
     from .optional import defer
     defer()   # a program: torchao loads only when --fp8 asks for it (trainer/optional.py)
-    from .config import ConfigError, main_check, parse_args, validate
+    from .options import ConfigError, parse_args
+    from .preflight import main_check, validate
     from .topology import in_launched_rank
 
     prog = "dflash-train"

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .options import TrainConfig
 from .data import Dataset
 from .fast import compile_counters
 from .target import decoder

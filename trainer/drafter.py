@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, parse_kernel_options, split_blocks
+from .options import ConfigError, parse_kernel_options, split_blocks
 from .errors import BadInput, TrainingFailed
 from .fast import compile_layers, wants
 from .dflash2 import selector_loss

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS
+from .options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS
 from .export import ExportError, hf_config_dict, read_checkpoint
 from .model import DFlashConfig, DFlashDrafter, PackedMeta
 from .modeling_dflash import DFlashDraftModel, dflash_generate
@@ -390,7 +390,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from . import identity
-    from .config import ConfigError, check_model_dir
+    from .options import ConfigError
+    from .preflight import check_model_dir
     from .data import DataError, load_dataset, read_index
     from .hybrid import check_hybrid_transformers
     src = a.checkpoint or a.output_dir

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .options import TrainConfig
 from .data import BatchPlanner, DataError, collate, load_dataset
 from .dispatch import DispatchPlan
 from .topology import Topology

@@ -76,7 +76,7 @@ class DFlashConfig:
         """layer_types: --draft-layer-types' text (auto | full,sliding,...), resolved against the target
         (config.draft_layer_types); "full" (the default here): every layer full attention. num_heads,
         num_kv_heads, head_dim: the draft layers' attention (--draft-heads ...; 0: the target's)."""
-        from .config import draft_layer_types
+        from .options import draft_layer_types
         t = getattr(target_cfg, "text_config", None) or target_cfg
         whole = target_cfg.to_dict() if hasattr(target_cfg, "to_dict") else dict(target_cfg)
         types = (None if layer_types == "full" else

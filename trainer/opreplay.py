@@ -310,7 +310,7 @@ def replay_config(setting: str, **over):
     """The trainer config of a bench setting ("orig": the seed recipe, "b16"), CPU ranks, no checkpoints; its
     output_dir is a scratch directory of its own, which the caller removes."""
     from .bench import SETTINGS
-    from .config import TrainConfig
+    from .options import TrainConfig
     out = tempfile.mkdtemp(prefix="dflash-replay-")
     base = dict(SETTINGS[setting])
     base.update(target_model="replay", data_dir="replay", output_dir=out, status_file=f"{out}/status.json",

@@ -373,7 +373,8 @@ def regenerate(
     numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
-    from .config import ConfigError, check_model_dir
+    from .options import ConfigError
+    from .preflight import check_model_dir
 
     target = Path(target_model)
     out = Path(out_dir)

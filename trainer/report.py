@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .checkpoint import step_dir_name
-from .config import TrainConfig
+from .options import TrainConfig
 from .groups import StopVote
 from .topology import Topology
 from .errors import TrainingFailed

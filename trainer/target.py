@@ -64,7 +64,7 @@ def check_fast_kernels(model, path: str, device_type: str, allow: bool) -> None:
     if not missing:
         return
     if not allow:
-        from .config import slow_linear_attention_message
+        from .options import slow_linear_attention_message
         from .errors import BadInput
         raise BadInput(slow_linear_attention_message(path, missing))
     log.warning("target %s: linear-attention layers run the torch fallback (%s missing; "

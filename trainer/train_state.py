@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .data import DataPosition
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .options import TrainConfig
     from .model import DFlashConfig
 
 # the name the run log has always shown for the resume's lines

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .options import TrainConfig
 from .data import Batch
 from .fast import begin_warmup, end_warmup, wants
 from .feed import Feed, make_item

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             else str(REPO / "results" / "dflash2-compare.json")
     cmds = plan(a)
     if a.dry_run:
-        from trainer.config import parse_args, validate_flags
+        from trainer.options import parse_args, validate_flags
         for name, argv_ in cmds["runs"].items():   # the flags as dflash-train reads them (no files read)
             validate_flags(parse_args(argv_[3:]), gpu_count=-1)
         for argv_ in [cmds["tiny"], cmds["bench"], *cmds["runs"].values()]:

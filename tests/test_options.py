@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PATHS = ["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o"]
 NO_TORCH = "import sys\nsys.modules['torch'] = None\n"   # `import torch` raises ImportError from here on
@@ -50,3 +52,47 @@ def test_the_controller_entry_point_runs_with_torch_blocked():
     r = _run("import runpy\nsys.argv = ['trainer.config', *%r]\n"
              "runpy.run_module('trainer.config', run_name='__main__')\n" % (PATHS,))
     assert r.returncode == 0 and r.stdout == "flags ok\n", r.stderr
+
+
+# ------------------------------------------------------------------------------ measurement-only flags
+
+# the flags that exist only for A/B measurements (their help says "the same math", "the old behaviour", or, for
+# --fsdp-prefetch forward, an order known to hang): the bench's variants and the stream checker set them
+MEASUREMENT = {"split_fc": "--split-fc", "async_pipeline": "--async", "loss_dedup": "--loss-dedup",
+               "flex_full_blocks": "--flex-full-blocks", "flex_ctx_group": "--flex-ctx-group",
+               "fp32_logits": "--fp32-logits", "fsdp_prefetch": "--fsdp-prefetch"}
+
+
+def test_measurement_flags_are_hidden_from_help_and_the_role_spec_but_still_parse():
+    from trainer.options import build_parser, cli_fields, flag_of, flag_spec, is_measurement, parse_args
+    assert {f.name: flag_of(f) for f in cli_fields() if is_measurement(f)} == MEASUREMENT
+    text = build_parser().format_help()
+    spec = flag_spec()
+    for name, flag in MEASUREMENT.items():
+        assert flag not in text and "--no-" + flag[2:] not in text, flag
+        assert flag[2:].replace("-", "_") not in spec and name not in spec, name
+    assert "measurement" not in text
+    assert "--block-size" in text and "--transport" in text and "block_size" in spec   # the others stay
+    cfg = parse_args(PATHS + ["--split-fc", "--no-async", "--no-loss-dedup", "--no-flex-full-blocks",
+                              "--flex-ctx-group", "16", "--no-fp32-logits", "--fsdp-prefetch", "forward"])
+    assert (cfg.split_fc, cfg.async_pipeline, cfg.loss_dedup, cfg.flex_full_blocks, cfg.flex_ctx_group,
+            cfg.fp32_logits, cfg.fsdp_prefetch) == (True, False, False, False, 16, False, "forward")
+    defaults = parse_args(PATHS)
+    assert (defaults.async_pipeline, defaults.loss_dedup, defaults.fsdp_prefetch) == (True, True, "step")
+
+
+def test_measurement_flags_keep_their_checks_and_the_bench_still_sets_them():
+    from trainer.options import ConfigError, parse_args, validate_flags
+    with pytest.raises(ConfigError, match="^argument --fsdp-prefetch: invalid choice"):
+        parse_args(PATHS + ["--fsdp-prefetch", "never"])
+    with pytest.raises(ConfigError, match="^--flex-ctx-group: must be >= 0, got -1"):
+        validate_flags(parse_args(PATHS + ["--flex-ctx-group", "-1"]), gpu_count=-1)
+    from trainer.bench import parse_sets
+    assert parse_sets(["fsdp_prefetch=forward", "loss-dedup=false", "flex_ctx_group=16"]) == {
+        "fsdp_prefetch": "forward", "loss_dedup": False, "flex_ctx_group": 16}
+
+
+def test_the_controller_refuses_a_bad_measurement_flag_in_one_line():
+    r = _run("import runpy\nsys.argv = ['trainer.config', *%r, '--fsdp-prefetch', 'never']\n"
+             "runpy.run_module('trainer.config', run_name='__main__')\n" % (PATHS,))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--fsdp-prefetch" in r.stderr, r.stderr

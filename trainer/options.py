@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# choices of the speed options (trainer/fast.py; the transport's in trainer/groups.py); kept here so the options stay torch-free
+# choices of the speed options (trainer/fast.py; the transport's in trainer/groups.py); here, torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("pair", "world")   # groups.Groups: a communicator per (target, drafter) pair, or the world's
@@ -75,6 +75,10 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, group: str = "ope
 
 RUN = "original run"   # the flags of the hand-run command line (docs/contracts.md)
 DIST = "distributed (one process per GPU; see docs/distributed.md)"
+# flags that exist only for A/B measurements (the bench's variants, the stream checker's orders): the parser
+# accepts them, but the operator's --help and the role's argument spec (flag_spec) leave them out; the bench
+# (--set FIELD=VALUE, --variants) and the checker set them on the config
+MEASURE = "measurement"
 
 
 @dataclass
@@ -130,9 +134,9 @@ class TrainConfig:
     profile_interval: float = opt(60.0, "seconds between stage tables", gt=0, env="DFLASH_PROFILE_INTERVAL")
     wandb_mode: str = opt("disabled", "Weights & Biases logging", choices=WANDB_MODES)
     wandb_project: str = opt("dflash", "Weights & Biases project", env="WANDB_PROJECT")
-    split_fc: bool = opt(False, "fc as per-tap matmuls (same math)")
+    split_fc: bool = opt(False, "fc as per-tap matmuls (same math)", group=MEASURE)
     async_pipeline: bool = opt(True, "overlap the target, the copies and the drafter (--no-async: the same "
-                                     "math synchronously, a baseline)", flag="--async")
+                                     "math synchronously, a baseline)", flag="--async", group=MEASURE)
     target_layers: list[int] | None = opt(None, "override the tapped target layers, e.g. 1,9,17", kind="ints")
     draft_layer_types: str = opt("auto", "attention of each draft layer, comma-separated full|sliding (sliding: "
                                          "causal attention over the last --sliding-window positions, as SGLang and "
@@ -161,15 +165,15 @@ class TrainConfig:
     eval_max_new_tokens: int = opt(EVAL_MAX_NEW_TOKENS, "tokens generated per prompt in a tau evaluation", ge=1)
     drafter_chunk_rows: int = opt(32768, "block rows per drafter forward", ge=1)
     loss_dedup: bool = opt(True, "LM head only on rows with a loss, soft-label targets once per position of a "
-                                 "loss chunk (--no-loss-dedup: every block row, per row; the same loss)")
+                                 "loss chunk (--no-loss-dedup: every block row, per row; the same loss)", group=MEASURE)
     flex_full_blocks: bool = opt(True, "pass FlexAttention the fully visible tiles (they skip mask_mod; the "
-                                       "same attention)")
+                                       "same attention)", group=MEASURE)
     flex_ctx_group: int = opt(0, "FlexAttention: each group of this many 128-row query tiles gets its own copy of "
                                  "the context keys it sees, so no key tile's backward walks every query tile "
                                  "of a long sequence (0, the default: one shared context; the same attention; "
-                                 "measured +1-2% at block 32 for 1.3-1.7 GB, none at block 16)", ge=0)
+                                 "measured +1-2% at block 32 for 1.3-1.7 GB, none at block 16)", ge=0, group=MEASURE)
     fp32_logits: bool = opt(True, "LM-head GEMM writes fp32 logits on GPUs (--no-fp32-logits: bf16 output "
-                                  "rounded before the softmax, the old behaviour)")
+                                  "rounded before the softmax, the old behaviour)", group=MEASURE)
     fp8: str = opt("off", "FP8 training of the drafter's linear layers with torchao float8 (needs the torchao "
                           "package and GPUs of compute capability 8.9+; the LM head stays bf16; see "
                           "docs/performance.md for its speed and its loss/tau parity)", choices=FP8_CHOICES)
@@ -191,7 +195,7 @@ class TrainConfig:
     fsdp_prefetch: str = opt("step", "when a drafter rank all-gathers its FSDP shards: step = at the start of each "
                                      "step, before any receive (the order that cannot hang on NCCL); forward = at "
                                      "the first forward, FSDP's own order, which can (kept for the checker's "
-                                     "tests; docs/distributed.md)", choices=("step", "forward"))
+                                     "tests; docs/distributed.md)", choices=("step", "forward"), group=MEASURE)
     pad_multiple: int = opt(64, "pad each target batch's length up to a multiple of this (bounds the number "
                                 "of distinct batch shapes; 1 = no rounding)", ge=1)
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
@@ -316,7 +320,7 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
                 continue
             # --x / --no-x: either can be written, whatever the default
             kw["help"] = kw["help"] + (" (default: on)" if f.default else " (default: off)")
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kw)
+            _hide(f, g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kw))
             continue
         if kind == "gpus":
             kw["type"] = _gpu_list(flag)
@@ -331,8 +335,20 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
         else:
             # None marks "not given" for env-backed options; the dataclass default applies after
             kw["default"] = None if md.get("env") else _default(f)
-        g.add_argument(flag, **kw)
+        _hide(f, g.add_argument(flag, **kw))
     return p
+
+
+def is_measurement(f: dataclasses.Field) -> bool:
+    """A flag that exists only for A/B measurements (group "measurement"): parsed, not offered."""
+    return f.metadata.get("group") == MEASURE
+
+
+def _hide(f: dataclasses.Field, action: argparse.Action) -> None:
+    """A measurement flag is left out of --help (set after add_argument: BooleanOptionalAction appends
+    to the help text it is given, which would spoil argparse.SUPPRESS)."""
+    if is_measurement(f):
+        action.help = argparse.SUPPRESS
 
 
 def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
@@ -361,13 +377,14 @@ def flag_spec() -> dict[str, dict]:
     """The trainer flags as the Ansible role takes them (dflash_service_trainer_flags): key = the
     flag without dashes, with underscores; type as argument_specs spells it; choices where fixed.
     The paths, the GPU lists and --status-file/--log-dir/--wandb-mode have role variables of their
-    own; --check-config is the deploy's, not the run's."""
+    own; --check-config is the deploy's, not the run's. The measurement flags (:func:`is_measurement`) are
+    not offered to the role."""
     own = {"target_model", "data_dir", "output_dir", "target_gpus", "drafter_gpus", "status_file", "log_dir",
            "wandb_mode", "check_config"}
     types = {"bool": "bool", "int": "int", "float": "float", "str": "str", "ints": "list", "gpus": "str"}
     spec = {}
     for f in cli_fields():
-        if f.name in own:
+        if f.name in own or is_measurement(f):
             continue
         key = flag_of(f)[2:].replace("-", "_")
         s: dict[str, Any] = {"type": types[_kind(f)]}

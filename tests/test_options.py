@@ -96,3 +96,64 @@ def test_the_controller_refuses_a_bad_measurement_flag_in_one_line():
     r = _run("import runpy\nsys.argv = ['trainer.config', *%r, '--fsdp-prefetch', 'never']\n"
              "runpy.run_module('trainer.config', run_name='__main__')\n" % (PATHS,))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--fsdp-prefetch" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ every CLI through one option system
+
+
+def test_dflash_eval_and_regenerate_are_generated_from_their_config_dataclasses():
+    """dflash-eval's EvalConfig and dflash-regenerate's RegenerateConfig go through the trainer's parser
+    builder: the same --x/--no-x switches, ranges named in the help, and the flags and defaults they had."""
+    from trainer.evaluate import EvalConfig
+    from trainer.options import build_parser, parse_options
+    from trainer.regenerate import RegenerateConfig
+    eval_help = build_parser("dflash-eval", EvalConfig).format_help()
+    for text in ("--no-block-accuracy", "--untrained", "--allow-target-change", "--json", "[>= 1]", "--loop"):
+        assert text in eval_help, text
+    a = parse_options(EvalConfig, ["--target-model", "/m", "--data-dir", "/d", "--checkpoint", "/c", "--device", "cpu"])
+    assert (a.max_prompts, a.max_new_tokens, a.temperature, a.seed, a.loop, a.batch_size, a.block_accuracy,
+            a.untrained, a.allow_target_change, a.json, a.output_dir) == (16, 128, 0.0, 0, "auto", 16, True, False,
+                                                                          False, False, "")
+    assert parse_options(EvalConfig, ["--target-model", "/m", "--data-dir", "/d", "--no-block-accuracy",
+                                      "--json"]).block_accuracy is False
+    regen_help = build_parser("dflash-regenerate", RegenerateConfig).format_help()
+    for text in ("--static-cache auto|on|off", "--kv-fp8 on|off", "--decoder auto|generate|captured", "[>= 0]"):
+        assert text in regen_help, text
+    r = parse_options(RegenerateConfig, ["--target-model", "/m", "--output-dir", "/o", "--input", "a.jsonl",
+                                         "--input", "b.jsonl", "--devices", "cuda:0,cuda:1", "--kv-fp8", "on"])
+    assert (r.input, r.device_list(), r.batch_size, r.max_new_tokens, r.shard_size, r.max_records, r.static_cache,
+            r.decoder, r.fuse, r.decode_attention, r.kv_fp8, r.data_dir) == (
+        ["a.jsonl", "b.jsonl"], ["cuda:0", "cuda:1"], 32, 1024, 10000, 0, "auto", "auto", "auto", "auto", "on", "")
+    assert parse_options(RegenerateConfig, ["--target-model", "/m", "--output-dir", "/o"]).input == []
+
+
+def test_the_keyword_call_of_regenerate_is_the_same_config():
+    from trainer.options import ConfigError, check_ranges
+    from trainer.regenerate import RegenerateConfig
+    cfg = RegenerateConfig.of("/d", "/m", "/o", batch_size=8, devices=["cpu", "cpu"], static_cache=False,
+                              decoder="captured", fuse=None, kv_fp8=True)
+    assert cfg == RegenerateConfig(target_model="/m", output_dir="/o", data_dir="/d", devices="cpu,cpu", batch_size=8,
+                                   static_cache="off", decoder="captured", fuse="auto", kv_fp8="on")
+    assert RegenerateConfig.of(None, "/m", "/o", inputs=["x.jsonl"]).data_dir == ""
+    with pytest.raises(ConfigError, match=r"^--temperature: must be >= 0, got -1.0"):
+        check_ranges(RegenerateConfig(target_model="/m", output_dir="/o", temperature=-1.0))
+    with pytest.raises(ConfigError, match=r"^--decoder: unknown 'fast'"):
+        check_ranges(RegenerateConfig(target_model="/m", output_dir="/o", decoder="fast"))
+
+
+@pytest.mark.parametrize("module, prog, argv, needle", [
+    ("trainer.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--batch-size", "many"],
+     "argument --batch-size: invalid int value: 'many'"),
+    ("trainer.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--kv-fp8", "yes"],
+     "argument --kv-fp8: invalid choice"),
+    ("trainer.regenerate", "dflash-regenerate", ["--output-dir", "/o"], "--target-model"),
+    ("trainer.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--max-prompts", "x"],
+     "argument --max-prompts: invalid int value: 'x'"),
+    ("trainer.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--block-accuracy=no"],
+     "--block-accuracy"),
+])
+def test_bad_input_is_one_line_naming_the_flag_and_exit_2(module, prog, argv, needle, capsys):
+    import importlib
+    assert importlib.import_module(module).main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and needle in err, err

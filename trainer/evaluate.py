@@ -35,17 +35,17 @@ if __name__ == "__main__":   # run as a program (python -m): torchao only when a
     from trainer.optional import defer
     defer()
 
-import argparse
 import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS
+from .options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS, ConfigError, check_ranges, opt, parse_options
 from .export import ExportError, hf_config_dict, read_checkpoint
 from .model import DFlashConfig, DFlashDrafter, PackedMeta
 from .modeling_dflash import DFlashDraftModel, dflash_generate
@@ -365,32 +365,47 @@ def parse_device(text: str) -> torch.device:
     return dev
 
 
+def _default_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+IN, EVAL = "what to evaluate", "evaluation"
+
+
+@dataclass
+class EvalConfig:
+    """dflash-eval's options (the command line is generated from these fields: trainer/options.py)."""
+    target_model: str = opt(help="local Hugging Face model directory of the target", group=IN)
+    data_dir: str = opt(help="held-out shards", group=IN)
+    checkpoint: str = opt("", "a step-* dir, an output dir (newest step) or a dflash-export dir", group=IN,
+                         metavar="PATH")
+    output_dir: str = opt("", "same as --checkpoint with an output dir", group=IN)
+    device: str = opt(help="cpu or cuda:N", group=EVAL, default_factory=_default_device, metavar="DEVICE")
+    max_prompts: int = opt(EVAL_PROMPTS, "held-out prompts generated from", group=EVAL, ge=1)
+    max_new_tokens: int = opt(EVAL_MAX_NEW_TOKENS, "tokens generated per prompt", group=EVAL, ge=1)
+    temperature: float = opt(0.0, "0 = greedy; > 0: speculative sampling", group=EVAL, ge=0)
+    seed: int = opt(0, "sampling seed (temperature > 0)", group=EVAL)
+    loop: str = opt("auto", "batched: --batch-size prompts verified per step, the step captured as CUDA graphs on "
+                            "GPUs (greedy only); single: one prompt at a time (the loop serving exports ship); "
+                            "auto: batched for --temperature 0, else single. Both give the same accept lengths",
+                    group=EVAL, metavar="|".join(LOOPS))   # checked by resolve_loop, which names the choices
+    batch_size: int = opt(EVAL_BATCH, "prompts per step of the batched loop", group=EVAL, ge=1)
+    block_accuracy: bool = opt(True, "also the teacher-forced figure (--no-block-accuracy: skip it)", group=EVAL)
+    untrained: bool = opt(False, "re-initialise the drafter (baseline)", group=EVAL)
+    allow_target_change: bool = opt(False, "evaluate even when the target differs from the one the drafter was "
+                                           "trained on (e.g. a fine-tuned revision) where its weights still fit",
+                                    group=EVAL)
+    json: bool = opt(False, "print the result as JSON", group=EVAL)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n")[0])
-    p.add_argument("--target-model", required=True)
-    p.add_argument("--checkpoint", help="a step-* dir, an output dir (newest step) or a dflash-export dir")
-    p.add_argument("--output-dir", help="same as --checkpoint with an output dir")
-    p.add_argument("--data-dir", required=True, help="held-out shards")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-prompts", type=int, default=EVAL_PROMPTS)
-    p.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loop", default="auto", metavar="|".join(LOOPS),
-                   help="batched: --batch-size prompts verified per step, the step captured as CUDA graphs on GPUs "
-                        "(greedy only); single: one prompt at a time (the loop serving exports ship); auto: batched "
-                        "for --temperature 0, else single. Both give the same accept lengths")
-    p.add_argument("--batch-size", type=int, default=EVAL_BATCH, help="prompts per step of the batched loop")
-    p.add_argument("--no-block-accuracy", action="store_true", help="skip the teacher-forced figure")
-    p.add_argument("--untrained", action="store_true", help="re-initialise the drafter (baseline)")
-    p.add_argument("--allow-target-change", action="store_true",
-                   help="evaluate even when the target differs from the one the drafter was trained on "
-                        "(e.g. a fine-tuned revision) where its weights still fit")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    try:
+        a = parse_options(EvalConfig, argv, "dflash-eval", __doc__.split("\n")[0])
+    except ConfigError as e:
+        print(f"dflash-eval: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from . import identity
-    from .options import ConfigError
     from .preflight import check_model_dir
     from .data import DataError, load_dataset, read_index
     from .hybrid import check_hybrid_transformers
@@ -398,6 +413,7 @@ def main(argv=None) -> int:
     try:
         if not src:
             raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
+        check_ranges(a)
         check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature, a.loop, a.batch_size)
         dev = parse_device(a.device)
         # a hybrid target on a transformers older than our cache API: one line, before anything is read
@@ -423,7 +439,7 @@ def main(argv=None) -> int:
     drafter = hf_drafter(cfg, state, dev, dtype)
     target = load_target(a.target_model, dev, dtype)
     res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
-                   not a.no_block_accuracy, a.loop, a.batch_size, graphs=None)
+                   a.block_accuracy, a.loop, a.batch_size, graphs=None)
     res["checkpoint"] = str(ckpt)
     if a.json:
         print(json.dumps(res))

@@ -225,8 +225,9 @@ class TrainConfig:
 # ------------------------------------------------------------------------------ the command line
 
 
-def cli_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
+def cli_fields(cls: type | None = None) -> list[dataclasses.Field]:
+    """The command-line fields of an options dataclass (default: TrainConfig, dflash-train's)."""
+    return [f for f in dataclasses.fields(cls or TrainConfig) if f.metadata.get("cli", True)]
 
 
 def flag_of(f: dataclasses.Field) -> str:
@@ -234,7 +235,8 @@ def flag_of(f: dataclasses.Field) -> str:
 
 
 def _kind(f: dataclasses.Field) -> str:
-    """gpus | ints | bool | int | float | str (the field's type, as text under postponed annotations)."""
+    """gpus | ints | append | bool | int | float | str (the field's type, as text under postponed annotations;
+    append: a repeatable option collected into a list of strings)."""
     if f.metadata.get("kind"):
         return f.metadata["kind"]
     t = str(f.type)
@@ -304,12 +306,17 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
-    """The trainer's command line, generated from TrainConfig's fields."""
-    p = _Parser(prog=prog, description="Train a DFlash drafter against a frozen target model. "
-                                       "The defaults are the recommended recipe.")
+TRAIN_DESCRIPTION = "Train a DFlash drafter against a frozen target model. The defaults are the recommended recipe."
+
+
+def build_parser(prog: str = "dflash-train", cls: type | None = None,
+                 description: str | None = None) -> argparse.ArgumentParser:
+    """A command line generated from an options dataclass's fields (default: TrainConfig, dflash-train's):
+    every switch has a --no- form, ranges are named in the help, and a parse error raises ConfigError
+    (the caller prints one line naming the flag and exits 2)."""
+    p = _Parser(prog=prog, description=TRAIN_DESCRIPTION if cls is None and description is None else description)
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in cli_fields():
+    for f in cli_fields(cls):
         md = f.metadata
         g = groups.setdefault(md["group"], p.add_argument_group(md["group"]))
         flag, kind = flag_of(f), _kind(f)
@@ -322,14 +329,17 @@ def build_parser(prog: str = "dflash-train") -> argparse.ArgumentParser:
             kw["help"] = kw["help"] + (" (default: on)" if f.default else " (default: off)")
             _hide(f, g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kw))
             continue
+        if kind == "append":   # repeatable; None marks "not given", the field's default applies after
+            _hide(f, g.add_argument(flag, action="append", metavar=md.get("metavar") or "PATH", **kw))
+            continue
         if kind == "gpus":
             kw["type"] = _gpu_list(flag)
         else:
             kw["type"] = _PARSERS[kind]
         if md.get("choices"):
             kw["choices"] = md["choices"]
-        kw["metavar"] = md.get("metavar") or _METAVARS.get(kind) or (
-            "PATH" if f.name.endswith(("_dir", "_model", "_file")) else "NAME")
+        kw["metavar"] = md.get("metavar") or ("|".join(map(str, md["choices"])) if md.get("choices") else None) \
+            or _METAVARS.get(kind) or ("PATH" if f.name.endswith(("_dir", "_model", "_file")) else "NAME")
         if _required(f):
             kw["required"] = True
         else:
@@ -351,10 +361,14 @@ def _hide(f: dataclasses.Field, action: argparse.Action) -> None:
         action.help = argparse.SUPPRESS
 
 
-def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
-    ns = build_parser(prog).parse_args(argv)
+def parse_options(cls: type, argv=None, prog: str | None = None, description: str | None = None):
+    """``argv`` parsed by :func:`build_parser` into a ``cls`` instance; ConfigError names the flag (an
+    environment variable that backs a default too). --help prints and exits 0, as argparse does."""
+    ns = build_parser(prog, cls, description).parse_args(argv)
     d = vars(ns)
-    for f in cli_fields():
+    for f in cli_fields(cls):
+        if _kind(f) == "append" and d.get(f.name) is None:
+            d[f.name] = _default(f)
         env = f.metadata.get("env")
         if env and d.get(f.name) is None:
             text = os.environ.get(env, "")
@@ -365,7 +379,12 @@ def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
                     raise ConfigError(f"{env}: expected a {_kind(f)} for {flag_of(f)}, got {text!r}") from None
             else:
                 d[f.name] = _default(f)
-    cfg = TrainConfig(**d)
+    return cls(**d)
+
+
+def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
+    """dflash-train's command line -> TrainConfig (status file and log dir defaulting under --output-dir)."""
+    cfg = parse_options(TrainConfig, argv, prog, TRAIN_DESCRIPTION)
     if not cfg.status_file:
         cfg.status_file = str(Path(cfg.output_dir) / "status.json")
     if not cfg.log_dir:
@@ -402,6 +421,21 @@ def flag_spec() -> dict[str, dict]:
 # ------------------------------------------------------------------------------ validation
 
 
+def check_ranges(cfg) -> None:
+    """Every command-line field of an options dataclass instance within its range and choices (the ones
+    :func:`opt` declares); ConfigError names the flag. Numbers must be finite."""
+    for f in cli_fields(type(cfg)):
+        md, v = f.metadata, getattr(cfg, f.name)
+        if v is None or isinstance(v, (bool, list, str)):
+            if md.get("choices") and v not in md["choices"]:
+                raise ConfigError(f"{flag_of(f)}: unknown {v!r} (choose {', '.join(md['choices'])})")
+            continue
+        ok = ((md.get("ge") is None or v >= md["ge"]) and (md.get("gt") is None or v > md["gt"])
+              and (md.get("lt") is None or v < md["lt"]) and not (isinstance(v, float) and not math.isfinite(v)))
+        if not ok:
+            raise ConfigError(f"{flag_of(f)}: must be {_range_text(f) or 'finite'}, got {v}")
+
+
 def _gpu_count() -> int:
     try:
         import torch
@@ -428,16 +462,7 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
                    if (bad := [i for i in ids if i >= n])]
         if missing:   # every flag's missing indices, in one line
             raise ConfigError("; ".join(missing) + f" (this machine has {n} CUDA device(s))")
-    for f in cli_fields():
-        md, v = f.metadata, getattr(cfg, f.name)
-        if v is None or isinstance(v, (bool, list, str)):
-            if md.get("choices") and v not in md["choices"]:
-                raise ConfigError(f"{flag_of(f)}: unknown {v!r} (choose {', '.join(md['choices'])})")
-            continue
-        ok = ((md.get("ge") is None or v >= md["ge"]) and (md.get("gt") is None or v > md["gt"])
-              and (md.get("lt") is None or v < md["lt"]) and not (isinstance(v, float) and not math.isfinite(v)))
-        if not ok:
-            raise ConfigError(f"{flag_of(f)}: must be {_range_text(f) or 'finite'}, got {v}")
+    check_ranges(cfg)
     checks = [
         (cfg.token_budget >= cfg.max_seq_len, "--token-budget",
          f"({cfg.token_budget}) is smaller than --max-seq-len ({cfg.max_seq_len})"),

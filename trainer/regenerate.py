@@ -31,18 +31,19 @@ the rest; the result is the same bytes as an uninterrupted run (same devices). A
 configuration in the same OUTDIR is refused, and so is an OUTDIR that holds anything else.
 
 Exit codes: 0 written (or already complete), 2 bad input (one line on stderr naming it).
-Python: `regenerate(data_dir, target_model, out_dir, *, device=..., batch_size=..., ...) -> dict`.
+Python: `regenerate(RegenerateConfig(target_model=..., output_dir=..., data_dir=..., ...)) -> dict` (the
+options are the command line's fields); `regenerate(data_dir, target_model, out_dir, batch_size=..., ...)` too.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -61,6 +62,7 @@ from .data import (
     write_shard,
 )
 from .fsutil import atomic_write_text
+from .options import ConfigError, check_ranges, opt, parse_options
 
 PROG = "dflash-regenerate"
 MANIFEST_NAME = "regenerate.json"
@@ -335,50 +337,133 @@ def _target_record(target) -> dict:
         return {}
 
 
+ON_OFF = ("on", "off")
+AUTO_ON_OFF = ("auto", *ON_OFF)
+IN, GEN = "prompts and output", "generation"
+
+
+@dataclass
+class RegenerateConfig:
+    """dflash-regenerate's options (the command line is generated from these fields: trainer/options.py).
+    The switches keep their command-line spelling (auto/on/off); :func:`resolve_switches` decides them."""
+    target_model: str = opt(help="local HF model dir (writes the completions)", group=IN)
+    output_dir: str = opt(help="where the shards, index.json and regenerate.json go", group=IN)
+    data_dir: str = opt("", "prepared shards (dflash-prepare); prompts = tokens before the first supervised one "
+                            "(give this or --input)", group=IN)
+    input: list[str] = opt(help="JSONL as dflash-prepare takes it (repeatable; give this or --data-dir)", group=IN,
+                           kind="append", metavar="FILE", default_factory=list)
+    device: str = opt("cpu", "cpu or cuda:N", group=GEN, metavar="DEVICE")
+    devices: str = opt("", "several devices, e.g. cuda:0,cuda:1 (one replica each; replaces --device)", group=GEN,
+                       metavar="DEVICE,...")
+    batch_size: int = opt(32, "prompts per generate call", group=GEN, ge=1)
+    max_new_tokens: int = opt(1024, "tokens generated per prompt at most", group=GEN, ge=1)
+    temperature: float = opt(0.0, "0 = greedy", group=GEN, ge=0)
+    seed: int = opt(0, "sampling seed (temperature > 0)", group=GEN)
+    shard_size: int = opt(DEFAULT_SHARD_SIZE, "sequences per shard", group=GEN, ge=1)
+    max_records: int = opt(0, "first N prompts only (0 = all)", group=GEN, ge=0)
+    static_cache: str = opt("auto", "static KV cache, its decode step compiled by transformers on GPUs (auto: on "
+                                    "when every device is a GPU)", group=GEN, choices=AUTO_ON_OFF)
+    decoder: str = opt("auto", "captured: dflash's own decode loop, one preallocated KV cache and the decode step "
+                               "captured as CUDA graphs on GPUs; generate: transformers' generate (auto: captured "
+                               "when every device is a GPU)", group=GEN, choices=("auto", *DECODERS))
+    fuse: str = opt("auto", "the captured decode step's norms, rotary and SiLU gate compiled by torch.compile "
+                            "(auto: on when the decoder is captured and every device is a GPU)", group=GEN,
+                    choices=AUTO_ON_OFF)
+    decode_attention: str = opt("auto", "the captured decode step's attention: sdpa (PyTorch) or triton (a split-KV "
+                                        "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the "
+                                        "decoder is captured, every device is a GPU and Triton is installed, else "
+                                        "sdpa)", group=GEN, choices=("auto", *DECODE_ATTENTIONS))
+    kv_fp8: str = opt("off", "the captured decoder's KV cache in fp8 e4m3 (half the memory: 1.1x the tok/s of an 8B "
+                             "target at batch 384, or twice the batch of a 27B one; changes the numerics, recorded "
+                             "in the output; needs --decode-attention triton)", group=GEN, choices=ON_OFF)
+    json: bool = opt(False, "print the statistics as JSON on stdout", group=GEN)
+
+    def device_list(self) -> list[str]:
+        return [d for d in self.devices.split(",") if d.strip()] or [self.device]
+
+    @classmethod
+    def of(cls, data_dir, target_model, out_dir, *, inputs=(), devices=None, static_cache=None, decoder=None,
+           fuse=None, decode_attention=None, kv_fp8=False, **rest) -> "RegenerateConfig":
+        """The config of the keyword call regenerate(data_dir, target_model, out_dir, ...): None = auto,
+        True/False = on/off, lists for inputs and devices."""
+        switch = {None: "auto", True: "on", False: "off"}
+        return cls(target_model=str(target_model), output_dir=str(out_dir),
+                   data_dir="" if data_dir is None else str(data_dir), input=[str(p) for p in inputs],
+                   devices=",".join(devices or ()), static_cache=switch[static_cache],
+                   decoder=decoder or "auto", fuse=switch[fuse], decode_attention=decode_attention or "auto",
+                   kv_fp8=switch[bool(kv_fp8)], **rest)
+
+
+def resolve_switches(cfg: RegenerateConfig, devs: list[str], target_config: dict,
+                     target: Path) -> tuple[bool, str, bool, str, bool]:
+    """(static_cache, decoder, fuse, decode_attention, kv_fp8) with each auto decided for these devices, and
+    the combinations that cannot run refused (RegenerateError naming the flag)."""
+    gpus = all(d.startswith("cuda") for d in devs)
+    static_cache = gpus if cfg.static_cache == "auto" else cfg.static_cache == "on"
+    decoder = ("captured" if gpus else "generate") if cfg.decoder == "auto" else cfg.decoder
+    if decoder == "captured":   # a hybrid on a transformers older than our cache API: one line, nothing loaded
+        from .hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        try:
+            check_hybrid_transformers(target_config, f"--target-model {target}")
+        except HybridTransformersTooOld as e:
+            raise RegenerateError(f"{e}; or --decoder generate (transformers' own loop)") from None
+    fuse = (decoder == "captured" and gpus) if cfg.fuse == "auto" else cfg.fuse == "on"
+    if fuse and decoder != "captured":
+        raise RegenerateError(f"--fuse on: needs --decoder captured, got --decoder {decoder}")
+    if cfg.decode_attention == "auto":
+        import importlib.util
+        decode_attention = ("triton" if decoder == "captured" and gpus and importlib.util.find_spec("triton")
+                            else "sdpa")
+    else:
+        decode_attention = cfg.decode_attention
+    if decode_attention != "sdpa" and decoder != "captured":
+        raise RegenerateError(f"--decode-attention {decode_attention}: needs --decoder captured, "
+                              f"got --decoder {decoder}")
+    kv_fp8 = cfg.kv_fp8 == "on"
+    if kv_fp8 and decode_attention != "triton":
+        raise RegenerateError(f"--kv-fp8 on: needs --decode-attention triton, got {decode_attention}")
+    return static_cache, decoder, fuse, decode_attention, kv_fp8
+
+
 def regenerate(
-    data_dir: str | os.PathLike | None,
-    target_model: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    cfg: RegenerateConfig | str | os.PathLike | None,
+    target_model: str | os.PathLike | None = None,
+    out_dir: str | os.PathLike | None = None,
     *,
-    inputs: Sequence[str | os.PathLike] = (),
-    device: str = "cpu",
-    devices: Sequence[str] | None = None,
-    batch_size: int = 32,
-    max_new_tokens: int = 1024,
-    temperature: float = 0.0,
-    seed: int = 0,
-    shard_size: int = DEFAULT_SHARD_SIZE,
-    max_records: int = 0,
     log: Callable[[str], None] = _log_stderr,
     progress_every: float = 5.0,
-    static_cache: bool | None = None,
-    decoder: str | None = None,
-    fuse: bool | None = None,
-    decode_attention: str | None = None,
-    kv_fp8: bool = False,
+    **options,
 ) -> dict:
-    """Regenerate the completions of ``data_dir`` (shards) or ``inputs`` (JSONL) with the target into
-    ``out_dir``; resumes a partial ``out_dir`` of the same configuration. Returns statistics:
+    """Regenerate the completions of ``cfg.data_dir`` (shards) or ``cfg.input`` (JSONL) with the target into
+    ``cfg.output_dir``; resumes a partial output dir of the same configuration. ``cfg`` is a
+    :class:`RegenerateConfig` (what dflash-regenerate parses); the older call
+    ``regenerate(data_dir, target_model, out_dir, batch_size=..., static_cache=None|True|False, ...)`` still
+    works (:meth:`RegenerateConfig.of`). Returns statistics:
     records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
-    static_cache None: on when every device is a GPU (docs/performance-archive.md measures it).
-    decoder None: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
-    fuse None: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
+    The ``auto`` switches are resolved by :func:`resolve_switches`:
+    static_cache auto: on when every device is a GPU (docs/performance-archive.md measures it).
+    decoder auto: "captured" (trainer/fastgen.py, CUDA graphs) when every device is a GPU, else "generate".
+    fuse auto: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
     measured on the 8B shape); it changes no token's choice beyond bf16 rounding and is not recorded.
-    decode_attention None: "triton" (the split-KV kernel, trainer/decode_attn.py; 1.28x per decode step
+    decode_attention auto: "triton" (the split-KV kernel, trainer/decode_attn.py; 1.28x per decode step
     measured on the 8B shape) with the captured decoder when every device is a GPU and Triton is installed,
     else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference. bf16 rounding only,
     not recorded either.
-    kv_fp8: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
+    kv_fp8 on: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
     numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
-    from .options import ConfigError
     from .preflight import check_model_dir
 
-    target = Path(target_model)
-    out = Path(out_dir)
-    inputs = [Path(p) for p in inputs]
+    if not isinstance(cfg, RegenerateConfig):
+        cfg = RegenerateConfig.of(cfg, target_model, out_dir, **options)
+    elif target_model is not None or out_dir is not None or options:
+        raise TypeError("regenerate(cfg): the options are the config's fields")
+    data_dir = cfg.data_dir or None
+    target = Path(cfg.target_model)
+    out = Path(cfg.output_dir)
+    inputs = [Path(p) for p in cfg.input]
     if (data_dir is None) == (not inputs):
         raise RegenerateError("give exactly one of --data-dir and --input")
     src = str(data_dir) if data_dir is not None else ", ".join(map(str, inputs))
@@ -389,42 +474,16 @@ def regenerate(
             check_data_dir_tokenizer(data_dir, target, "--data-dir")
     except (ConfigError, ValueError) as e:   # identity.TargetMismatch is a ValueError
         raise RegenerateError(str(e)) from None
-    devs = list(devices or [device])
+    devs = cfg.device_list()
     for d in devs:
         _check_device(d)
-    for name, value, lo in (("--batch-size", batch_size, 1), ("--max-new-tokens", max_new_tokens, 1),
-                            ("--shard-size", shard_size, 1), ("--max-records", max_records, 0)):
-        if value < lo:
-            raise RegenerateError(f"{name}: must be >= {lo}, got {value}")
-    if not temperature >= 0:
-        raise RegenerateError(f"--temperature: must be >= 0, got {temperature}")
-    if static_cache is None:
-        static_cache = all(d.startswith("cuda") for d in devs)
-    if decoder is None:
-        decoder = "captured" if all(d.startswith("cuda") for d in devs) else "generate"
-    if decoder not in DECODERS:
-        raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
-    if decoder == "captured":   # a hybrid on a transformers older than our cache API: one line, nothing loaded
-        from .hybrid import HybridTransformersTooOld, check_hybrid_transformers
-        try:
-            check_hybrid_transformers(target_config, f"--target-model {target}")
-        except HybridTransformersTooOld as e:
-            raise RegenerateError(f"{e}; or --decoder generate (transformers' own loop)") from None
-    if fuse is None:
-        fuse = decoder == "captured" and all(d.startswith("cuda") for d in devs)
-    if fuse and decoder != "captured":
-        raise RegenerateError(f"--fuse on: needs --decoder captured, got --decoder {decoder}")
-    if decode_attention is None:
-        import importlib.util
-        gpus = all(d.startswith("cuda") for d in devs)
-        decode_attention = ("triton" if decoder == "captured" and gpus and importlib.util.find_spec("triton")
-                            else "sdpa")
-    if decode_attention not in DECODE_ATTENTIONS:
-        raise RegenerateError(f"--decode-attention: one of {', '.join(DECODE_ATTENTIONS)}, got {decode_attention!r}")
-    if decode_attention != "sdpa" and decoder != "captured":
-        raise RegenerateError(f"--decode-attention {decode_attention}: needs --decoder captured, got --decoder {decoder}")
-    if kv_fp8 and decode_attention != "triton":
-        raise RegenerateError(f"--kv-fp8 on: needs --decode-attention triton, got {decode_attention}")
+    try:
+        check_ranges(cfg)   # the ranges and choices RegenerateConfig declares
+    except ConfigError as e:
+        raise RegenerateError(str(e)) from None
+    batch_size, max_new_tokens, temperature, seed = cfg.batch_size, cfg.max_new_tokens, cfg.temperature, cfg.seed
+    shard_size, max_records = cfg.shard_size, cfg.max_records
+    static_cache, decoder, fuse, decode_attention, kv_fp8 = resolve_switches(cfg, devs, target_config, target)
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
 
@@ -706,54 +765,10 @@ def _stats(out, index, prompts, num_shards, skipped, tokens, secs, load_s, eos_h
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target-model", required=True, help="local HF model dir (writes the completions)")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data-dir", help="prepared shards (dflash-prepare); prompts = tokens before the "
-                                        "first supervised one")
-    src.add_argument("--input", action="append", help="JSONL as dflash-prepare takes it (repeatable)")
-    ap.add_argument("--output-dir", required=True)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    ap.add_argument("--devices", help="several devices, e.g. cuda:0,cuda:1 (one replica each)")
-    ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="sequences per shard")
-    ap.add_argument("--max-records", type=int, default=0, help="first N prompts only (0 = all)")
-    ap.add_argument("--static-cache", choices=["auto", "on", "off"], default="auto",
-                    help="static KV cache, its decode step compiled by transformers on GPUs (auto: on when "
-                         "every device is a GPU)")
-    ap.add_argument("--decoder", choices=["auto", *DECODERS], default="auto",
-                    help="captured: dflash's own decode loop, one preallocated KV cache and the decode step "
-                         "captured as CUDA graphs on GPUs; generate: transformers' generate (auto: captured "
-                         "when every device is a GPU)")
-    ap.add_argument("--fuse", choices=["auto", "on", "off"], default="auto",
-                    help="the captured decode step's norms, rotary and SiLU gate compiled by torch.compile "
-                         "(auto: on when the decoder is captured and every device is a GPU)")
-    ap.add_argument("--decode-attention", choices=["auto", *DECODE_ATTENTIONS], default="auto",
-                    help="the captured decode step's attention: sdpa (PyTorch) or triton (a split-KV "
-                         "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the decoder "
-                         "is captured, every device is a GPU and Triton is installed, else sdpa)")
-    ap.add_argument("--kv-fp8", choices=["on", "off"], default="off",
-                    help="the captured decoder's KV cache in fp8 e4m3 (half the memory: 1.1x the tok/s of an 8B "
-                         "target at batch 384, or twice the batch of a 27B one; changes the numerics, recorded in "
-                         "the output; needs --decode-attention triton)")
-    ap.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
-    args = ap.parse_args(argv)
     try:
-        stats = regenerate(
-            args.data_dir, args.target_model, args.output_dir, inputs=args.input or (),
-            device=args.device, devices=args.devices.split(",") if args.devices else None,
-            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, seed=args.seed, shard_size=args.shard_size,
-            max_records=args.max_records,
-            static_cache={"auto": None, "on": True, "off": False}[args.static_cache],
-            decoder=None if args.decoder == "auto" else args.decoder,
-            fuse={"auto": None, "on": True, "off": False}[args.fuse],
-            decode_attention=None if args.decode_attention == "auto" else args.decode_attention,
-            kv_fp8=args.kv_fp8 == "on")
-    except RegenerateError as e:
+        args = parse_options(RegenerateConfig, argv, PROG, __doc__.split("\n\n")[0])
+        stats = regenerate(args)
+    except (ConfigError, RegenerateError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if args.json:

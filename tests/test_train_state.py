@@ -20,8 +20,8 @@ import torch
 from trainer import checkpoint, ckpt_format
 from trainer.checkpoint import Checkpointer
 from trainer.data import DataPosition
-from trainer.train_state import (FILE_KEYS, DataFeedState, DrafterState, NanSkips, Progress, RNGState, RunInfo,
-                                 Schedule, TrainState, capture_rng_state)
+from trainer.train_state import (FILE_KEYS, DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo,
+                                 ScheduleState, TrainState, capture_rng_state)
 
 BATCHES_PER_STEP, PER_EPOCH = 3, 10
 CFG = {"lr": 6e-4, "target_model": None, "max_steps": 8}
@@ -48,10 +48,10 @@ def _train(model, opt, n: int):
 
 
 def _state(model=None, opt=None, step=0, tokens=0, warmup=0, nan_skips=0, group=None) -> TrainState:
-    progress = Progress(step, tokens)
+    loop = LoopState(step, tokens)
     drafter = DrafterState(model, opt, SimpleNamespace(to_dict=lambda: {"hidden_size": 8})) if model else None
-    return TrainState(progress=progress, schedule=Schedule(warmup),
-                      data=DataFeedState(Feed(), progress, BATCHES_PER_STEP),
+    return TrainState(loop=loop, schedule=ScheduleState(warmup),
+                      data=DataFeedState(Feed(), loop, BATCHES_PER_STEP),
                       health=NanSkips(SimpleNamespace(nan_skips=nan_skips)),
                       run=RunInfo("run0", SimpleNamespace(to_dict=lambda: dict(CFG)), 1),
                       rng=RNGState(0, 1, group, True), drafter=drafter)
@@ -111,7 +111,7 @@ def test_loading_sets_the_owners_fields_and_warns_of_a_new_batch_count(caplog):
     _seed_all(11)
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         state.load_state_dict(flat)
-    assert (state.progress.step, state.progress.tokens_seen, state.schedule.warmup_steps) == (5, 99, 4)
+    assert (state.loop.step, state.loop.tokens_seen, state.schedule.warmup_steps) == (5, 99, 4)
     assert state.health.report.nan_skips == 2
     assert torch.equal(torch.rand(3), want)            # this drafter rank's RNG is back
     assert "3 micro-batches per step (it was trained with 2)" in caplog.text
@@ -124,7 +124,7 @@ def test_an_older_state_without_the_newer_keys_loads():
     flat = {"step": 4, "rng": capture_rng_state(), "data_position": {"epoch": 0, "batch_index": 4}}
     want = torch.rand(2)
     state.load_state_dict(flat)
-    assert (state.progress.step, state.progress.tokens_seen, state.schedule.warmup_steps) == (4, 0, 5)
+    assert (state.loop.step, state.loop.tokens_seen, state.schedule.warmup_steps) == (4, 0, 5)
     assert state.health.report.nan_skips == 0 and torch.equal(torch.rand(2), want)
 
 
@@ -196,7 +196,7 @@ def test_a_checkpoint_in_the_old_layout_resumes_exactly(world1, tmp_path):
     _seed_all(9)
     assert ckpt.resume(state, allowed=True) == d and ckpt.resumed_from == ckpt.last == str(d)
     assert torch.equal(torch.rand(4), want_rand)
-    assert (state.progress.step, state.progress.tokens_seen, state.schedule.warmup_steps) == (6, 600, 2)
+    assert (state.loop.step, state.loop.tokens_seen, state.schedule.warmup_steps) == (6, 600, 2)
     assert state.health.report.nan_skips == 1
     for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), n
@@ -224,7 +224,7 @@ def test_the_single_process_trainers_checkpoint_resumes_its_weights(world1, tmp_
         Checkpointer(tmp_path / "out", 0, topo, groups).resume(state, allowed=True)
     assert "AdamW moments start fresh" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-    assert (state.progress.step, state.schedule.warmup_steps) == (3, 7) and torch.equal(torch.rand(2), want)
+    assert (state.loop.step, state.schedule.warmup_steps) == (3, 7) and torch.equal(torch.rand(2), want)
 
 
 def test_a_save_writes_the_old_layout_and_loads_back(world1, tmp_path):
@@ -252,7 +252,7 @@ def test_a_save_writes_the_old_layout_and_loads_back(world1, tmp_path):
     Checkpointer(tmp_path / "out", 2, topo, groups).resume(back, allowed=True)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(_opt_tensors(opt), _opt_tensors(fresh_opt)))
-    assert (back.progress.step, back.progress.tokens_seen) == (7, 700)
+    assert (back.loop.step, back.loop.tokens_seen) == (7, 700)
 
 
 def test_no_resume_refuses_an_output_dir_with_a_checkpoint(world1, tmp_path):

@@ -53,7 +53,7 @@ from .runlog import setup_logging
 from .status import beating
 from .target import TargetStage, decoder, load_target
 from .topology import Topology
-from .train_state import (DataFeedState, DrafterState, NanSkips, Progress, RNGState, RunInfo, Schedule,
+from .train_state import (DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo, ScheduleState,
                           TrainState)
 from .transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
 from .warmup import warmup
@@ -92,26 +92,26 @@ class Trainer:
         self.total_steps: int = 0
         self.state: TrainState | None = None    # what a checkpoint holds, built once in setup()
         # the loop's state (step, tokens_seen and warmup_steps live in the train state's parts)
-        self.progress: Progress = Progress()
-        self.schedule: Schedule = Schedule()
+        self.loop: LoopState = LoopState()
+        self.schedule: ScheduleState = ScheduleState()
         self.wait_s: float = 0.0     # seconds the main thread waited for received hidden states
         self.items_done: int = 0     # micro-batches this rank worked on (as target, drafter or both)
 
     @property
     def step(self) -> int:
-        return self.progress.step
+        return self.loop.step
 
     @step.setter
     def step(self, value: int):
-        self.progress.step = value
+        self.loop.step = value
 
     @property
     def tokens_seen(self) -> int:
-        return self.progress.tokens_seen
+        return self.loop.tokens_seen
 
     @tokens_seen.setter
     def tokens_seen(self, value: int):
-        self.progress.tokens_seen = value
+        self.loop.tokens_seen = value
 
     @property
     def warmup_steps(self) -> int:
@@ -224,8 +224,8 @@ class Trainer:
         """The train state, once: each part is its owner's (train_state.py), the checkpointer reads it."""
         topo = self.topo
         self.state = TrainState(
-            progress=self.progress, schedule=self.schedule,
-            data=DataFeedState(self.feed, self.progress, self.batches_per_step),
+            loop=self.loop, schedule=self.schedule,
+            data=DataFeedState(self.feed, self.loop, self.batches_per_step),
             health=NanSkips(self.report),
             run=RunInfo(self.run_id, self.cfg, len(topo.drafter_ranks)),
             rng=RNGState(topo.drafter_index if topo.is_drafter else None, len(topo.drafter_ranks),

@@ -3,10 +3,12 @@
 Each part is a ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict()`` /
 ``load_state_dict()``), the way torchtitan's trainer hands its TrainState, model, optimizer and data
 loader to its checkpointer. train.py builds the :class:`TrainState` once (``Trainer.setup``) and hands
-it to the job's checkpointer (trainer/checkpoint.py), which reads fields, not string keys.
+it to the job's checkpointer (trainer/checkpoint.py), which reads fields, not string keys. Each part is
+declared here for its owner and reads and writes only that owner's fields (the loop's and the
+schedule's parts are where the Trainer keeps those numbers; the others wrap the owner's object).
 
   part       owner                                   where it is kept
-  progress   the step loop (train.py)                training_state.pt: step, tokens_seen
+  loop       the step loop (train.py)                training_state.pt: step, tokens_seen
   data       the data feed (feed.py, dispatch.py)    training_state.pt: seq_next, batches_per_step, data_position
   schedule   the LR schedule (optim.py)              training_state.pt: warmup_steps
   health     the reporter (report.py)                training_state.pt: nan_skips
@@ -48,7 +50,7 @@ FILE_KEYS = ("step", "seq_next", "batches_per_step", "warmup_steps", "data_posit
 # ------------------------------------------------------------------------------- the parts
 
 @dataclass
-class Progress(Stateful):
+class LoopState(Stateful):
     """The step loop's: optimizer steps done and the real tokens they trained on (live: the loop counts
     here, Trainer.step and Trainer.tokens_seen are this)."""
     step: int = 0
@@ -63,7 +65,7 @@ class Progress(Stateful):
 
 
 @dataclass
-class Schedule(Stateful):
+class ScheduleState(Stateful):
     """The learning-rate schedule's (optim.lr_at): the warmup length, fixed when a run first starts, so a
     run extended with a larger --max-steps keeps its warmup and follows the new cosine."""
     warmup_steps: int = 0
@@ -82,12 +84,12 @@ class DataFeedState(Stateful):
     (``feed.position`` maps it to epoch and batch). Recorded; a resume recomputes it from the step (the
     feed starts there), and warns when the checkpoint was trained with another batches_per_step."""
     feed: Any                  # Feed: position(seq) -> (epoch, batch)
-    progress: Progress
+    loop: LoopState
     batches_per_step: int      # micro-batches per optimizer step, this run's (dispatch.py)
 
     @property
     def seq_next(self) -> int:
-        return self.progress.step * self.batches_per_step
+        return self.loop.step * self.batches_per_step
 
     def position(self) -> DataPosition:
         return DataPosition(*self.feed.position(self.seq_next))
@@ -240,8 +242,8 @@ class TrainState(Stateful):
     """Everything a checkpoint holds of a run. ``state_dict`` / ``load_state_dict`` are training_state.pt's
     flat dict (every part but the drafter's, whose state DCP writes to ``dcp/``); ``state_dict`` is a
     collective over the drafter ranks (the RNG states gather to the leader)."""
-    progress: Progress
-    schedule: Schedule
+    loop: LoopState
+    schedule: ScheduleState
     data: DataFeedState
     health: NanSkips
     run: RunInfo
@@ -250,7 +252,7 @@ class TrainState(Stateful):
 
     def file_parts(self) -> tuple[Stateful, ...]:
         """The parts training_state.pt holds, in the order they load."""
-        return (self.progress, self.data, self.schedule, self.health, self.run, self.rng)
+        return (self.loop, self.data, self.schedule, self.health, self.run, self.rng)
 
     def state_dict(self) -> dict[str, Any]:
         flat: dict[str, Any] = {}

@@ -116,7 +116,7 @@ class Checkpointer:
 
         from .errors import root_cause
         topo, g, drafter = self.topo, self.groups.dctl, state.drafter
-        step = state.progress.step
+        step = state.loop.step
         t0 = time.perf_counter()
         full = consolidated_state(drafter.model, device, topo.leader)
         train_state = state.state_dict()      # a collective: the RNG states gather to the leader

@@ -78,7 +78,7 @@ def test_measurement_and_hidden_flags_are_left_out(monkeypatch):
             f = dataclasses.field(default=f.default, metadata={**f.metadata, "hidden": True})
             f.name, f.type = "flex_ctx_group", "int"
         fields.append(f)
-    monkeypatch.setattr(mod, "cli_fields", lambda: fields)
+    monkeypatch.setattr(mod, "cli_fields", lambda *a, **k: fields)
     table = ct.flag_table()
     assert "`--split-fc`" not in table and "`--flex-ctx-group`" not in table and "**measurement**" not in table
     left = sum(f.metadata.get("group") == "measurement" or bool(f.metadata.get("hidden")) for f in fields)

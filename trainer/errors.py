@@ -2,7 +2,7 @@
 its end with the supervisor.
 
 TrainingFailed exits 1 (systemd restarts the job); BadInput exits 2 like the cheap checks in
-config.validate, since a restart will not fix it (the unit's RestartPreventExitStatus=2).
+preflight.validate, since a restart will not fix it (the unit's RestartPreventExitStatus=2).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class TrainingFailed(RuntimeError):
 
 class BadInput(TrainingFailed):
     """Input found bad only when it is read (e.g. a malformed data shard): exit 2 like the cheap
-    checks in config.validate, since restarting will not fix it (the unit's RestartPreventExitStatus=2)."""
+    checks in preflight.validate, since restarting will not fix it (the unit's RestartPreventExitStatus=2)."""
 
 
 try:   # torch.distributed.checkpoint's exception derives from BaseException

@@ -14,7 +14,7 @@ depends on is :class:`TargetIdentity`:
     name, revision   where known (config's _name_or_path; a Hugging Face cache path's repo and snapshot):
                  recorded for people, never compared (a staged copy of the same model has another path)
 
-Standard library only: config.py's cheap checks (--check-config) use it without importing torch.
+Standard library only: preflight.py's cheap checks (--check-config) use it without importing torch.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class TensorBoardSink:
 
 
 def open_tensorboard(log_dir: str, run_id: str = "") -> TensorBoardSink | None:
-    """The sink for ``--tensorboard-dir`` (None when it is empty). config.validate has already
+    """The sink for ``--tensorboard-dir`` (None when it is empty). preflight.validate has already
     checked that tensorboard is installed and the directory can be created."""
     if not log_dir:
         return None

@@ -210,7 +210,7 @@ def _tiny_dflash2(seed=0):
 def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_equal_ours(tmp_path):
     import json
     import safetensors.torch
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     from trainer.export import export_drafter, read_checkpoint
     from trainer.model import DFlashDrafter, PackedMeta
 
@@ -268,7 +268,7 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     from pathlib import Path
     import safetensors.torch
     from trainer.__main__ import main as train_main
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     from trainer.export import export_drafter
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trainer import losses, records, tiny_args
@@ -356,7 +356,7 @@ def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small
     import sys
     from pathlib import Path
 
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     from trainer.data import load_dataset
     from trainer.dflash2 import as_dflash2
     from trainer.dflash2_eval import dflash2_generate

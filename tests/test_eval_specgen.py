@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager
+from trainer.ckpt_format import CheckpointManager
 from trainer.data import load_dataset
 from trainer.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
                               main as eval_main)

@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.checkpoint import CheckpointManager
+from trainer.ckpt_format import CheckpointManager
 from trainer.export import ExportError, export_drafter, main as export_main
 from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 

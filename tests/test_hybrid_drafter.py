@@ -222,7 +222,7 @@ def test_layer_types_default_follows_the_target_and_bad_values_exit_2(tiny_small
 
 
 def _save(out, cfg, model):
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     return CheckpointManager(out).save(3, model.state_dict(), cfg.to_dict(), {})
 
 

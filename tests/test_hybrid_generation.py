@@ -143,7 +143,7 @@ def test_single_loop_frees_the_recorded_states_after_each_rollback(hybrid, tiny_
 
 def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid, tiny_hybrid_dir, tmp_path,
                                                                          capsys):
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     from trainer.evaluate import evaluate_state, main as eval_main
 
     cfg, model = untrained(hybrid)

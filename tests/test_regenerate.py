@@ -212,7 +212,7 @@ def human_answers(tiny: Path, dest: Path) -> Path:
 def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_dir, target, tmp_path):
     from test_eval_specgen import train_drafter
 
-    from trainer.checkpoint import CheckpointManager
+    from trainer.ckpt_format import CheckpointManager
     from trainer.evaluate import evaluate_checkpoint
 
     human = human_answers(tiny_small_dir, tmp_path / "human")

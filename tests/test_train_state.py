@@ -243,7 +243,7 @@ def test_a_save_writes_the_old_layout_and_loads_back(world1, tmp_path):
     ts = ckpt_format.load_train_state(path)
     assert list(ts) == list(old)
     assert _saved_bytes(ts) == _saved_bytes(old)
-    ms, cfg, ts2, meta = checkpoint.load(path)   # the format's names stay importable from checkpoint.py
+    ms, cfg, ts2, meta = ckpt_format.load(path)
     assert cfg == {"hidden_size": 8} and ts2["step"] == 7
     assert meta["step"] == 7 and meta["epoch"] == 2 and meta["reason"] == "interval"
     assert all(torch.equal(ms[n], p) for n, p in model.named_parameters())

@@ -5,9 +5,6 @@ drafter ranks write and load their shards of model and optimizer with DCP togeth
 rank 0 reaches every rank through :func:`leader_decides`, so all raise or none does. What a checkpoint
 holds of the run is the train state (trainer/train_state.py), which train.py builds once and hands to
 :class:`Checkpointer`'s ``save`` and ``resume``.
-
-The format's names (CheckpointManager, CheckpointError, load, STEP_DIR_RE, ...) and the RNG helpers are
-re-exported here for the callers that import them from this module.
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ from typing import Any
 import torch
 import safetensors.torch
 
-from .ckpt_format import (CONFIG_FILE, META_FILE, MODEL_FILE, REQUIRED_FILES, STATE_FILE, STEP_DIR_RE,  # noqa: F401
-                          TMP_DIR_RE, CheckpointError, CheckpointManager, load, load_train_state, step_dir_name)
-from .train_state import TrainState, capture_rng_state, restore_rng_state  # noqa: F401
+from .ckpt_format import MODEL_FILE, CheckpointError, CheckpointManager, load_train_state, step_dir_name
+from .train_state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,6 @@ import sys
 
 from .options import ConfigError, ansible_spec_yaml, parse_args, validate_flags
 
-# re-exported for train.py/checkpoint.py until the wings move
-from .options import TrainConfig  # noqa: E402,F401
-from .preflight import check_target_shards, validate  # noqa: E402,F401
-
 
 def main(argv=None) -> int:
     """`python -m trainer.config FLAGS`: check the flags alone (no file is read, no GPU counted),

@@ -324,7 +324,7 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
         target = load_target(target_model, dev, dtype)
     res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
                          temperature, seed, with_block_accuracy, loop, batch_size, graphs)
-    from .checkpoint import STEP_DIR_RE
+    from .ckpt_format import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
     log.info("eval %s: tau %.3f over %d verify steps (%d prompts, %.1f steps/s); per-position acceptance %s",

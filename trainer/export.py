@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import safetensors.torch
 
-from .checkpoint import CONFIG_FILE, MODEL_FILE, STEP_DIR_RE, CheckpointManager
+from .ckpt_format import CONFIG_FILE, MODEL_FILE, STEP_DIR_RE, CheckpointManager
 from .dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from .model import DFLASH2_KEYS, DFlashConfig
 

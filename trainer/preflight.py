@@ -114,7 +114,7 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
 def check_resume_layers(cfg: TrainConfig, target_config: dict) -> None:
     """The drafter a run resumes keeps its attention: the draft layers' types and window this run resolves
     (--draft-layer-types, --sliding-window) must be the newest checkpoint's. ConfigError names the flag."""
-    from .checkpoint import CheckpointManager
+    from .ckpt_format import CheckpointManager
     latest = CheckpointManager(cfg.output_dir).latest()
     if latest is None:
         return
@@ -180,7 +180,7 @@ def check_resume_target(cfg: TrainConfig, target) -> list[str]:
     what a complete checkpoint is)."""
     import logging
     from . import identity
-    from .checkpoint import CheckpointManager
+    from .ckpt_format import CheckpointManager
     latest = CheckpointManager(cfg.output_dir).latest()
     if latest is None:
         return []

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import step_dir_name
+from .ckpt_format import step_dir_name
 from .options import TrainConfig
 from .groups import StopVote
 from .topology import Topology

@@ -34,8 +34,10 @@ from pathlib import Path
 import torch
 
 from . import __version__, oprecord
-from .checkpoint import CheckpointError, Checkpointer, consolidated_state
-from .config import TrainConfig, validate
+from .checkpoint import Checkpointer, consolidated_state
+from .ckpt_format import CheckpointError
+from .options import TrainConfig
+from .preflight import validate
 from .data import DataError
 from .groups import Groups, StopVote, abort_groups, hold_together, init_rank
 from .drafter import DrafterStage, build_stage, resolve_mask_token, target_embed_head
@@ -169,7 +171,8 @@ class Trainer:
                 except BadInput:   # e.g. a hybrid target without its fast kernels on a GPU: one line, exit 2
                     raise
                 except Exception as e:  # noqa: BLE001  a truncated or corrupt shard: name it, exit 2
-                    from .config import ConfigError, check_target_shards
+                    from .options import ConfigError
+                    from .preflight import check_target_shards
                     try:
                         check_target_shards(cfg.target_model)
                     except ConfigError as bad:

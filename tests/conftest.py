@@ -17,7 +17,7 @@ defer()
 @pytest.fixture(scope="session")
 def tiny_small_dir(tmp_path_factory):
     """A small dflash-tiny OUTDIR (target/, data/, heldout/), built once per session."""
-    from trainer.tiny import make_tiny
+    from trainer.tools.tiny import make_tiny
 
     out = tmp_path_factory.mktemp("dflash-tiny") / "out"
     make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None)
@@ -29,7 +29,7 @@ def tiny_hybrid_dir(tmp_path_factory):
     """``tiny_small_dir``'s twin on the seeds' real architecture (dflash-tiny --arch qwen3_5): a
     Qwen3_5ForConditionalGeneration with a tiny vision tower, 2 x (3 Gated DeltaNet + 1 gated full
     attention) layers and partial mRoPE; 48 train / 8 held-out sequences it generated itself."""
-    from trainer.tiny import make_tiny
+    from trainer.tools.tiny import make_tiny
 
     out = tmp_path_factory.mktemp("dflash-tiny-hybrid") / "out"
     make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch="qwen3_5")

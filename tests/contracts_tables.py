@@ -3,7 +3,7 @@
 * status fields: what status.json reports, from trainer/status.py's ``STATUS_SCHEMA``;
 * dflash-train flags: every flag of the trainer's command line, from ``TrainConfig``'s fields through the
   option system (``cli_fields()``, ``flag_of()`` and each field's ``opt()`` metadata: help, default, choices,
-  range, group), one table per group. Taken from trainer.options where it exists, else trainer.config; a
+  range, group), one table per group. Taken from trainer.config.options where it exists, else trainer.config; a
   field marked hidden, or in the group "measurement" (flags for A/B measurements only), is left out.
 
 Each table sits in docs/contracts.md between ``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``;
@@ -67,11 +67,11 @@ def status_table() -> str:
 
 
 def option_module():
-    """The option system: trainer.options once the options live there, trainer.config until then."""
+    """The option system: trainer.config.options once the options live there, trainer.config until then."""
     try:
-        return importlib.import_module("trainer.options")
+        return importlib.import_module("trainer.config.options")
     except ModuleNotFoundError as e:
-        if e.name != "trainer.options":
+        if e.name != "trainer.config.options":
             raise
         return importlib.import_module("trainer.config")
 

@@ -123,7 +123,7 @@ def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):
 
 
 def test_run_sh_is_the_original_run(rendered):
-    from trainer.options import parse_args
+    from trainer.config.options import parse_args
     argv = exec_args((rendered / "run.sh").read_text())[5:-1]
     assert parse_args(argv) == parse_args(ORIGINAL_RUN.split())
 
@@ -247,7 +247,7 @@ SPEC_CHECK = """
 
 
 @pytest.mark.parametrize("flags,needle", [
-    ({"block_size": 4, "async": False, "target_layers": [1, 2], "lr": "6e-4"}, None),
+    ({"block_size": 4, "use_soft_labels": False, "target_layers": [1, 2], "lr": "6e-4"}, None),
     ({"block_sise": 4}, "block_sise"),
     ({"block_size": "big"}, "block_size"),
     ({"noise_type": "pink"}, "noise_type"),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trainer import bench
+from trainer.tools import bench
 
 
 @pytest.mark.slow
@@ -14,7 +14,7 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
                         "--dataset-tokens", "20000", "--work", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -37,7 +37,8 @@ def test_bench_tiny_cpu_smoke(tmp_path):
 # bytes per new input shape, kept; nothing on a shape seen before. Run in a process of its own below.
 LEAKY_PROBE = """
 import json, sys
-from trainer import bench, target
+from trainer.tools import bench
+from trainer.model import target
 real, cache, leak_mb = target.decoder, {}, int(sys.argv[2])
 
 def leaky_decoder(model):
@@ -115,7 +116,7 @@ def test_bench_hybrid_shape_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny-hybrid", "--settings", "b16",
+    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny-hybrid", "--settings", "b16",
                         "--steps", "2", "--parts", "target,drafter,async", "--dataset-tokens", "20000",
                         "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
                        timeout=900)
@@ -142,7 +143,7 @@ def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     import gc
     import tracemalloc
 
-    from trainer.report import Reporter
+    from trainer.engine.report import Reporter
 
     orig = Reporter.memory
     calls = [0]
@@ -195,8 +196,8 @@ def _old_drafter_count(plan, dcfg, soft):
 @pytest.mark.parametrize("flex", [False, True])
 def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
     import numpy as np
-    from trainer.model import DFlashConfig
-    from trainer.plan import plan_micro_batch
+    from trainer.model.drafter import DFlashConfig
+    from trainer.ops.plan import plan_micro_batch
     dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, vocab_size=500, rms_norm_eps=1e-6, rope_theta=1e4,
                         max_position_embeddings=4096, block_size=16, target_layer_ids=[0, 1, 2],
@@ -234,9 +235,9 @@ def test_dflash2_drafter_flops_add_its_projections_and_the_selector_on_the_loss_
     weights per block row, and on the rows with a loss the K candidates' head rows 2x (frozen) and the
     selector's projection and pair scores 3x; parameter counts read off the real module."""
     import numpy as np
-    from trainer.dflash2 import as_dflash2
-    from trainer.model import DFlashConfig, DFlashDrafter
-    from trainer.plan import plan_micro_batch
+    from trainer.model.dflash2 import as_dflash2
+    from trainer.model.drafter import DFlashConfig, DFlashDrafter
+    from trainer.ops.plan import plan_micro_batch
     dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, vocab_size=500, rms_norm_eps=1e-6, rope_theta=1e4,
                         max_position_embeddings=4096, block_size=16, target_layer_ids=[0, 1, 2],
@@ -265,7 +266,7 @@ def test_bench_drafter_stage_of_dflash2_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
                         "--parts", "drafter", "--variants", "base,dflash2+dpace", "--dataset-tokens", "20000",
                         "--work", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""trainer.options and trainer.preflight: the command line generated from TrainConfig, the recommended defaults, and the cheap
+"""trainer.config.options and trainer.preflight: the command line generated from TrainConfig, the recommended defaults, and the cheap
 checks that turn bad input into exit 2 with one line naming the flag or file (shard headers, the output
 directory, GPU indices), plus the TensorBoard sink. No model is loaded here."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from trainer.__main__ import main as train_main
-from trainer.options import (ConfigError, TrainConfig, build_parser, cli_fields, flag_of, flag_spec, parse_args,
+from trainer.config.options import (ConfigError, TrainConfig, build_parser, cli_fields, flag_of, flag_spec, parse_args,
                              validate_flags)
-from trainer.preflight import check_safetensors_header, check_target_shards, validate
+from trainer.config.preflight import check_safetensors_header, check_target_shards, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_controller_flag_check_prints_one_line_and_exits_2():
     r = subprocess.run([sys.executable, "-m", "trainer.config", *PATHS, "--no-such-flag"], capture_output=True,
                        text=True, env=env)
     assert r.returncode == 2 and "--no-such-flag" in r.stderr and r.stderr.count("\n") == 1
-    r = subprocess.run([sys.executable, "-c", "import sys, trainer.config, trainer.plan; "
+    r = subprocess.run([sys.executable, "-c", "import sys, trainer.config, trainer.ops.plan; "
                         "sys.exit('torch' in sys.modules)"], env=env)
     assert r.returncode == 0, "config and host-side planning must not import torch"
 
@@ -193,7 +193,7 @@ def test_tensorboard_sink_writes_scalars_per_step(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainer.metrics_sinks import open_tensorboard
+    from trainer.engine.metrics_sinks import open_tensorboard
     sink = open_tensorboard(str(tmp_path / "tb"), "run-1")
     for step in (1, 2, 3):
         sink.write(step, {"loss": 3.0 - step, "lr": 1e-4 * step, "grad_norm": float("nan"), "skipped": False,
@@ -213,7 +213,7 @@ def test_tensorboard_sink_writes_scalars_per_step(tmp_path):
 def test_help_prints_a_percent_sign_not_a_dict():
     """--flex-ctx-group's help says '+1-2%'; argparse read '% a' as a format and printed its dict. The flag is
     a measurement flag, left out of --help: its help text is expanded as argparse would expand it."""
-    from trainer.options import _help
+    from trainer.config.options import _help
     f = next(f for f in cli_fields() if f.name == "flex_ctx_group")
     text = " ".join((_help(f) % {"default": f.default, "prog": "dflash-train"}).split())
     assert "measured +1-2% at block 32" in text and "{'" not in text

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from trainer.data import (
+from trainer.data.dataset import (
     BatchPlanner,
     DataError,
     Dataset,
@@ -17,7 +17,7 @@ from trainer.data import (
     load_dataset,
     write_shards,
 )
-from trainer.data import _overall_hash, sha256_file
+from trainer.data.dataset import _overall_hash, sha256_file
 
 
 def make_records(n=50, seed=0, lo=1, hi=120, vocab=1000):
@@ -310,7 +310,7 @@ def test_anchors_are_counted_per_document_as_speculators_1071_defines():
     min(max_anchors, its candidates) anchors, a uniform sample of its own supervised positions, whatever
     else shares its micro-batch. A batch row here holds one document (collate pads, it never packs), so
     a document's anchors are those it gets planned alone, and a short one keeps every candidate."""
-    from trainer.plan import anchor_candidates, plan_micro_batch
+    from trainer.ops.plan import anchor_candidates, plan_micro_batch
 
     recs = make_records(n=6, seed=3, lo=30, hi=120)
     kw = dict(seed=7, block_size=4, max_anchors=10, mask_token_id=999, gamma=4.0, soft_labels=False,

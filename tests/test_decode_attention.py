@@ -1,4 +1,4 @@
-"""The split-KV decode attention (trainer/decode_attn.py; issue 29, goal 3), on the CPU.
+"""The split-KV decode attention (trainer/ops/decode_attn.py; issue 29, goal 3), on the CPU.
 
 Specifications: the plain-torch reference of the algorithm (prefix split into chunks, each with its own
 max / sum / output, merged by log-sum-exp; tiles before a row's first position and after the newest one
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.decode_attn import FP8, num_splits, split_kv_reference, to_fp8
+from trainer.ops.decode_attn import FP8, num_splits, split_kv_reference, to_fp8
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_the_triton_kernel_equals_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = r"""
 import torch
-from trainer.decode_attn import split_kv_reference, split_kv_triton, to_fp8
+from trainer.ops.decode_attn import split_kv_reference, split_kv_triton, to_fp8
 from tests.test_decode_attention import _case
 worst = 0.0
 for (b, hk, g, L, d, kind, sl, bn) in [(3, 2, 4, 200, 32, "float", 64, 16), (2, 2, 1, 130, 16, "bool", 32, 16),
@@ -99,7 +99,7 @@ t = split_kv_triton(q, k, v, mask, None, start, last, split_len=64, block_n=16)
 half = (r.float() - t.float()).abs().max().item()
 # an fp8 e4m3 cache (--kv-fp8), read by the same kernel converting its tiles to q's dtype (the "bf16" mode;
 # tests/test_decode_fp8.py checks each mode, the default "dot" included, against its reference)
-from trainer.decode_attn import CONFIG
+from trainer.ops.decode_attn import CONFIG
 CONFIG["fp8_convert"] = "bf16"
 kq, vq = to_fp8(k), to_fp8(v)
 r = split_kv_reference(q, kq, vq, mask, None, start, last, split_len=64, block_n=16)
@@ -115,15 +115,15 @@ assert worst < 1e-5 and half < 2e-3 and fp8 < 2e-3, (worst, half, fp8)
 
 @pytest.fixture(scope="module")
 def target(tiny_small_dir):
-    from trainer.evaluate import load_target
+    from trainer.serving.evaluate import load_target
     torch.set_num_threads(1)
     return load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
 
 
 def test_the_captured_decoder_with_the_split_kv_attention_writes_the_same_tokens(target, tiny_small_dir):
-    from trainer.data import load_dataset
-    from trainer.evaluate import heldout_prompts
-    from trainer.fastgen import GraphDecoder
+    from trainer.data.dataset import load_dataset
+    from trainer.serving.evaluate import heldout_prompts
+    from trainer.serving.fastgen import GraphDecoder
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 5)   # mixed lengths: left padding
     kw = dict(batch_size=6, max_new_tokens=20, temperature=0.0, stop_ids=[], pad_id=0, view_step=16)
@@ -134,7 +134,7 @@ def test_the_captured_decoder_with_the_split_kv_attention_writes_the_same_tokens
 
 
 def test_decode_attention_is_a_switch_of_the_captured_decoder(tiny_small_dir, target, tmp_path, capsys):
-    from trainer.regenerate import RegenerateError, TargetGenerator, main
+    from trainer.serving.regenerate import RegenerateError, TargetGenerator, main
 
     gen = TargetGenerator(target, "cpu", 8, 0.0, 4, decoder="captured", decode_attention="triton")
     assert gen._fast_decoder().decode_kernel == "triton"
@@ -152,9 +152,9 @@ def test_decode_attention_is_a_switch_of_the_captured_decoder(tiny_small_dir, ta
 def test_a_prefill_trimmed_to_each_row_chunks_width_writes_the_same_tokens(target, tiny_small_dir):
     """prefill_trim: a prefill chunk of short prompts runs at its own width (the batch's left padding of those
     rows is not computed; their cache positions before it stay masked): the same tokens."""
-    from trainer.data import load_dataset
-    from trainer.evaluate import heldout_prompts
-    from trainer.fastgen import PAD_TO, GraphDecoder
+    from trainer.data.dataset import load_dataset
+    from trainer.serving.evaluate import heldout_prompts
+    from trainer.serving.fastgen import PAD_TO, GraphDecoder
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
     prompts = sorted(prompts, key=len, reverse=True)
@@ -188,10 +188,10 @@ def test_an_fp8_cache_is_read_as_its_rounded_values():
 def test_the_captured_decoder_with_an_fp8_cache(target, tiny_small_dir, tmp_path, capsys):
     """kv_fp8: the decoder runs with its cache in e4m3 (the first token comes from the unrounded prefill, so
     it is the same); it needs the triton attention, and dflash-regenerate refuses it otherwise."""
-    from trainer.data import load_dataset
-    from trainer.evaluate import heldout_prompts
-    from trainer.fastgen import GraphDecoder
-    from trainer.regenerate import main
+    from trainer.data.dataset import load_dataset
+    from trainer.serving.evaluate import heldout_prompts
+    from trainer.serving.fastgen import GraphDecoder
+    from trainer.serving.regenerate import main
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)
     kw = dict(batch_size=4, max_new_tokens=8, temperature=0.0, stop_ids=[], pad_id=0, view_step=16)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.decode_attn import FP8, FP8_CONVERT, fp8_bits_to_fp16, to_fp8
+from trainer.ops.decode_attn import FP8, FP8_CONVERT, fp8_bits_to_fp16, to_fp8
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_each_fp8_conversion_of_the_kernel_equals_the_reference_in_the_interpret
     pytest.importorskip("triton")
     code = r"""
 import torch
-from trainer import decode_attn as da
+from trainer.ops import decode_attn as da
 from tests.test_decode_attention import _case
 q, k, v, mask, start, last, keep = _case(2, 2, 4, 200, 32, "float", dtype=torch.float16)
 kq, vq = da.to_fp8(k), da.to_fp8(v)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.dflash2 import CandidateSelector, GroupedDynamicConv, selector_loss, training_candidates
+from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv, selector_loss, training_candidates
 
 ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
 
@@ -163,7 +163,7 @@ def test_selector_loss_equals_its_definition_in_value_and_gradient():
 def test_the_chunked_loss_hands_the_selector_its_top_k_and_gold_without_changing_the_loss(soft):
     """DFlash2's selector needs each row's top-K drafter tokens and its gold token (the label, or the
     target's argmax under soft labels) from the LM-head pass that never holds all logits at once."""
-    from trainer.loss import dflash_loss
+    from trainer.ops.loss import dflash_loss
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(12, 8, generator=g, dtype=torch.float64)
     head = torch.randn(30, 8, generator=g, dtype=torch.float64)
@@ -191,8 +191,8 @@ def _tiny_dflash2(seed=0):
     """A DFlash2 drafter for a tiny Qwen3 target (config only: the drafter ships no embedding or head),
     every weight random, the convolutions' too (a fresh one is the identity, which would hide them)."""
     from transformers import Qwen3Config
-    from trainer.dflash2 import as_dflash2
-    from trainer.model import DFlashConfig, DFlashDrafter, init_drafter_weights
+    from trainer.model.dflash2 import as_dflash2
+    from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
     target = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, vocab_size=60, max_position_embeddings=256)
     cfg = as_dflash2(DFlashConfig.from_target(target, num_draft_layers=2, block_size=B, mask_token_id=59),
@@ -210,9 +210,9 @@ def _tiny_dflash2(seed=0):
 def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_equal_ours(tmp_path):
     import json
     import safetensors.torch
-    from trainer.ckpt_format import CheckpointManager
-    from trainer.export import export_drafter, read_checkpoint
-    from trainer.model import DFlashDrafter, PackedMeta
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.serving.export import export_drafter, read_checkpoint
+    from trainer.model.drafter import DFlashDrafter, PackedMeta
 
     cfg, model = _tiny_dflash2()
     ckpt = CheckpointManager(tmp_path / "run").save(3, model.state_dict(), cfg.to_dict(), {"step": 3})
@@ -268,8 +268,8 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     from pathlib import Path
     import safetensors.torch
     from trainer.__main__ import main as train_main
-    from trainer.ckpt_format import CheckpointManager
-    from trainer.export import export_drafter
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.serving.export import export_drafter
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trainer import losses, records, tiny_args
 
@@ -289,8 +289,8 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     base = w["layers.0.attention_conv.base_kernel"].float()
     assert not torch.equal(base[:, 1:], torch.zeros_like(base[:, 1:]))           # moved off the identity
     assert w["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0
-    from trainer.export import read_checkpoint
-    from trainer.model import DFlashDrafter, init_drafter_weights
+    from trainer.serving.export import read_checkpoint
+    from trainer.model.drafter import DFlashDrafter, init_drafter_weights
     fresh = DFlashDrafter(read_checkpoint(dst)[0])
     init_drafter_weights(fresh, seed=0)                       # the run's init (--seed 0)
     for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
@@ -299,7 +299,7 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     # dflash-eval on the export: the selector's sampled loop; the batched loop is refused in one line
-    from trainer.evaluate import main as eval_main
+    from trainer.serving.evaluate import main as eval_main
     args = ["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(dst), "--data-dir",
             str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "2", "--max-new-tokens", "12"]
     capsys.readouterr()
@@ -313,8 +313,8 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
 
 def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_accepted():
     import numpy as np
-    from trainer.options import parse_args, validate_flags
-    from trainer.plan import plan_micro_batch
+    from trainer.config.options import parse_args, validate_flags
+    from trainer.ops.plan import plan_micro_batch
     ids = np.arange(100, 130)[None]
     mask = np.zeros(ids.shape, bool)
     mask[0, 4:] = True
@@ -334,7 +334,7 @@ def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_
 
 def _proposer_recording(model):
     """dflash2_eval.DFlash2Proposer that counts the positions where the selector left the unary argmax."""
-    from trainer.dflash2_eval import DFlash2Proposer
+    from trainer.serving.dflash2_eval import DFlash2Proposer
 
     class Recording(DFlash2Proposer):
         moved = 0
@@ -348,7 +348,7 @@ def _proposer_recording(model):
 
 @pytest.mark.slow   # about 10 CPU-s: a DFlash drafter trained 3 epochs, made DFlash2
 def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small_dir, tmp_path, monkeypatch):
-    """dflash-eval's DFlash2 loop (trainer/dflash2_eval.py) against the reference package's dflash_generate
+    """dflash-eval's DFlash2 loop (trainer/serving/dflash2_eval.py) against the reference package's dflash_generate
     on the export of the same weights: the same tokens and, step by step, the same accept lengths (the
     last step aside: near the token budget the reference shortens its block, which changes the drafts).
     The drafter: a DFlash drafter trained briefly, its convolutions moved off the identity and its
@@ -356,13 +356,13 @@ def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small
     import sys
     from pathlib import Path
 
-    from trainer.ckpt_format import CheckpointManager
-    from trainer.data import load_dataset
-    from trainer.dflash2 import as_dflash2
-    from trainer.dflash2_eval import dflash2_generate
-    from trainer.evaluate import heldout_prompts, load_target
-    from trainer.export import export_drafter, read_checkpoint
-    from trainer.model import DFlashDrafter
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.data.dataset import load_dataset
+    from trainer.model.dflash2 import as_dflash2
+    from trainer.serving.dflash2_eval import dflash2_generate
+    from trainer.serving.evaluate import heldout_prompts, load_target
+    from trainer.serving.export import export_drafter, read_checkpoint
+    from trainer.model.drafter import DFlashDrafter
     sys.path.insert(0, str(Path(__file__).parent))
     from test_eval_specgen import train_drafter
 
@@ -403,7 +403,7 @@ def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small
 def test_dflash2_sampled_verification_keeps_the_targets_distribution():
     """One draft drawn from the selector's q over its candidates: the first emitted token is distributed as
     the target's p, whatever q is (a candidate set that misses p's mass included); q == p accepts all."""
-    from trainer.dflash2_eval import verify_candidates
+    from trainer.serving.dflash2_eval import verify_candidates
     g = torch.Generator().manual_seed(0)
     p_logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]]))
     cand = torch.tensor([[2, 0, 3]])               # K = 3 of V = 4: token 1 is no candidate

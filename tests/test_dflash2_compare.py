@@ -14,7 +14,7 @@ import dflash2_compare as cmp  # noqa: E402
 def test_dry_run_checks_the_four_runs_flags_and_they_differ_only_in_the_recipe(capsys):
     assert cmp.main(["--dry-run", "--out", "/nonexistent/x.json"]) == 0   # validate_flags on each run
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6 and "trainer.tiny" in lines[0] and "--device cuda:0" in lines[0]
+    assert len(lines) == 6 and "trainer.tools.tiny" in lines[0] and "--device cuda:0" in lines[0]
     assert "--variants base,dflash2" in lines[1] and "--set compile=none" in lines[1]
     runs = cmp.plan(cmp.build_parser().parse_args([]))["runs"]
     assert list(runs) == ["dflash-ce", "dflash-dpace", "dflash2-ce", "dflash2-dpace"]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 
-from trainer.groups import Groups
-from trainer.opreplay import topology
+from trainer.distributed.groups import Groups
+from trainer.tools.opreplay import topology
 
 COUNTED = "countednccl"       # the default backend of the count: NCCL's stand-in
 
@@ -95,8 +95,8 @@ def test_the_count_sees_a_gloo_group_that_leaves_ranks_out():
 def test_roles_are_exchanged_on_the_gloo_control_group_not_the_world_group(monkeypatch, tmp_path):
     """init_rank's exchange of roles and hosts: an object collective on the NCCL world group would connect
     its ring and keep its buffers, which --transport pair never uses again."""
-    from trainer.options import TrainConfig
-    from trainer.groups import finish_single, init_single
+    from trainer.config.options import TrainConfig
+    from trainer.distributed.groups import finish_single, init_single
     calls = []
     real = dist.all_gather_object
 

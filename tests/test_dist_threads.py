@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from trainer.data import BatchPlanner
-from trainer.dispatch import DispatchPlan
+from trainer.data.dataset import BatchPlanner
+from trainer.distributed.dispatch import DispatchPlan
 
 LENGTHS = np.random.default_rng(0).integers(8, 200, size=400)
 

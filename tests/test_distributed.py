@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.__main__ import main as train_main
-from trainer.options import parse_args
-from trainer.data import BatchPlanner, load_dataset
+from trainer.config.options import parse_args
+from trainer.data.dataset import BatchPlanner, load_dataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import _wait_for, losses, tiny_args  # noqa: E402
@@ -84,7 +84,7 @@ def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(tiny_smal
 # ------------------------------------------------------------------------------------ dispatch
 
 def test_dispatch_balances_planned_rows_and_both_ends_see_one_schedule(tiny_small_dir):
-    from trainer.dispatch import DispatchPlan
+    from trainer.distributed.dispatch import DispatchPlan
     ds = load_dataset(tiny_small_dir / "data")
     cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent"), "--grad-accum", "4"))
     planner = BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, seed=cfg.seed)
@@ -116,9 +116,9 @@ def test_dispatch_balances_planned_rows_and_both_ends_see_one_schedule(tiny_smal
 
 def test_planned_rows_are_the_rows_the_plan_makes(tiny_small_dir):
     """The dispatch counts anchors from the loss mask alone; it must match what plan_micro_batch builds."""
-    from trainer.data import collate
-    from trainer.dispatch import DispatchPlan
-    from trainer.plan import plan_micro_batch
+    from trainer.data.dataset import collate
+    from trainer.distributed.dispatch import DispatchPlan
+    from trainer.ops.plan import plan_micro_batch
     ds = load_dataset(tiny_small_dir / "data")
     cfg = parse_args(tiny_args(tiny_small_dir, Path("/nonexistent")))
     planner = BatchPlanner(ds.lengths, cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, seed=cfg.seed)
@@ -138,7 +138,7 @@ def test_planned_rows_are_the_rows_the_plan_makes(tiny_small_dir):
 def test_a_drafter_rank_refuses_hidden_states_that_are_not_on_its_device():
     """Today's bug was every slot's destination on the first drafter GPU; a drafter rank now receives
     into buffers it allocated on its own device and checks that on every receive."""
-    from trainer.transport import Posted, Receiver
+    from trainer.distributed.transport import Posted, Receiver
     r = Receiver(torch.device("cpu"), 64, torch.float32, 2, k=2, hidden=4)
     r.bufs[0] = torch.empty(64, device="meta")   # a buffer that lives elsewhere
 
@@ -374,7 +374,7 @@ def test_a_dead_rank_on_one_node_ends_the_job_on_the_other_within_a_minute(tiny_
 def test_a_drafter_unit_without_gradients_after_the_syncing_backward_is_named():
     """FSDP2 skips a unit's reduce-scatter when its parameters got no gradient: on one rank only, that is a
     collective mismatch. The drafter stage checks after its syncing backward."""
-    from trainer.drafter import check_unit_gradients
+    from trainer.engine.drafter_stage import check_unit_gradients
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 2), "unused": torch.nn.Linear(2, 2)})
     model["used"](torch.ones(1, 2)).sum().backward()
     with pytest.raises(RuntimeError, match="unused.weight"):

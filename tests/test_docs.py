@@ -113,8 +113,8 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
 # pair|world`, `--fp8 tensorwise`) must be one the command accepts. The archive is a dated record of past
 # runs (its flags are those of their day), so it is left out.
 CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
-CLIS = ("trainer.bench", "trainer.evaluate", "trainer.regenerate", "trainer.export", "trainer.prepare",
-        "trainer.tiny", "trainer.status", "trainer.streamcheck_cli")
+CLIS = ("trainer.tools.bench", "trainer.serving.evaluate", "trainer.serving.regenerate", "trainer.serving.export", "trainer.data.prepare",
+        "trainer.tools.tiny", "trainer.status", "trainer.tools.streamcheck_cli")
 VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
 
 
@@ -131,7 +131,7 @@ def flag_choices() -> dict[str, set[str]]:
     import argparse
     import importlib
 
-    from trainer.options import build_parser
+    from trainer.config.options import build_parser
     parsers = [build_parser()]
     real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     deferred = {n: sys.modules[n] for n in ("torchao",) if n in sys.modules}   # a main() defers it: put it back
@@ -157,7 +157,7 @@ def flag_choices() -> dict[str, set[str]]:
             if action.choices and not isinstance(action.choices, dict):     # dict: subcommands
                 for opt in action.option_strings:
                     out.setdefault(opt, set()).update(str(c) for c in action.choices)
-    from trainer.bench import VARIANTS
+    from trainer.tools.bench import VARIANTS
     out["--variants"] = set(VARIANTS)
     return out
 
@@ -188,7 +188,7 @@ def test_flag_values_in_the_doc_are_accepted_by_the_code(doc):
 def test_the_value_check_catches_the_stale_ones():
     """The values issue 42 found stale fail here; today's pass."""
     assert _bad_values("`--transport auto|peer|pinned`") == ["--transport auto|peer|pinned"] * 3
-    assert _bad_values("```\npython -m trainer.bench --variants pinned+flash\n```") == ["--variants pinned+flash"]
+    assert _bad_values("```\npython -m trainer.tools.bench --variants pinned+flash\n```") == ["--variants pinned+flash"]
     assert _bad_values("`--transport pair|world`, `--fp8 tensorwise`, `--kv-fp8 on`, `--variants base,fp8`") == []
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import drafter as drafter_mod
+from trainer.engine import drafter_stage as drafter_mod
 
 
 def test_metric_vector_ops_all_on_the_stage_stream(monkeypatch):

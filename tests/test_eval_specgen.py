@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.ckpt_format import CheckpointManager
-from trainer.data import load_dataset
-from trainer.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
+from trainer.model.checkpoint_format import CheckpointManager
+from trainer.data.dataset import load_dataset
+from trainer.serving.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
                               main as eval_main)
-from trainer.loss import dflash_loss
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
-from trainer.modeling_dflash import dflash_generate, verify_block
+from trainer.ops.loss import dflash_loss
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from trainer.model.modeling_dflash import dflash_generate, verify_block
 
 BLOCK = 4
 MAX_NEW = 40
@@ -231,7 +231,7 @@ def test_trained_drafter_beats_untrained_and_eval_reports_it(target, trained, ti
 
 
 def test_cli_on_a_checkpoint_and_on_an_export(target, tiny_small_dir, tmp_path, capsys):
-    from trainer.export import export_drafter
+    from trainer.serving.export import export_drafter
     cfg, model = untrained(target)
     out = tmp_path / "run"
     CheckpointManager(out).save(1, model.state_dict(), cfg.to_dict(), {})
@@ -255,7 +255,7 @@ def test_cli_on_a_checkpoint_and_on_an_export(target, tiny_small_dir, tmp_path, 
 def test_evaluate_does_not_import_the_training_engine():
     import subprocess
     import sys
-    code = "import sys, trainer.evaluate; assert 'trainer.train' not in sys.modules, 'trainer.train imported'"
+    code = "import sys, trainer.serving.evaluate; assert 'trainer.engine.train' not in sys.modules, 'trainer.engine.train imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -270,7 +270,7 @@ def test_evaluate_does_not_import_the_training_engine():
 ])
 def test_eval_bad_arguments_exit_2_with_one_line(target, tiny_small_dir, tmp_path, capsys, extra, needle):
     """Issue 30: these ended in tracebacks (or, --max-prompts 0, evaluated one prompt)."""
-    from trainer.evaluate import main as eval_main
+    from trainer.serving.evaluate import main as eval_main
     cfg = drafter_config(target)
     model = DFlashDrafter(cfg)
     CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
@@ -300,7 +300,7 @@ def test_the_batched_loop_gives_each_prompts_accept_lengths_and_tokens_of_the_si
         target, quick_trained, all_prompts, batch_size):
     """Prompts of different lengths share a step, each row at its own position; with stop tokens some rows
     end early (frozen in the batch); a short last batch (8 = 3 + 3 + 2) repeats a finished row."""
-    from trainer.fastgen import BatchedSpecDecoder
+    from trainer.serving.fastgen import BatchedSpecDecoder
     cfg, model = quick_trained
     hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
     max_new = 48
@@ -333,7 +333,7 @@ def test_tau_of_the_batched_loop_equals_the_single_loops(target, quick_trained, 
 
 
 def test_loop_auto_batches_greedy_evals_and_keeps_the_single_loop_for_sampling():
-    from trainer.evaluate import resolve_loop
+    from trainer.serving.evaluate import resolve_loop
     assert resolve_loop("auto", 0.0) == "batched" and resolve_loop("auto", 0.7) == "single"
     assert resolve_loop("single", 0.0) == "single"
     with pytest.raises(ValueError, match="--loop batched: greedy only"):

@@ -1,4 +1,4 @@
-"""tau during training (--eval-every with --eval-data-dir, trainer/evaltrain.py): the real speculative-generation
+"""tau during training (--eval-every with --eval-data-dir, trainer/engine/evaltrain.py): the real speculative-generation
 eval of the current drafter weights at the steps the flag names, recorded once, by the leader, in
 metrics.jsonl, status.json and eval.json (the end-of-run eval); on any layout of ranks."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from trainer.__main__ import main as train_main
-from trainer.evaltrain import eval_due
-from trainer.metrics import MetricsFile
+from trainer.engine.evaltrain import eval_due
+from trainer.engine.metrics import MetricsFile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import _status, losses, records, tiny_args  # noqa: E402
@@ -27,7 +27,7 @@ SMALL_EVAL = ("--eval-prompts", "4", "--eval-max-new-tokens", "32")
 
 def _offline(tiny: Path, ckpt: Path) -> dict:
     """What dflash-eval measures on a checkpoint: its own target load, the weights from the files."""
-    from trainer.evaluate import evaluate_checkpoint
+    from trainer.serving.evaluate import evaluate_checkpoint
     return evaluate_checkpoint(str(ckpt), str(tiny / "target"), str(tiny / "heldout"), device="cpu", max_prompts=4,
                                max_new_tokens=32, with_block_accuracy=False)
 

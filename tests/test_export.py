@@ -13,9 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.ckpt_format import CheckpointManager
-from trainer.export import ExportError, export_drafter, main as export_main
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from trainer.model.checkpoint_format import CheckpointManager
+from trainer.serving.export import ExportError, export_drafter, main as export_main
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 
 REFERENCE_SNAPSHOT = Path("/work/.mirror/z-lab+dflash/repo")  # `fetch github:z-lab/dflash`; never committed
 
@@ -103,7 +103,7 @@ def test_automodel_builds_the_drafter_and_its_forward_equals_the_trainers(export
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     hf = hf.float()
     cfg_dict = json.loads((exported / "config.json").read_text())
-    from trainer.export import drafter_config_from_json
+    from trainer.serving.export import drafter_config_from_json
     cfg = drafter_config_from_json(cfg_dict)
     ours = DFlashDrafter(cfg)
     ours.load_state_dict(safetensors.torch.load_file(str(exported / "model.safetensors")), strict=True)
@@ -128,7 +128,7 @@ def test_automodel_builds_the_drafter_and_its_forward_equals_the_trainers(export
 def test_incremental_context_cache_equals_full_recompute(exported):
     """The generation loop feeds only new context rows and keeps the rest in a cache."""
     from transformers import AutoModel, DynamicCache
-    from trainer.modeling_dflash import crop_cache
+    from trainer.model.modeling_dflash import crop_cache
     hf = AutoModel.from_pretrained(exported, trust_remote_code=True, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     bs, width = hf.block_size, len(hf.target_layer_ids) * hf.config.hidden_size

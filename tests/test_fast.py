@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from trainer import fast
-from trainer.loss import dflash_loss, lm_head_chunk
-from trainer.metrics import HeadTailLog, MetricsFile, Profiler
+from trainer.ops import fast
+from trainer.ops.loss import dflash_loss, lm_head_chunk
+from trainer.engine.metrics import HeadTailLog, MetricsFile, Profiler
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_compiled_loss_covers_every_chunk_shape_with_one_graph():
     """Loss chunks and their unique soft rows vary in size (balanced chunks, tails): the compiled chunk
     function is dynamic in its row counts from the first call, so one graph covers them all and the
     warmup does not need to hit each tail size (frozen, an uncovered shape would run eagerly)."""
-    from trainer import loss as M
+    from trainer.ops import loss as M
     M._compiled_chunk = None
     g = torch.Generator().manual_seed(0)
     hidden, vocab = 16, 101
@@ -119,7 +119,7 @@ def test_regional_compile_shares_one_graph_keeps_hooks_and_freezes(monkeypatch):
 
 
 def test_resolve_compile_and_flags():
-    from trainer.options import ConfigError, parse_args
+    from trainer.config.options import ConfigError, parse_args
     assert fast.resolve_compile("auto", on_cpu=True) == "none"
     assert fast.resolve_compile("auto", on_cpu=False) == "all"
     assert fast.resolve_compile("target", on_cpu=True) == "target"
@@ -161,7 +161,7 @@ def test_head_tail_log_is_bounded_and_ordered():
 
 
 def test_profiler_folds_finished_event_pairs_as_it_goes():
-    from trainer.transport import HostEvent as _HostEvent
+    from trainer.distributed.transport import HostEvent as _HostEvent
     p = Profiler()
     for _ in range(1000):
         a, b = _HostEvent(), _HostEvent()
@@ -219,9 +219,9 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
     materializes the whole score matrix: the 27B-width OOM). Dynamo specializes sizes 0 and 1, so the
     warmup must plan chunks with one sequence, full chunks with several, and a partial tail chunk."""
     import numpy as np
-    from trainer.options import parse_args
-    from trainer.plan import plan_micro_batch
-    from trainer.warmup import warmup_batches
+    from trainer.config.options import parse_args
+    from trainer.ops.plan import plan_micro_batch
+    from trainer.engine.warmup import warmup_batches
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),
             "--max-seq-len", str(max_len), "--block-size", "16", "--max-anchors", "512",
             "--drafter-chunk-rows", str(chunk)]

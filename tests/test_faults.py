@@ -283,7 +283,7 @@ def test_04_crash_loop_stops_at_start_limit_and_restart_yml_reports_it(job):
     ct.sh(f"cp -p {SCRATCH}/config.json.orig {cfg} && python3 -c 'import json,sys; p=sys.argv[1]; "
           "c=json.load(open(p)); c[\"intermediate_size\"]*=2; json.dump(c, open(p, \"w\"))' " + cfg)
     # A target whose config differs from the one the checkpoints were trained on is refused at start
-    # (exit 2, not restarted: trainer/identity.py); --allow-target-change lets each start go on to the
+    # (exit 2, not restarted: trainer/model/identity.py); --allow-target-change lets each start go on to the
     # load, which fails on the wrong shape with exit 1, so systemd restarts it.
     ct.set_dropin(args="--allow-target-change")
     limits = ct.unit("StartLimitBurst", "StartLimitIntervalUSec", "RestartUSec")
@@ -504,7 +504,7 @@ def test_08_malformed_data_shard_clear_error_naming_it(job, damage):
         needle = f"{shard}: sha256 mismatch"
     else:                               # a broken writer: index consistent, file not parquet
         ct.py("import hashlib, json, sys\n"
-              "from trainer.data import _overall_hash\n"
+              "from trainer.data.dataset import _overall_hash\n"
               f"d = {bad!r}; shard = d + '/shard-00001.parquet'\n"
               "open(shard, 'wb').write(b'this is not parquet\\n' * 200)\n"
               "idx = json.load(open(d + '/index.json'))\n"

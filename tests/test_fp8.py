@@ -16,8 +16,8 @@ import torch
 
 from trainer import allow_optional
 from trainer.__main__ import main as train_main
-from trainer.options import ConfigError, parse_args, parse_kernel_options, validate_flags
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from trainer.config.options import ConfigError, parse_args, parse_kernel_options, validate_flags
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import losses, tiny_args  # noqa: E402
@@ -57,7 +57,7 @@ def test_fp8_swaps_every_drafter_linear_and_keeps_the_state_dict():
     close to the full-precision ones (measured here: outputs 0.1%, gradients 8-12%, relative)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from trainer.drafter import to_float8
+    from trainer.engine.drafter_stage import to_float8
     dcfg, ref = _drafter()
     _, m = _drafter()
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -85,8 +85,8 @@ def test_fp8_leaves_dflash2s_own_linears_in_the_compute_dtype():
     reaches every parameter through the FP8 layers."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from trainer.dflash2 import as_dflash2, selector_loss
-    from trainer.drafter import to_float8
+    from trainer.model.dflash2 import as_dflash2, selector_loss
+    from trainer.engine.drafter_stage import to_float8
     dcfg, _ = _drafter()
     m = DFlashDrafter(as_dflash2(dcfg))
     init_drafter_weights(m, seed=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import identity
+from trainer.model import identity
 from trainer.__main__ import main as train_main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,8 +37,8 @@ def test_prepare_tokenizes_chats_with_the_hybrid_target(tiny_hybrid_dir, tmp_pat
     from transformers import AutoTokenizer
 
     from test_prepare import CONVS, expected_assistant_text, masked_text, write_jsonl
-    from trainer.data import load_dataset
-    from trainer.prepare import main as prepare_main
+    from trainer.data.dataset import load_dataset
+    from trainer.data.prepare import main as prepare_main
     target = tiny_hybrid_dir / "target"
     tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
     src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVS])
@@ -107,7 +107,7 @@ def test_three_ranks_killed_and_resumed_train_what_world_size_one_trains(world1,
 def test_export_of_the_hybrid_run_loads_with_its_sliding_layers(world1, tiny_hybrid_dir, tmp_path):
     from transformers import AutoModel
 
-    from trainer.export import main as export_main
+    from trainer.serving.export import main as export_main
     dst = tmp_path / "drafter"
     assert export_main([str(world1), str(dst), "--target-model", str(tiny_hybrid_dir / "target")]) == 0
     c = json.loads((dst / "config.json").read_text())
@@ -121,7 +121,7 @@ def test_export_of_the_hybrid_run_loads_with_its_sliding_layers(world1, tiny_hyb
 def test_the_hybrid_run_refuses_another_target(world1, tiny_hybrid_dir, tiny_small_dir, tmp_path, capfd):
     """Resuming on an edited hybrid (its text_config changed) exits 2 in one line naming config.json and
     touches nothing; exporting for the dense tiny target (same width and depth) names the tokenizer."""
-    from trainer.export import main as export_main
+    from trainer.serving.export import main as export_main
     edited = tmp_path / "edited"
     shutil.copytree(tiny_hybrid_dir / "target", edited)
     cj = json.loads((edited / "config.json").read_text())

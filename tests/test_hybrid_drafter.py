@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, _flex_mask_mod, block_attention,
+from trainer.model.drafter import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, _flex_mask_mod, block_attention,
                            ctx_attention_dense, ctx_attention_flex, dense_mask, flex_tile_lists, init_drafter_weights,
                            merge_attention)
-from trainer.plan import plan_micro_batch
+from trainer.ops.plan import plan_micro_batch
 
 W = 24   # shorter than the sequences, longer than a block: the window cuts the context, not the block
 
@@ -222,7 +222,7 @@ def test_layer_types_default_follows_the_target_and_bad_values_exit_2(tiny_small
 
 
 def _save(out, cfg, model):
-    from trainer.ckpt_format import CheckpointManager
+    from trainer.model.checkpoint_format import CheckpointManager
     return CheckpointManager(out).save(3, model.state_dict(), cfg.to_dict(), {})
 
 
@@ -231,7 +231,7 @@ def sliding_export(tiny_hybrid_dir, tmp_path_factory):
     """A drafter of the tiny hybrid with 2 sliding layers and a full one (window 6, block 4), exported."""
     from transformers import AutoConfig
 
-    from trainer.export import export_drafter
+    from trainer.serving.export import export_drafter
     tcfg = AutoConfig.from_pretrained(tiny_hybrid_dir / "target")
     cfg = DFlashConfig.from_target(tcfg, num_draft_layers=3, block_size=4, mask_token_id=3, layer_types="auto",
                                    sliding_window=6)
@@ -253,7 +253,7 @@ def test_export_tells_sglang_and_vllm_the_sliding_layers(sliding_export):
     get_dflash_layer_types / get_dflash_attention_sliding_window_size and vLLM's _resolve_layer_attention
     read); the drafter's own rope is full (the target's partial mRoPE is not the drafter's); read back it is
     the same drafter."""
-    from trainer.export import drafter_config_from_json
+    from trainer.serving.export import drafter_config_from_json
     dst, cfg = sliding_export
     c = json.loads((dst / "config.json").read_text())
     assert c["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
@@ -271,8 +271,8 @@ def test_exported_model_and_the_reference_class_compute_the_trainers_windowed_fo
     its own forward passes one mask to every layer) agrees on an all-sliding stack."""
     from transformers import AutoModel, DynamicCache
 
-    from trainer.export import drafter_config_from_json
-    from trainer.modeling_dflash import crop_cache
+    from trainer.serving.export import drafter_config_from_json
+    from trainer.model.modeling_dflash import crop_cache
     dst, cfg = sliding_export
     hf = AutoModel.from_pretrained(dst, trust_remote_code=True, dtype=torch.float32).eval()
     assert [layer.self_attn.sliding_window for layer in hf.layers] == [6, 6, None]
@@ -325,7 +325,7 @@ def test_exported_model_and_the_reference_class_compute_the_trainers_windowed_fo
 def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
     """The benchmark's MFU counts the pairs each layer attends to (fewer in a sliding layer) and its executed
     work the tiles it runs (the window's cut lists)."""
-    from trainer.bench import _executed_pairs, _visible_pairs
+    from trainer.tools.bench import _executed_pairs, _visible_pairs
     c = plan.chunks[0]
     meta = _meta(c, 4)
     for window in (W, None):
@@ -336,7 +336,7 @@ def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
 
 
 class _BufferCache:
-    """A preallocated KV buffer as the batched decoder keeps one (trainer/fastgen.py): the context rows are
+    """A preallocated KV buffer as the batched decoder keeps one (trainer/serving/fastgen.py): the context rows are
     written at their positions, the first `view` slots are attended, the block rows appended after them."""
 
     def __init__(self, layers, kv_heads, head_dim, capacity):
@@ -382,7 +382,7 @@ def test_draft_attention_geometry_can_be_the_published_drafters(tiny_hybrid_dir,
     from transformers import AutoConfig
 
     from trainer.__main__ import main as train_main
-    from trainer.export import hf_config_dict
+    from trainer.serving.export import hf_config_dict
     hybrid = AutoConfig.from_pretrained(tiny_hybrid_dir / "target")
     own = DFlashConfig.from_target(hybrid, num_draft_layers=2, block_size=4, mask_token_id=3)
     assert (own.num_attention_heads, own.num_key_value_heads, own.head_dim) == (4, 2, 32)   # the target's

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import load_dataset
-from trainer.evaluate import heldout_prompts, hf_drafter, load_target
-from trainer.model import DFlashConfig, DFlashDrafter, init_drafter_weights
+from trainer.data.dataset import load_dataset
+from trainer.serving.evaluate import heldout_prompts, hf_drafter, load_target
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
 
 BLOCK = 4
 NEW = 24
@@ -102,8 +102,8 @@ class Proposals:
 def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_greedy_decode(case):
     """Fails before the fix on the hybrid: the single loop's DynamicCache() had no layer for the recurrent
     state (IndexError), the batched loop's cache no get_recurrent_state (AttributeError)."""
-    from trainer.fastgen import BatchedSpecDecoder
-    from trainer.modeling_dflash import dflash_generate
+    from trainer.serving.fastgen import BatchedSpecDecoder
+    from trainer.model.modeling_dflash import dflash_generate
 
     _, target, prompts = case
     cfg, model = untrained(target)
@@ -124,7 +124,7 @@ def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_gre
 def test_single_loop_frees_the_recorded_states_after_each_rollback(hybrid, tiny_hybrid_dir):
     """transformers records a hybrid's past for crop(); the loop crops after the prefill and every verify,
     so the recorded history and the conv inputs never outgrow one block."""
-    from trainer.modeling_dflash import crop_cache, target_cache
+    from trainer.model.modeling_dflash import crop_cache, target_cache
 
     cache = target_cache(hybrid, BLOCK)
     linear = [layer for layer in cache.layers if getattr(layer, "record_past", False)]
@@ -143,8 +143,8 @@ def test_single_loop_frees_the_recorded_states_after_each_rollback(hybrid, tiny_
 
 def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid, tiny_hybrid_dir, tmp_path,
                                                                          capsys):
-    from trainer.ckpt_format import CheckpointManager
-    from trainer.evaluate import evaluate_state, main as eval_main
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.serving.evaluate import evaluate_state, main as eval_main
 
     cfg, model = untrained(hybrid)
     CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
@@ -157,7 +157,7 @@ def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid,
         res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
     assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]
-    # the in-training eval's entry point (trainer/evaltrain.py: the single loop on the current weights)
+    # the in-training eval's entry point (trainer/engine/evaltrain.py: the single loop on the current weights)
     ds = load_dataset(tiny_hybrid_dir / "heldout")
     inner = evaluate_state(cfg, model.state_dict(), hybrid, ds, torch.device("cpu"), torch.float32, 3, 12,
                            with_block_accuracy=True)
@@ -169,7 +169,7 @@ def test_the_captured_decoder_on_a_hybrid_writes_the_bytes_of_generate(tiny_hybr
     """Fails before the fix: `'_KVCache' object has no attribute 'get_recurrent_state'`. Left padding of
     prompts of many lengths (a hybrid's linear layers must not fold the padding into their states) and a
     short last batch; the same loop is captured as CUDA graphs on GPUs."""
-    from trainer.regenerate import regenerate
+    from trainer.serving.regenerate import regenerate
 
     common = dict(max_new_tokens=16, shard_size=16, max_records=20, log=lambda msg: None)
     regenerate(tiny_hybrid_dir / "data", tiny_hybrid_dir / "target", tmp_path / "gen", batch_size=8,
@@ -182,7 +182,7 @@ def test_the_captured_decoder_on_a_hybrid_writes_the_bytes_of_generate(tiny_hybr
 
 
 def test_the_captured_decoder_holds_only_the_attention_layers_kv_and_each_linear_layers_state(hybrid):
-    from trainer.fastgen import GraphDecoder
+    from trainer.serving.fastgen import GraphDecoder
 
     dec = GraphDecoder(hybrid, "cpu", 2, 4, 0.0, [], 0)
     dec.generate([np.arange(5, 20), np.arange(7, 10)], range(2))
@@ -201,9 +201,9 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     dflash-regenerate says so in one line and runs generate."""
     import logging
 
-    from trainer import fastgen
-    from trainer.evaluate import speculative_eval
-    from trainer.regenerate import TargetGenerator
+    from trainer.serving import fastgen
+    from trainer.serving.evaluate import speculative_eval
+    from trainer.serving.regenerate import TargetGenerator
 
     monkeypatch.setattr(fastgen, "CHUNK_FN", "chunk_some_other_rule")
     cfg, model = untrained(hybrid)
@@ -228,7 +228,7 @@ def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
     (two inputs) is left alone (it used to be patched with a one-input forward: TypeError)."""
     import copy
 
-    from trainer.fastgen import norm_kind
+    from trainer.serving.fastgen import norm_kind
 
     layer = hybrid.model.layers[0]
     norm = copy.deepcopy(layer.input_layernorm)
@@ -243,8 +243,8 @@ def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
 def test_the_captured_decoder_with_compiled_small_ops_on_a_hybrid_gives_generates_tokens(hybrid, tiny_hybrid_dir):
     """fuse=True (the GPU default) on a hybrid; before the fix: TypeError from the gated norm (16 s of
     inductor compiles on the CPU)."""
-    from trainer.fastgen import GraphDecoder
-    from trainer.regenerate import TargetGenerator
+    from trainer.serving.fastgen import GraphDecoder
+    from trainer.serving.regenerate import TargetGenerator
 
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 4)
     gen = TargetGenerator(hybrid, "cpu", 8, 0.0, 4)
@@ -261,8 +261,8 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
     import sys
     import types
 
-    from trainer import fastgen
-    from trainer.regenerate import TargetGenerator
+    from trainer.serving import fastgen
+    from trainer.serving.regenerate import TargetGenerator
 
     mod = sys.modules[type(hybrid.model.layers[0].linear_attn).__module__]
     torch_recurrent = mod.__dict__[fastgen.RECURRENT_FN]
@@ -315,8 +315,8 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
     loop's drafter cache (a buffer written at each position, the block rows after its view) must show each
     sliding layer the same keys as the single loop's DynamicCache. Every draft of every step is compared
     (an untrained drafter: its drafts depend on the whole context the window shows)."""
-    from trainer.fastgen import BatchedSpecDecoder
-    from trainer.modeling_dflash import dflash_generate
+    from trainer.serving.fastgen import BatchedSpecDecoder
+    from trainer.model.modeling_dflash import dflash_generate
 
     cfg = DFlashConfig.from_target(hybrid.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3,
                                    layer_types="auto", sliding_window=8)

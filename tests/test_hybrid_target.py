@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.target import (TargetStage, decoder, describe_kernels, layer_kernels, load_target, missing_fast_kernels,
+from trainer.model.target import (TargetStage, decoder, describe_kernels, layer_kernels, load_target, missing_fast_kernels,
                             vision_params)
-from trainer.transport import unpack
+from trainer.distributed.transport import unpack
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_a_vl_checkpoint_loads_its_language_model_only(tiny_hybrid_dir, hybrid, 
     assert type(hybrid).__name__ == "Qwen3_5ForCausalLM" and vision_params(hybrid) == []
     from transformers import Qwen3_5ForConditionalGeneration
 
-    import trainer.target as target
+    import trainer.model.target as target
     monkeypatch.setattr(target, "causal_lm_class", lambda config: Qwen3_5ForConditionalGeneration)
     moved = []
     real_to = torch.nn.Module.to
@@ -109,9 +109,9 @@ def test_a_hybrid_without_its_fast_kernels_on_a_gpu_is_refused_unless_asked(tiny
     --allow-slow-linear-attention runs it with a warning. A dense target is never refused."""
     import importlib.util
 
-    import trainer.target as target
-    from trainer.options import ConfigError, parse_args
-    from trainer.preflight import validate
+    import trainer.model.target as target
+    from trainer.config.options import ConfigError, parse_args
+    from trainer.config.preflight import validate
     from trainer.errors import BadInput
     if importlib.util.find_spec("fla") is not None:
         pytest.skip("flash-linear-attention is installed here")
@@ -141,7 +141,7 @@ def test_compiled_layers_get_one_forward_per_mixer_class_and_the_warmup_runs_bot
     """fast.compile_layers on a hybrid stack: one compiled forward for the Gated DeltaNet layers, one for the
     attention layers (the decoder layer class is the same); the target warmup calls both. torch.compile is
     replaced by a recorder here (compiling the tiny stack would cost minutes of CPU)."""
-    import trainer.fast as fast
+    import trainer.ops.fast as fast
     calls: dict[int, int] = {}
     made = []
 

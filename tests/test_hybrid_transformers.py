@@ -1,4 +1,4 @@
-"""A hybrid target on a transformers older than our cache API stops in one line (trainer/hybrid.py).
+"""A hybrid target on a transformers older than our cache API stops in one line (trainer/model/hybrid.py).
 
 The H200 run of tests/gpu/regenerate_bench.py --shape qwen3.6-27b on transformers 5.17 failed in every
 variant with `AttributeError: '_KVCache' object has no attribute 'has_previous_state'`: 5.17's Gated
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import hybrid
+from trainer.model import hybrid
 
 OLD = "5.17.0"
 
@@ -43,8 +43,8 @@ def needs(line: str) -> bool:
 def test_the_clis_exit_2_with_one_line_on_a_hybrid_and_run_a_dense_target(old, tiny_hybrid_dir, tiny_small_dir,
                                                                           tmp_path, capsys):
     from trainer.__main__ import main as train_main
-    from trainer.evaluate import main as eval_main
-    from trainer.regenerate import main as regen_main
+    from trainer.serving.evaluate import main as eval_main
+    from trainer.serving.regenerate import main as regen_main
 
     target = tiny_hybrid_dir / "target"
     # the checkpoint does not exist: the check comes before anything is read
@@ -76,10 +76,10 @@ def test_the_clis_exit_2_with_one_line_on_a_hybrid_and_run_a_dense_target(old, t
 
 
 def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybrid_dir, tiny_small_dir):
-    from trainer.evaluate import generate_each
-    from trainer.fastgen import BatchedSpecDecoder, GraphDecoder
-    from trainer.regenerate import TargetGenerator
-    from trainer.target import load_target
+    from trainer.serving.evaluate import generate_each
+    from trainer.serving.fastgen import BatchedSpecDecoder, GraphDecoder
+    from trainer.serving.regenerate import TargetGenerator
+    from trainer.model.target import load_target
 
     torch.set_num_threads(1)
     model = load_target(str(tiny_hybrid_dir / "target"), torch.device("cpu"), torch.float32)
@@ -94,7 +94,7 @@ def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybr
     assert TargetGenerator(model, "cpu", 4, 0.0, 2, decoder="generate").decoder == "generate"
     with pytest.raises(hybrid.HybridTransformersTooOld):   # config.json's form: layer_types under text_config
         hybrid.check_hybrid_transformers(model.config.to_dict())
-    from trainer.preflight import check_model_dir
+    from trainer.config.preflight import check_model_dir
     hybrid.check_hybrid_transformers(check_model_dir(str(tiny_small_dir / "target")))   # dense: nothing
 
 

@@ -1,5 +1,5 @@
 """The drafter knows its target (issue 30): every checkpoint and export records the target's identity
-(trainer/identity.py), and a drafter that meets another target (a resumed run, --check-config,
+(trainer/model/identity.py), and a drafter that meets another target (a resumed run, --check-config,
 dflash-eval, dflash-export --target-model, the data's tokenizer) exits 2 with one line naming what
 differs, leaving the output untouched; --allow-target-change continues where the weights still fit."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import identity
+from trainer.model import identity
 from trainer.__main__ import main as train_main
-from trainer.options import ConfigError, parse_args
-from trainer.preflight import validate
+from trainer.config.options import ConfigError, parse_args
+from trainer.config.preflight import validate
 
 
 def tiny_args(tiny: Path, out: Path, *extra: str, target: Path | None = None) -> list[str]:
@@ -83,8 +83,8 @@ def one_line(err: str) -> str:
 
 
 def test_taps_and_mask_token_follow_the_trainers_rules(tiny_small_dir):
-    from trainer.model import tap_layers
-    from trainer.train import resolve_mask_token
+    from trainer.model.drafter import tap_layers
+    from trainer.engine.train import resolve_mask_token
     for layers in (2, 3, 4, 8, 36, 64):
         for k in (1, 2, 5):
             assert identity.tap_layers(layers, k) == tap_layers(layers, k)
@@ -176,7 +176,7 @@ def test_data_tokenized_with_another_tokenizer_is_refused(tiny_small_dir, target
 @pytest.mark.parametrize("variant, needle", [("shallow", "target has 6 layers, the drafter was trained on 8"),
                                              ("narrow", "target has hidden size 32, the drafter was trained on 64")])
 def test_eval_refuses_another_target(tiny_small_dir, targets, trained, variant, needle, capsys):
-    from trainer.evaluate import main as eval_main
+    from trainer.serving.evaluate import main as eval_main
     args = ["--target-model", str(targets[variant]), "--checkpoint", str(trained), "--data-dir",
             str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "1", "--max-new-tokens", "4",
             "--no-block-accuracy"]
@@ -188,13 +188,13 @@ def test_eval_refuses_another_target(tiny_small_dir, targets, trained, variant, 
 
 
 def test_evaluate_checkpoint_refuses_another_target(tiny_small_dir, targets, trained):
-    from trainer.evaluate import evaluate_checkpoint
+    from trainer.serving.evaluate import evaluate_checkpoint
     with pytest.raises(identity.TargetMismatch, match="target has hidden size 32"):
         evaluate_checkpoint(str(trained), str(targets["narrow"]), str(tiny_small_dir / "heldout"), device="cpu")
 
 
 def test_export_refuses_another_target_and_records_the_identity(tiny_small_dir, targets, trained, tmp_path, capsys):
-    from trainer.export import main as export_main
+    from trainer.serving.export import main as export_main
     out = tmp_path / "export"
     assert export_main([str(trained), str(out), "--target-model", str(targets["shallow"])]) == 2
     assert "target has 6 layers, the drafter was trained on 8" in one_line(capsys.readouterr().err)
@@ -214,7 +214,7 @@ def test_export_refuses_another_target_and_records_the_identity(tiny_small_dir, 
 
 
 def test_regenerate_refuses_data_of_another_tokenizer(tiny_small_dir, targets, tmp_path, capsys):
-    from trainer.regenerate import main as regen_main
+    from trainer.serving.regenerate import main as regen_main
     data = tmp_path / "data"
     shutil.copytree(tiny_small_dir / "heldout", data)
     index = json.loads((data / "index.json").read_text())
@@ -229,8 +229,8 @@ def test_regenerate_refuses_data_of_another_tokenizer(tiny_small_dir, targets, t
 
 
 def test_in_training_eval_refuses_heldout_data_of_another_tokenizer(tiny_small_dir, targets, tmp_path):
-    from trainer.evaltrain import check_drafter_fits, check_eval_data
-    from trainer.model import DFlashConfig
+    from trainer.engine.evaltrain import check_drafter_fits, check_eval_data
+    from trainer.model.drafter import DFlashConfig
     data = tmp_path / "heldout"
     shutil.copytree(tiny_small_dir / "heldout", data)
     check_eval_data(str(data), str(tiny_small_dir / "target"))      # no record: nothing to compare

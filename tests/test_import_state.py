@@ -1,7 +1,7 @@
 """Importing the package changes no global state (issue 42): `import trainer` used to put
 sys.modules["torchao"] = None for every importer, so a library user's own torchao vanished. Now the
 programs defer it (trainer/optional.py): the console scripts through trainer/cli.py, `python -m trainer`
-and `python -m trainer.bench`. Each check runs in a fresh interpreter, as an importer would."""
+and `python -m trainer.tools.bench`. Each check runs in a fresh interpreter, as an importer would."""
 
 import os
 import subprocess
@@ -22,7 +22,7 @@ def _py(code: str) -> str:
 
 
 def test_importing_trainer_leaves_torchao_in_sys_modules_untouched():
-    out = _py("import sys\nimport trainer, trainer.config, trainer.status, trainer.plan, trainer.optional\n"
+    out = _py("import sys\nimport trainer, trainer.config, trainer.status, trainer.ops.plan, trainer.optional\n"
               "print(repr(sys.modules.get('torchao', 'absent')))")
     assert out == "'absent'"
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.options import ConfigError, parse_args, validate_flags
-from trainer.loss import dflash_loss, dpace_weights
-from trainer.plan import plan_micro_batch
+from trainer.config.options import ConfigError, parse_args, validate_flags
+from trainer.ops.loss import dflash_loss, dpace_weights
+from trainer.ops.plan import plan_micro_batch
 
 B = 5  # block size
 

@@ -16,7 +16,7 @@ def run(*args):
 def test_a_directory_without_a_bench_is_refused(tmp_path):
     r = run(str(tmp_path), "--", "--shape", "tiny")
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"old_drafter_baseline: {tmp_path}: no trainer/bench.py there"]
+    assert r.stderr.strip().splitlines() == [f"old_drafter_baseline: {tmp_path}: no trainer/bench.py or trainer/tools/bench.py there"]
 
 
 def test_a_cut_that_merges_taps_is_refused_before_any_work(tmp_path):

@@ -1,4 +1,4 @@
-"""trainer/options.py is the option system alone (issue 42): it imports, builds the parser, parses and checks
+"""trainer/config/options.py is the option system alone (issue 42): it imports, builds the parser, parses and checks
 flags with torch unavailable, and so does `python -m trainer.config`, the Ansible controller's flag check and
 argument-spec generator (the controller has no torch). Measurement-only flags (group "measurement") are
 hidden from the operator's --help and the role's spec, and still parse."""
@@ -22,7 +22,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_options_import_build_and_parse_with_torch_blocked():
-    r = _run("import trainer.options as o\n"
+    r = _run("import trainer.config.options as o\n"
              "p = o.build_parser()\n"
              "cfg = o.parse_args(['--target-model', '/m', '--data-dir', '/d', '--output-dir', '/o',\n"
              "                    '--target-gpus', '0,1', '--drafter-gpus', '2', '--block-size', '16'])\n"
@@ -44,7 +44,7 @@ def test_the_controller_entry_point_runs_with_torch_blocked():
     r = _run("import runpy\nsys.argv = ['trainer.config', '--ansible-spec']\n"
              "runpy.run_module('trainer.config', run_name='__main__')\n")
     assert r.returncode == 0, r.stderr
-    from trainer.options import ansible_spec_yaml
+    from trainer.config.options import ansible_spec_yaml
     assert r.stdout == ansible_spec_yaml()
     r = _run("import runpy\nsys.argv = ['trainer.config', *%r, '--block-size', '1']\n"
              "runpy.run_module('trainer.config', run_name='__main__')\n" % (PATHS,))
@@ -64,7 +64,7 @@ MEASUREMENT = {"split_fc": "--split-fc", "async_pipeline": "--async", "loss_dedu
 
 
 def test_measurement_flags_are_hidden_from_help_and_the_role_spec_but_still_parse():
-    from trainer.options import build_parser, cli_fields, flag_of, flag_spec, is_measurement, parse_args
+    from trainer.config.options import build_parser, cli_fields, flag_of, flag_spec, is_measurement, parse_args
     assert {f.name: flag_of(f) for f in cli_fields() if is_measurement(f)} == MEASUREMENT
     text = build_parser().format_help()
     spec = flag_spec()
@@ -82,12 +82,12 @@ def test_measurement_flags_are_hidden_from_help_and_the_role_spec_but_still_pars
 
 
 def test_measurement_flags_keep_their_checks_and_the_bench_still_sets_them():
-    from trainer.options import ConfigError, parse_args, validate_flags
+    from trainer.config.options import ConfigError, parse_args, validate_flags
     with pytest.raises(ConfigError, match="^argument --fsdp-prefetch: invalid choice"):
         parse_args(PATHS + ["--fsdp-prefetch", "never"])
     with pytest.raises(ConfigError, match="^--flex-ctx-group: must be >= 0, got -1"):
         validate_flags(parse_args(PATHS + ["--flex-ctx-group", "-1"]), gpu_count=-1)
-    from trainer.bench import parse_sets
+    from trainer.tools.bench import parse_sets
     assert parse_sets(["fsdp_prefetch=forward", "loss-dedup=false", "flex_ctx_group=16"]) == {
         "fsdp_prefetch": "forward", "loss_dedup": False, "flex_ctx_group": 16}
 
@@ -104,9 +104,9 @@ def test_the_controller_refuses_a_bad_measurement_flag_in_one_line():
 def test_dflash_eval_and_regenerate_are_generated_from_their_config_dataclasses():
     """dflash-eval's EvalConfig and dflash-regenerate's RegenerateConfig go through the trainer's parser
     builder: the same --x/--no-x switches, ranges named in the help, and the flags and defaults they had."""
-    from trainer.evaluate import EvalConfig
-    from trainer.options import build_parser, parse_options
-    from trainer.regenerate import RegenerateConfig
+    from trainer.serving.evaluate import EvalConfig
+    from trainer.config.options import build_parser, parse_options
+    from trainer.serving.regenerate import RegenerateConfig
     eval_help = build_parser("dflash-eval", EvalConfig).format_help()
     for text in ("--no-block-accuracy", "--untrained", "--allow-target-change", "--json", "[>= 1]", "--loop"):
         assert text in eval_help, text
@@ -128,8 +128,8 @@ def test_dflash_eval_and_regenerate_are_generated_from_their_config_dataclasses(
 
 
 def test_the_keyword_call_of_regenerate_is_the_same_config():
-    from trainer.options import ConfigError, check_ranges
-    from trainer.regenerate import RegenerateConfig
+    from trainer.config.options import ConfigError, check_ranges
+    from trainer.serving.regenerate import RegenerateConfig
     cfg = RegenerateConfig.of("/d", "/m", "/o", batch_size=8, devices=["cpu", "cpu"], static_cache=False,
                               decoder="captured", fuse=None, kv_fp8=True)
     assert cfg == RegenerateConfig(target_model="/m", output_dir="/o", data_dir="/d", devices="cpu,cpu", batch_size=8,
@@ -142,14 +142,14 @@ def test_the_keyword_call_of_regenerate_is_the_same_config():
 
 
 @pytest.mark.parametrize("module, prog, argv, needle", [
-    ("trainer.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--batch-size", "many"],
+    ("trainer.serving.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--batch-size", "many"],
      "argument --batch-size: invalid int value: 'many'"),
-    ("trainer.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--kv-fp8", "yes"],
+    ("trainer.serving.regenerate", "dflash-regenerate", ["--target-model", "/m", "--output-dir", "/o", "--kv-fp8", "yes"],
      "argument --kv-fp8: invalid choice"),
-    ("trainer.regenerate", "dflash-regenerate", ["--output-dir", "/o"], "--target-model"),
-    ("trainer.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--max-prompts", "x"],
+    ("trainer.serving.regenerate", "dflash-regenerate", ["--output-dir", "/o"], "--target-model"),
+    ("trainer.serving.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--max-prompts", "x"],
      "argument --max-prompts: invalid int value: 'x'"),
-    ("trainer.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--block-accuracy=no"],
+    ("trainer.serving.evaluate", "dflash-eval", ["--target-model", "/m", "--data-dir", "/d", "--block-accuracy=no"],
      "--block-accuracy"),
 ])
 def test_bad_input_is_one_line_naming_the_flag_and_exit_2(module, prog, argv, needle, capsys):

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import load_dataset
-from trainer.prepare import Encoder, main
+from trainer.data.dataset import load_dataset
+from trainer.data.prepare import Encoder, main
 
 CONVS = [
     [

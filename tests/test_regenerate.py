@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import load_dataset, write_shards
-from trainer.evaluate import heldout_prompts, load_target, stop_token_ids
-from trainer.regenerate import MANIFEST_NAME, lock_output_dir, main, regenerate
+from trainer.data.dataset import load_dataset, write_shards
+from trainer.serving.evaluate import heldout_prompts, load_target, stop_token_ids
+from trainer.serving.regenerate import MANIFEST_NAME, lock_output_dir, main, regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda msg: None)
@@ -72,7 +72,7 @@ def test_output_is_prepare_shards_masked_on_the_targets_own_greedy_continuation(
 def test_jsonl_input_and_two_devices_give_the_same_shards(tiny_small_dir, tmp_path):
     """--input goes through dflash-prepare's chat-template code: the same prompts as prepare + --data-dir;
     --devices splits shards over replicas without changing a byte."""
-    from trainer.prepare import prepare
+    from trainer.data.prepare import prepare
 
     jsonl = tmp_path / "chats.jsonl"
     jsonl.write_text("".join(json.dumps({"prompt": f"ab cd {w}", "completion": "human words"}) + "\n"
@@ -113,7 +113,7 @@ def test_resumes_after_kill_9_without_redoing_finished_shards(tiny_small_dir, tm
     assert total == 8
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.regenerate", *args, "--output-dir", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.serving.regenerate", *args, "--output-dir", str(out)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest, deadline = out / MANIFEST_NAME, time.monotonic() + 120
     try:
@@ -192,7 +192,7 @@ def test_bad_input_exits_2_with_one_line_naming_it(tiny_small_dir, tmp_path, cap
 def human_answers(tiny: Path, dest: Path) -> Path:
     """The tiny data with every answer replaced by text the target does not write (random words of the
     tiny vocabulary, as a person would type them), each answer exactly as many tokens as before."""
-    from trainer.tiny import build_tokenizer
+    from trainer.tools.tiny import build_tokenizer
 
     tok, words = build_tokenizer(0)
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -212,8 +212,8 @@ def human_answers(tiny: Path, dest: Path) -> Path:
 def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_dir, target, tmp_path):
     from test_eval_specgen import train_drafter
 
-    from trainer.ckpt_format import CheckpointManager
-    from trainer.evaluate import evaluate_checkpoint
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.serving.evaluate import evaluate_checkpoint
 
     human = human_answers(tiny_small_dir, tmp_path / "human")
     regen = tmp_path / "regen"
@@ -237,7 +237,7 @@ def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_d
 
 
 def test_the_captured_decoder_writes_the_same_shards_as_generate(tiny_small_dir, tmp_path):
-    """--decoder captured (trainer/fastgen.py: one preallocated KV cache, grouped-query decode attention,
+    """--decoder captured (trainer/serving/fastgen.py: one preallocated KV cache, grouped-query decode attention,
     CUDA graphs on GPUs; the same loop eagerly on the CPU) writes the bytes of transformers' generate,
     greedy, with a short last batch and rows stopping at EOS; the decoder is part of the configuration."""
     common = dict(max_new_tokens=24, shard_size=16, max_records=40, **QUIET)
@@ -257,7 +257,7 @@ def test_the_captured_decoder_writes_the_same_shards_as_generate(tiny_small_dir,
 def test_captured_sampling_does_not_depend_on_the_batch(tiny_small_dir, target):
     """Sampling noise is keyed by (seed, prompt index, step): a prompt's sample is the same whatever batch
     it runs in, and it follows softmax(logits / T) (tokens differ from greedy, different keys differ)."""
-    from trainer.fastgen import GraphDecoder
+    from trainer.serving.fastgen import GraphDecoder
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
     stops = stop_token_ids(target)
@@ -273,7 +273,7 @@ def test_captured_sampling_does_not_depend_on_the_batch(tiny_small_dir, target):
 
 
 def test_hash_uniforms_are_uniform():
-    from trainer.fastgen import _hash_uniform
+    from trainer.serving.fastgen import _hash_uniform
 
     u = _hash_uniform(torch.arange(64), 4096)
     assert u.shape == (64, 4096) and 0 < float(u.min()) and float(u.max()) < 1
@@ -299,7 +299,7 @@ def test_fused_small_ops_give_the_same_tokens(target, tiny_small_dir):
     eager loop's tokens (fp32), and the target's classes are restored afterwards."""
     import transformers.models.qwen3.modeling_qwen3 as mq
 
-    from trainer.fastgen import GraphDecoder
+    from trainer.serving.fastgen import GraphDecoder
 
     before = (mq.Qwen3RMSNorm.forward, mq.apply_rotary_pos_emb, mq.Qwen3MLP.forward)
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)
@@ -317,7 +317,7 @@ def test_fused_small_ops_give_the_same_tokens(target, tiny_small_dir):
 def test_the_index_records_the_targets_tokenizer_as_prepare_does(tiny_small_dir, tmp_path):
     """Issue 29: the trainer and dflash-eval check data against their target by index.json's "target";
     regenerated shards carry it (the same record dflash-prepare writes), so a wrong target is refused."""
-    from trainer.identity import RECORD_KEY, TargetMismatch, check_data_tokenizer, of_target, record_for_data
+    from trainer.model.identity import RECORD_KEY, TargetMismatch, check_data_tokenizer, of_target, record_for_data
     out = tmp_path / "regen"
     regenerate(tiny_small_dir / "data", tiny_small_dir / "target", out, batch_size=8, max_new_tokens=4,
                shard_size=64, **QUIET)
@@ -332,7 +332,7 @@ def test_the_index_records_the_targets_tokenizer_as_prepare_does(tiny_small_dir,
 def test_fuse_is_a_switch_of_the_captured_decoder(tiny_small_dir, target, tmp_path, capsys):
     """--fuse on|off|auto reaches the captured decoder (auto: on GPUs only); with --decoder generate it is
     refused with one line, before anything is written."""
-    from trainer.regenerate import TargetGenerator
+    from trainer.serving.regenerate import TargetGenerator
     gen = TargetGenerator(target, "cpu", 8, 0.0, 4, decoder="captured", fuse=True)
     assert gen._fast_decoder().fuse is True
     assert TargetGenerator(target, "cpu", 8, 0.0, 4, decoder="captured")._fast_decoder().fuse is False

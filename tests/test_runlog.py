@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from trainer.runlog import Progress, format_duration, format_table, setup_logging
+from trainer.engine.runlog import Progress, format_duration, format_table, setup_logging
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, block_attention, ctx_attention_dense,
+from trainer.model.drafter import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, block_attention, ctx_attention_dense,
                            ctx_attention_flex, ctx_flex_lists, dense_mask, init_drafter_weights, merge_attention)
-from trainer.plan import FLEX_BLOCK, plan_micro_batch
+from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
 
 
 def _plan(lens, block, anchors, seed=0, start_div=4):
@@ -207,8 +207,8 @@ def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus
     float64), so the flag check refuses that combination before anything runs, naming the flag; the drafter
     build refuses it too (BadInput: exit 2, no restart loop)."""
     import dataclasses
-    from trainer.options import ConfigError, TrainConfig, validate_flags
-    from trainer.drafter import build_drafter
+    from trainer.config.options import ConfigError, TrainConfig, validate_flags
+    from trainer.engine.drafter_stage import build_drafter
     from trainer.errors import BadInput
     cfg = dataclasses.replace(TrainConfig(target_model="t", data_dir="d", output_dir="o"), flex_kernel_options=opts,
                               compile=compile_opt, target_gpus=gpus, drafter_gpus=gpus)
@@ -224,7 +224,7 @@ def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus
 
 def test_split_needs_one_shared_context():
     from trainer.errors import TrainingFailed
-    from trainer.drafter import build_drafter
+    from trainer.engine.drafter_stage import build_drafter
     from types import SimpleNamespace
     cfg = SimpleNamespace(split_fc=False, seed=0, fp8="off", flex_kernel_options="SPLIT_BLOCKS=true",
                           flex_ctx_group=16, compile="off")

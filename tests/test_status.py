@@ -486,7 +486,7 @@ def _written_status_keys(root: Path | None = None) -> dict[str, set[str]]:
 def test_every_key_a_writer_puts_in_status_json_is_declared():
     from trainer.status import STATUS_KEYS
     written = _written_status_keys()
-    assert {"trainer/train.py", "trainer/report.py"} <= set(written), f"a status writer not found: the scan is broken ({sorted(written)})"
+    assert {"trainer/engine/train.py", "trainer/engine/report.py"} <= set(written), f"a status writer not found: the scan is broken ({sorted(written)})"
     assert {"phase", "error", "nan_streak", "world_size", "ranks", "eval"} <= set().union(*written.values())
     undeclared = {f: sorted(k - STATUS_KEYS) for f, k in written.items() if k - STATUS_KEYS}
     assert not undeclared, (f"status.json keys written but not declared in trainer/status.py STATUS_SCHEMA: "

@@ -1,4 +1,4 @@
-"""The NCCL-rules checker (trainer/streamcheck.py) on programs small enough to reason about by hand.
+"""The NCCL-rules checker (trainer/distributed/streamcheck.py) on programs small enough to reason about by hand.
 
 Each case is a rule of the real system: if the checker broke one, a hang on GPUs would pass CI."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.streamcheck import Program, simulate, with_p2p
-from trainer.streamcheck_cli import main
+from trainer.distributed.streamcheck import Program, simulate, with_p2p
+from trainer.tools.streamcheck_cli import main
 
 G3 = {"WORLD": [0, 1, 2], "drafters": [0, 1]}
 
@@ -207,7 +207,7 @@ def test_sender_slot_ring_bounds_what_is_in_flight(mode):
 
 # ------------------------------------------------------------------ the trainer's own op order
 # Recorded from the real trainer (gloo on the CPU, DFLASH_RECORD_OPS) and replayed from a DispatchPlan
-# (trainer/opreplay.py: the real loop, feed, transport and DrafterStage protocol, no heavy work).
+# (trainer/tools/opreplay.py: the real loop, feed, transport and DrafterStage protocol, no heavy work).
 
 import glob  # noqa: E402
 import os  # noqa: E402
@@ -215,9 +215,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from trainer import opreplay  # noqa: E402
-from trainer.streamcheck import load_programs, window  # noqa: E402
-from trainer.streamcheck_cli import run_plan  # noqa: E402
+from trainer.tools import opreplay  # noqa: E402
+from trainer.distributed.streamcheck import load_programs, window  # noqa: E402
+from trainer.tools.streamcheck_cli import run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the two orders: what shipped before this check existed, and what ships now (the defaults)
@@ -250,8 +250,8 @@ def test_the_recorded_order_of_the_real_trainer_and_its_replay(tiny_small_dir, t
     rules (the checker can fail on the code we run), the fixed one does not; and the replay of the same
     plan issues the same ops in the same order, op for op, on every rank (so the long replays below check
     the code we ship, not a description of it)."""
-    from trainer.options import parse_args
-    from trainer.data import load_dataset
+    from trainer.config.options import parse_args
+    from trainer.data.dataset import load_dataset
 
     real = _record(tiny_small_dir, tmp_path, order)
     res = simulate(real)
@@ -392,7 +392,8 @@ def _eval_rank(rank: int, store_path: str, out: str) -> None:
     eval owner on `control`, the owner broadcasts the result), recorded."""
     import torch
     import torch.distributed as dist
-    from trainer import evaltrain, oprecord
+    from trainer.engine import evaltrain
+    from trainer.distributed import oprecord
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     rec = oprecord.install(rank, f"rank {rank}", {}, {"WORLD": [0, 1]}, out)
     oprecord.label("control")
@@ -411,7 +412,7 @@ def test_an_in_training_eval_is_recorded_whole(tmp_path):
     """Every blocking and object call of an eval is in the recording, with its size, and matches at both
     ends; a receive of another size would be a mismatch."""
     import torch.multiprocessing as mp
-    from trainer.streamcheck import load_programs
+    from trainer.distributed.streamcheck import load_programs
     mp.spawn(_eval_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     progs = load_programs(sorted(tmp_path.glob("ops-rank*.json")))
     sent = [(o.kind, o.count) for o in progs[0].ops if o.kind == "send"]
@@ -431,7 +432,8 @@ def test_the_rules_import_nothing_of_the_trainer():
     """The NCCL-rules model sits at the bottom: its CLI (streamcheck_cli) is what reaches up to the loop."""
     import subprocess
     import sys
-    code = ("import sys, trainer; before = set(sys.modules); import trainer.streamcheck; "
+    code = ("import sys, trainer, trainer.distributed; before = set(sys.modules); "
+            "import trainer.distributed.streamcheck; "
             "print(sorted(m for m in set(sys.modules) - before if m.startswith('trainer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['trainer.streamcheck']"
+    assert out.strip() == "['trainer.distributed.streamcheck']"

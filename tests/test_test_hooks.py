@@ -1,8 +1,8 @@
-"""trainer/faults.py's hooks are read from the environment once, and the stand-ins' step pacing
+"""trainer/engine/faults.py's hooks are read from the environment once, and the stand-ins' step pacing
 (DFLASH_TEST_STEP_PACE_S, set by inventory/local) really holds each step back."""
 import time
 
-from trainer.faults import Faults
+from trainer.engine.faults import Faults
 
 
 def test_step_pacing_holds_each_step_and_is_not_reported_as_a_fault(monkeypatch, caplog):

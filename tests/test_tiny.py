@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import check_data_dir, load_dataset
-from trainer.tiny import main
+from trainer.data.dataset import check_data_dir, load_dataset
+from trainer.tools.tiny import main
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_width_options_build_a_wider_target_that_loads(tmp_path):
     MODEL_SHAPE itself, so every fixture stays byte-identical."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny import MODEL_SHAPE, model_shape
+    from trainer.tools.tiny import MODEL_SHAPE, model_shape
 
     assert model_shape() == MODEL_SHAPE
     out = tmp_path / "wide"
@@ -165,7 +165,7 @@ def test_hybrid_target_is_the_real_architecture_at_a_tiny_size(tiny_hybrid_dir):
 def test_hybrid_width_options_keep_the_hybrid(tmp_path):
     """The shape options apply to --arch qwen3_5 too (query width 2 x hidden), and a head_dim the
     mRoPE sections cannot split exits 2 naming the option."""
-    from trainer.tiny import model_shape
+    from trainer.tools.tiny import model_shape
 
     s = model_shape(hidden_size=96, num_heads=4, arch="qwen3_5")
     assert s["head_dim"] == 48 and s["hidden_size"] == 96

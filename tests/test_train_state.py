@@ -1,4 +1,4 @@
-"""The train state (trainer/train_state.py) and the job's checkpoint protocol (trainer/checkpoint.py) against
+"""The train state (trainer/engine/train_state.py) and the job's checkpoint protocol (trainer/engine/checkpoint.py) against
 the on-disk format: training_state.pt is the dict the trainer has always written, and a checkpoint
 directory written the way the trainer wrote it before the train state existed resumes exactly."""
 
@@ -17,10 +17,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer import checkpoint, ckpt_format
-from trainer.checkpoint import Checkpointer
-from trainer.data import DataPosition
-from trainer.train_state import (FILE_KEYS, DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo,
+from trainer.engine import checkpoint
+from trainer.model import checkpoint_format as ckpt_format
+from trainer.engine.checkpoint import Checkpointer
+from trainer.data.dataset import DataPosition
+from trainer.engine.train_state import (FILE_KEYS, DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo,
                                  ScheduleState, TrainState, capture_rng_state)
 
 BATCHES_PER_STEP, PER_EPOCH = 3, 10

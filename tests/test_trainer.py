@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from trainer.__main__ import main as train_main
-from trainer.options import parse_args
-from trainer.preflight import validate
-from trainer.loss import dflash_loss
-from trainer.model import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
-from trainer.plan import plan_micro_batch
+from trainer.config.options import parse_args
+from trainer.config.preflight import validate
+from trainer.ops.loss import dflash_loss
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
+from trainer.ops.plan import plan_micro_batch
 
 ORIGINAL = ("--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "
             "--output-dir /workspace/checkpoints --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 --epochs 6 --lr 6e-4 "
@@ -308,10 +308,10 @@ def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys
 
 @pytest.mark.slow
 def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_path):
-    from trainer.data import load_dataset
-    from trainer.evaluate import evaluate, load_drafter
-    from trainer.model import init_drafter_weights
-    from trainer.train import load_target
+    from trainer.data.dataset import load_dataset
+    from trainer.serving.evaluate import evaluate, load_drafter
+    from trainer.model.drafter import init_drafter_weights
+    from trainer.engine.train import load_target
     out = tmp_path / "learn"
     # hard labels: the data are the target's own greedy outputs (soft labels, the default, chase the tiny
     # random target's high-entropy distribution, whose loss cannot fall by a whole nat)
@@ -358,7 +358,7 @@ def test_flex_block_sparse_path_matches_the_dense_mask(ctx_group):
     if ctx_group:
         assert len(c.kv_ctx) > len(c.ctx_seq)  # the query tiles of one sequence share its first tiles
     # every allowed (query, key) pair lies in a listed tile
-    from trainer.model import dense_mask
+    from trainer.model.drafter import dense_mask
     dm = dense_mask(meta).numpy()
     if not ctx_group:
         tiles = np.zeros((dm.shape[0] // 128 + 1, dm.shape[1] // 128 + 1), bool)
@@ -376,8 +376,8 @@ def test_flex_block_sparse_path_matches_the_dense_mask(ctx_group):
 
 def test_context_copies_sum_their_gradients_in_fp32():
     """The copies' backward adds every copy's gradient into its source row, in fp32, rounding once (the
-    gradients through FlexAttention itself are checked on the GPU: trainer.bench's flex check)."""
-    from trainer.model import context_copies
+    gradients through FlexAttention itself are checked on the GPU: trainer.tools.bench's flex check)."""
+    from trainer.model.drafter import context_copies
     g = torch.Generator().manual_seed(0)
     t = torch.randn(256 + 40, 2, 8, generator=g).bfloat16().requires_grad_(True)
     kv_ctx = torch.cat([torch.arange(0, 256), torch.arange(0, 128), torch.arange(128, 256), torch.arange(0, 128)])
@@ -396,7 +396,7 @@ def test_extending_a_run_follows_the_new_length_without_repeating_the_warmup(tin
     """Resume with a larger --max-steps: the warmup length of the first run is kept (stored in the
     checkpoint), the cosine follows the new total from the resumed step, so the first step after the
     resume is neither lr 0 nor a step back into warmup (it was lr 0.0, then 9.6e-4, before)."""
-    from trainer.optim import lr_at
+    from trainer.engine.optim import lr_at
     out = tmp_path / "ext"
     base = ["--warmup-ratio", "0.25", "--save-interval", "4"]
     assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "8", *base)) == 0

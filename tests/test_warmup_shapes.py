@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import fast
+from trainer.ops import fast
 
 
 @pytest.mark.parametrize("duck", [False, True])
@@ -43,9 +43,9 @@ def test_warmup_brings_a_one_query_tile_chunk():
     """A micro-batch's tail chunk can hold a single 128-row query tile: a size-1 dimension of the FlexAttention
     tile lists, which dynamo specializes even in a dynamic graph. The warmup brings one."""
     import numpy as np
-    from trainer.options import parse_args
-    from trainer.plan import FLEX_BLOCK, plan_micro_batch
-    from trainer.warmup import warmup_batches
+    from trainer.config.options import parse_args
+    from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
+    from trainer.engine.warmup import warmup_batches
     for bs in (16, 32):
         cfg = parse_args(["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", "4096",
                           "--max-seq-len", "512", "--block-size", str(bs), "--max-anchors", "64", "--compile", "all"])

@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 # Importing the package changes no global state. The programs defer optional accelerators (torchao)
 # before transformers loads (trainer/optional.py); allow_optional is kept here for the callers that
 # ask for one (--fp8).
-from .optional import allow as allow_optional  # noqa: E402,F401
+from trainer.optional import allow as allow_optional  # noqa: E402,F401

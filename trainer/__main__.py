@@ -1,7 +1,7 @@
 """`python -m trainer` / `dflash-train`: parse, validate cheaply (exit 2 on bad input), then train.
 
 Started by hand or by run.sh, this process is the supervisor: it launches this node's ranks (one per
-GPU) through PyTorch's launcher and waits (trainer/launch.py). Started by the launcher (or by torchrun),
+GPU) through PyTorch's launcher and waits (trainer/distributed/launch.py). Started by the launcher (or by torchrun),
 it is one rank.
 """
 
@@ -11,11 +11,11 @@ import sys
 
 
 def main(argv=None) -> int:
-    from .optional import defer
+    from trainer.optional import defer
     defer()   # a program: torchao loads only when --fp8 asks for it (trainer/optional.py)
-    from .options import ConfigError, parse_args
-    from .preflight import main_check, validate
-    from .topology import in_launched_rank
+    from trainer.config.options import ConfigError, parse_args
+    from trainer.config.preflight import main_check, validate
+    from trainer.distributed.topology import in_launched_rank
 
     prog = "dflash-train"
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -32,9 +32,9 @@ def main(argv=None) -> int:
             record_bad_input(cfg.status_file, f"{e}")
         return 2
     if in_launched_rank():
-        from .train import train_rank
+        from trainer.engine.train import train_rank
         return train_rank(cfg)
-    from .launch import launch
+    from trainer.distributed.launch import launch
     return launch(argv, cfg)
 
 
@@ -42,7 +42,7 @@ def record_bad_input(status_file: str, error: str) -> None:
     """A start refused as bad input says why in status.json too, as a rank's refusal does, so the operator's
     view (dflash-status, the role's health check) names it instead of showing the previous run's phase.
     Only into an output dir that exists (a job's): a mistyped path creates nothing; silent on failure."""
-    from .status import record_failure
+    from trainer.status import record_failure
     record_failure(status_file, error, only_into_existing_dir=True)
 
 

@@ -7,7 +7,7 @@ import importlib
 
 
 def _run(module: str, argv=None) -> int:
-    from .optional import defer
+    from trainer.optional import defer
     defer()
     return importlib.import_module(module).main(argv)
 
@@ -21,20 +21,20 @@ def status(argv=None) -> int:
 
 
 def prepare(argv=None) -> int:
-    return _run("trainer.prepare", argv)
+    return _run("trainer.data.prepare", argv)
 
 
 def regenerate(argv=None) -> int:
-    return _run("trainer.regenerate", argv)
+    return _run("trainer.serving.regenerate", argv)
 
 
 def tiny(argv=None) -> int:
-    return _run("trainer.tiny", argv)
+    return _run("trainer.tools.tiny", argv)
 
 
 def evaluate(argv=None) -> int:
-    return _run("trainer.evaluate", argv)
+    return _run("trainer.serving.evaluate", argv)
 
 
 def export(argv=None) -> int:
-    return _run("trainer.export", argv)
+    return _run("trainer.serving.export", argv)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .status import pid_alive
+from trainer.status import pid_alive
 
 
 class TrainingFailed(RuntimeError):

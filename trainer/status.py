@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple
 
-from .fsutil import atomic_write_text
+from trainer.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -274,7 +274,7 @@ class Standin:
         and whether every weight is finite."""
         code = (
             "import json, math, torch\n"
-            "from trainer.ckpt_format import load\n"
+            "from trainer.model.checkpoint_format import load\n"
             f"state, cfg, ts, meta = load({path!r})\n"
             "finite = all(bool(torch.isfinite(t.float()).all()) for t in state.values())\n"
             "print(json.dumps({'step': ts['step'], 'seq_next': ts['seq_next'], 'data_position': ts['data_position'],"

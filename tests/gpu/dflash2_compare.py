@@ -8,7 +8,7 @@ downloaded. The real pipeline, end to end, as tests/gpu/fp8_parity.py runs it:
 
 1. dflash-tiny writes a wider random target (width 1,024: the shape of docs/performance.md's "FP8 parity",
    where DFlash's tau reached 1.85 in 640 steps) and data that target generated itself (--device cuda).
-2. The drafter stage alone, one variant at a time on the idle GPU: `python -m trainer.bench --parts drafter
+2. The drafter stage alone, one variant at a time on the idle GPU: `python -m trainer.tools.bench --parts drafter
    --variants base,dflash2` at --bench-shape (1.7b: width 2,048, the real vocabulary), so DFlash2's cost
    per block row stands beside DFlash's at a real width.
 3. Four dflash-train runs started together on the one GPU, the same seed (the same batches in the same
@@ -57,12 +57,12 @@ def plan(a) -> dict:
     tiny = work / "tiny"
     gpu = a.gpu
     shape = [] if gpu == "cpu" else [x for k, v in WIDE.items() for x in ("--" + k, str(v))]
-    tiny_argv = [sys.executable, "-m", "trainer.tiny", str(tiny), "--num-train", str(a.num_train),
+    tiny_argv = [sys.executable, "-m", "trainer.tools.tiny", str(tiny), "--num-train", str(a.num_train),
                  "--num-heldout", str(a.eval_prompts), "--force", *shape,
                  *([] if gpu == "cpu" else ["--device", f"cuda:{gpu}"])]
     bench = None
     if a.bench_shape:
-        bench = [sys.executable, "-m", "trainer.bench", "--shape", a.bench_shape, "--settings", "b16",
+        bench = [sys.executable, "-m", "trainer.tools.bench", "--shape", a.bench_shape, "--settings", "b16",
                  "--parts", "drafter", "--variants", "base,dflash2", "--steps", str(a.bench_steps),
                  "--dataset-tokens", str(a.bench_tokens), "--no-flex-check", "--work", str(work / "bench"),
                  "--out", str(work / "bench.json"),
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             else str(REPO / "results" / "dflash2-compare.json")
     cmds = plan(a)
     if a.dry_run:
-        from trainer.options import parse_args, validate_flags
+        from trainer.config.options import parse_args, validate_flags
         for name, argv_ in cmds["runs"].items():   # the flags as dflash-train reads them (no files read)
             validate_flags(parse_args(argv_[3:]), gpu_count=-1)
         for argv_ in [cmds["tiny"], cmds["bench"], *cmds["runs"].values()]:
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                          "runs": {n: v[1:] for n, v in cmds["runs"].items()}}}
     try:
         sys.path.insert(0, str(REPO))
-        from trainer.bench import git_commit
+        from trainer.tools.bench import git_commit
         meta.update(git_commit())
         import torch
         import transformers

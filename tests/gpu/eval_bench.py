@@ -3,7 +3,7 @@
     python tests/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
 
 Not part of the test suite: it needs a GPU. One process, a random-init bf16 target of the shape and a random
-drafter (5 layers, block 16), as `python -m trainer.bench --serving` builds them (issue 12's 15.7 verify
+drafter (5 layers, block 16), as `python -m trainer.tools.bench --serving` builds them (issue 12's 15.7 verify
 steps/s); prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
 about one token per verify step, so verify steps/s is the loop's cost per step, not a serving speed-up.
 Each variant is warmed on prompts of the same shapes first (the captures happen there), then timed:
@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
-from trainer.evaluate import hf_drafter  # noqa: E402
-from trainer.fastgen import BatchedSpecDecoder  # noqa: E402
-from trainer.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
-from trainer.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from trainer.modeling_dflash import dflash_generate  # noqa: E402
-from trainer.runlog import format_table  # noqa: E402
+from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
+from trainer.serving.evaluate import hf_drafter  # noqa: E402
+from trainer.serving.fastgen import BatchedSpecDecoder  # noqa: E402
+from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
+from trainer.engine.runlog import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from regenerate_bench import HYBRID_SHAPES, make_hybrid_target  # noqa: E402  (the hybrid shapes: one table)

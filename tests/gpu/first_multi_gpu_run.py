@@ -235,7 +235,7 @@ def _smoke_rank(rank: int, gpus: list[int], port: int, unit_mib: int, results: s
 def smoke_child(gpus: list[int], unit_mib: int, results: str) -> None:
     import torch.multiprocessing as mp
 
-    from trainer.launch import free_port
+    from trainer.distributed.launch import free_port
     mp.spawn(_smoke_rank, args=(gpus, free_port(), unit_mib, results), nprocs=len(gpus))
 
 
@@ -314,7 +314,7 @@ def main() -> int:
     print("nccl smoke:", json.dumps(smoke_result), flush=True)
     target, data, recipe, recipe_name = a.target_model, a.data_dir, SEED_RECIPE, "seed (block 32, 1,024 anchors)"
     if not target:
-        from trainer.tiny import make_tiny
+        from trainer.tools.tiny import make_tiny
         if not (work / "tiny" / "data").is_dir():      # a second run in the same --work reuses the set
             shutil.rmtree(work / "tiny", ignore_errors=True)
             make_tiny(work / "tiny", seed=0, num_train=512, num_heldout=8, log=lambda *x, **k: None)
@@ -340,7 +340,7 @@ def main() -> int:
     la, lb = losses(resumed), losses(straight)
     common = sorted(set(la) & set(lb))
     worst = max((abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12) for s in common), default=None)
-    from trainer.bench import git_commit      # $DFLASH_GIT_COMMIT where the tree travelled without .git
+    from trainer.tools.bench import git_commit      # $DFLASH_GIT_COMMIT where the tree travelled without .git
     result = {**git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "p2p": mode, "nccl_smoke": smoke_result, "recipe": recipe_name,
               "layout": {"target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus},

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         if v is not None:
             shape_flags += ["--" + opt, str(v)]
     stamp = work / "tiny.args"
-    tiny_argv = [sys.executable, "-m", "trainer.tiny", str(tiny), "--num-train", str(a.num_train),
+    tiny_argv = [sys.executable, "-m", "trainer.tools.tiny", str(tiny), "--num-train", str(a.num_train),
                  "--num-heldout", str(a.eval_prompts), "--force", *shape_flags]
     if a.gpu != "cpu":
         tiny_argv += ["--device", f"cuda:{a.gpu}"]
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
             "train_argv": {n: v[3][2:] for n, v in procs.items()}}
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from trainer.bench import git_commit
+        from trainer.tools.bench import git_commit
         meta.update(git_commit())
         import torch
         meta["device"] = torch.cuda.get_device_name(int(a.gpu)) if a.gpu != "cpu" else "cpu"

@@ -43,11 +43,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-freeze", action="store_true", help="leave compiled graphs unfrozen after the warmup")
     a = p.parse_args(own)
     root = Path(a.checkout).resolve()
-    if not (root / "trainer" / "bench.py").is_file():
-        print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py there", file=sys.stderr)
+    flat = (root / "trainer" / "bench.py").is_file()   # the layout before the wings (issue 42), or after
+    if not flat and not (root / "trainer" / "tools" / "bench.py").is_file():
+        print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py or trainer/tools/bench.py there",
+              file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
-    from trainer import bench, model, train   # the older checkout's, from here on
+    if flat:   # the older checkout's, from here on
+        from trainer import bench, model, train
+    else:
+        from trainer.engine import train
+        from trainer.model import drafter as model
+        from trainer.tools import bench
     if a.no_freeze:
         train.freeze_compiled = lambda on: None
 

@@ -16,7 +16,7 @@ same GPU in the same call:
 3. headline: TargetGenerator.complete (dflash-regenerate's own call: prompts sorted by length, batches,
    graphs captured as needed and counted in the time) on --mixed-prompts prompts of uniform random
    length in [--min-len, --max-len], --new-tokens each, at each of --batches.
---attention-check (issue 29, goal 3): first the split-KV decode attention (trainer/decode_attn.py) against
+--attention-check (issue 29, goal 3): first the split-KV decode attention (trainer/ops/decode_attn.py) against
 SDPA at the shape's attention (errors against fp32 math, a tile/split sweep, times in CUDA graphs; --attn-fp8
 also an fp8 cache), then the triton decoder's tokens against its own eager loop and the sdpa decoder's.
 --step-variants / --headline-variants name VARIANTS below (fused, fused-triton, fused-triton-trim, ...).
@@ -40,10 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
-from trainer.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
-from trainer.regenerate import TargetGenerator  # noqa: E402
-from trainer.runlog import format_table  # noqa: E402
+from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
+from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.serving.regenerate import TargetGenerator  # noqa: E402
+from trainer.engine.runlog import format_table  # noqa: E402
 
 
 def prompts_of(rng, n, lo, hi, vocab):
@@ -81,7 +81,7 @@ def fast_breakdown(gen) -> dict:
 
 VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), "matmul": ("matmul", True, False),
             "fused": ("sdpa", True, True),   # fused: norms, rotary, SiLU gate compiled (fastgen.fused_small_ops)
-            "triton": ("triton", True, False),   # triton: the split-KV decode attention (trainer/decode_attn.py)
+            "triton": ("triton", True, False),   # triton: the split-KV decode attention (trainer/ops/decode_attn.py)
             "fused-triton": ("triton", True, True),
             "fused-trim": ("sdpa", True, True, True),   # trim: each prefill row chunk at its own width
             "fused-triton-trim": ("triton", True, True, True),
@@ -193,7 +193,7 @@ def attention_check(a, res, save, dev, dims) -> None:
     the unwritten tail). Times: CUDA graphs of 20 calls, one layer's attention per call."""
     import torch.nn.functional as F
 
-    from trainer import decode_attn as da
+    from trainer.ops import decode_attn as da
 
     _, _, heads, kvh, d, _, _ = dims
     g = heads // kvh
@@ -382,7 +382,7 @@ def quantize_weights_fp8(model) -> int:
     embeddings, norms and the LM head stay bf16, as serving engines' FP8 checkpoints keep them. Returns the
     number of layers converted. Needs torchao and compute capability 8.9+ (torchao refuses a CPU)."""
     from trainer import allow_optional
-    from trainer.target import decoder
+    from trainer.model.target import decoder
 
     allow_optional("torchao")   # the programs defer it (trainer/optional.py)
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
@@ -394,7 +394,7 @@ def quantize_weights_fp8(model) -> int:
 
 
 def set_variant(gen, name):
-    from trainer import decode_attn as da
+    from trainer.ops import decode_attn as da
 
     v = VARIANTS[name]
     quantized = is_fp8_weight(gen._fast_decoder().base.layers[0].mlp.gate_proj.weight)

@@ -32,9 +32,9 @@ def main() -> int:
     a = p.parse_args()
     import torch
     import torch._dynamo
-    from trainer import model as M
-    from trainer.fast import compile_layers
-    from trainer.bench import flex_check_case
+    from trainer.model import drafter as M
+    from trainer.ops.fast import compile_layers
+    from trainer.tools.bench import flex_check_case
 
     base, c, taps, emb, proj = flex_check_case(kv_heads=2, ctx_group=0, supervised_from=0)
 
@@ -64,7 +64,7 @@ def main() -> int:
 
     ref = grads(torch.device("cpu"), torch.float64, 0)
     dev = torch.device("cuda", 0)
-    from trainer.bench import git_commit
+    from trainer.tools.bench import git_commit
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit(), "cases": {}}
     # the cases most likely to tell first (each writes the file): eager FlexAttention with gradients is slow
     cases = {"layers_dynamic": dict(compiled=True),

@@ -5,7 +5,7 @@
 
 The CPU has no FlexAttention backward, so tests/test_split_attention.py checks the split path's gradients
 with a dense context part; here the real one runs, with
-gradients, against a float64 CPU reference of the dense-mask model (trainer.bench.check_flex_on_gpu):
+gradients, against a float64 CPU reference of the dense-mask model (trainer.tools.bench.check_flex_on_gpu):
 compiled alone and inside compiled layers, grouped-query attention with 2 and 4 KV heads, and a loss mask
 from position 0, so that some blocks anchor at 0 and see no context (their context log-sum-exp is -inf)
 while the others see some. Passes when every relative error is below 1e-4.
@@ -26,7 +26,7 @@ def block_merge_bf16(dev) -> dict:
     output and gradients of q, k, v, oc and lc against the float64 math of block_attention + merge_attention
     (relative errors; bf16 rounding is about 4e-3)."""
     import torch
-    from trainer.model import BlockMerge, block_attention, merge_attention
+    from trainer.model.drafter import BlockMerge, block_attention, merge_attention
     g = torch.Generator().manual_seed(0)
     tq, nh, nkv, hd, bs = 4096, 40, 8, 128, 16
     q, oc = (torch.randn(tq, nh, hd, generator=g) for _ in range(2))
@@ -73,9 +73,9 @@ def main() -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import torch
-    from trainer.bench import check_flex_on_gpu
+    from trainer.tools.bench import check_flex_on_gpu
     dev = torch.device("cuda", 0)
-    from trainer.bench import git_commit
+    from trainer.tools.bench import git_commit
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit()}
     # eager FlexAttention materialises every score with its gradient: slow, and the compiled kernels are
     # what trains, so the check runs them only (compiled alone and inside compiled layers)

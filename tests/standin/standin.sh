@@ -86,7 +86,7 @@ tiny() {
     log "generating the tiny target and dataset with dflash-tiny into $TINY"
     rm -rf "$TINY"; mkdir -p "$(dirname "$TINY")"
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-        'import sys; from trainer.tiny import main; sys.argv = ["dflash-tiny", sys.argv[1]]; sys.exit(main())' "$TINY" >&2
+        'import sys; from trainer.tools.tiny import main; sys.argv = ["dflash-tiny", sys.argv[1]]; sys.exit(main())' "$TINY" >&2
     [[ -f "$TINY/target/config.json" ]] || { log "dflash-tiny wrote no $TINY/target/config.json"; exit 1; }
     date -u +%FT%TZ > "$stamp"
     echo "$TINY"

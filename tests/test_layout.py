@@ -1,0 +1,114 @@
+"""The package's layout (issue 42): trainer/ in wings along its real boundaries, read from the code's own
+imports (every `import`, at module level or inside a function):
+
+- serving (export, eval, regenerate and their generation loops) never imports the training engine or the
+  tools, so what a serving user runs cannot grow a dependency on the training job;
+- no import circle between modules;
+- the top floor holds only the entry points and the few facts every wing shares.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TRAINER = Path(__file__).resolve().parents[1] / "trainer"
+WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "tools"}
+TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "status"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in TRAINER.rglob("*.py"):
+        rel = p.relative_to(TRAINER.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The trainer modules `name` imports (absolute or relative; `from pkg import mod` counts as mod)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names if a.name.split(".")[0] == "trainer"}
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - (n.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            if base.split(".")[0] != "trainer":
+                continue
+            for a in n.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_the_top_floor_holds_only_entry_points_and_shared_facts():
+    top = {p.stem for p in TRAINER.glob("*.py")}
+    dirs = {p.name for p in TRAINER.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top == TOP, f"modules on the top floor: {sorted(top - TOP)} (put them in a wing: {sorted(WINGS)})"
+    assert dirs == WINGS
+
+
+def test_serving_never_imports_the_engine_or_the_tools():
+    g = graph()
+    bad = {m: sorted(d for d in deps if d.startswith(("trainer.engine", "trainer.tools")))
+           for m, deps in g.items() if m.startswith("trainer.serving")}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_there_is_no_import_circle():
+    g = graph()
+    index, low, stack, on, sccs = {}, {}, [], set(), []
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            sccs.append(comp)
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    circles = [sorted(c) for c in sccs if len(c) > 1]
+    # a package's __init__ importing nothing of its own keeps these empty
+    assert not circles, circles
+
+
+def test_at_most_one_pair_of_wings_imports_each_other():
+    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops.
+    One back-edge is allowed and named: model's target and drafter import two pure helpers of
+    config.options (the --draft-layer-types rule and the slow-kernel message), inside functions."""
+    def wing(m):
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in WINGS else "top"
+    edges = {}
+    for a, deps in graph().items():
+        for d in deps:
+            if wing(a) != wing(d):
+                edges.setdefault((wing(a), wing(d)), set()).add((a, d))
+    # the top floor (entry points, and status/errors/fsutil/optional that every wing may use) is not a wing
+    both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b and "top" not in (a, b))
+    assert both in ([], [("config", "model")]), {p: (edges[p], edges[p[::-1]]) for p in both}

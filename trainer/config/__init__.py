@@ -1,0 +1,1 @@
+"""The options (torch-free: TrainConfig, the generated parsers, the flag rules and the role's spec) and the preflight checks that read a run's files. `python -m trainer.config FLAGS` (__main__.py) is the Ansible controller's flag check."""

@@ -1,0 +1,1 @@
+"""Datasets on disk: the shard format and loader, and dflash-prepare."""

@@ -1,0 +1,1 @@
+"""torch.distributed for the trainer: topology (who is which rank), process groups, the dispatch plan, the launcher/supervisor, the hidden-state transport, and the NCCL stream-order recorder and checker."""

@@ -1,0 +1,200 @@
+"""The supervisor: `python -m trainer <flags>` on one machine starts this node's ranks through PyTorch's
+launcher API (torch.distributed.launcher.elastic_launch, the engine behind torchrun), relays the job's
+health to systemd (the process systemd watches is the one that sends READY/WATCHDOG) and turns a failed
+rank into a status.json naming it. Under `torchrun ... -m trainer` the ranks run without it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from trainer.distributed.topology import local_roles
+
+log = logging.getLogger("trainer.dist")
+
+
+def launch(argv: list[str], cfg) -> int:
+    """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
+    WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
+    rank in status.json. SIGTERM/SIGINT stay with this process, which passes SIGTERM on to this node's ranks
+    and SIGKILLs those still running after --stop-timeout (_Stopper; the launcher's own signal handling is
+    off)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainer.status import Notifier, read_status, record_failure
+
+    notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
+    os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
+    os.environ.pop("WATCHDOG_USEC", None)
+    os.environ.pop("WATCHDOG_PID", None)
+    nproc = len(local_roles(cfg))
+    multi = cfg.nnodes > 1
+    if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
+    os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
+    os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
+    run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
+    import dataclasses
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    extra = {}
+    # SIGTERM/SIGINT stay with this process (_Stopper below): the launcher's own handling SIGKILLs the
+    # ranks after a fixed 30 s on older torch, too short for a checkpoint of a 27B-width drafter
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    if "signals_to_handle" in known:
+        extra["signals_to_handle"] = "SIGHUP,SIGQUIT"
+    if "shutdown_timeout" in known:
+        extra["shutdown_timeout"] = int(cfg.stop_timeout)
+    lc = LaunchConfig(min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=nproc, run_id=run_id,
+                      # several nodes: the static rendezvous, whose node ranks are the --node-rank each node was
+                      # given (c10d's dynamic one ignores it and numbers the nodes by sorting their addresses,
+                      # which could make a target node's first rank global rank 0); node rank 0 hosts the
+                      # store at the endpoint. One node: c10d on a free loopback port.
+                      rdzv_backend="static" if multi else "c10d", rdzv_endpoint=endpoint, max_restarts=0,
+                      monitor_interval=0.5,
+                      rdzv_configs={"rank": cfg.node_rank, "timeout": int(cfg.dist_timeout)} if multi else {},
+                      # the workers' store is node 0's too: at the endpoint's address, not at whatever
+                      # this host's name resolves to (a container's name may be loopback on every node)
+                      local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,
+                      start_method="spawn", log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None,
+                      **extra)
+    stopper = _Stopper(cfg.stop_timeout)
+    stopper.install()
+    relay = _NotifyRelay(cfg.status_file, notifier)
+    relay.start()
+    log.info("launching %d rank(s) on this node (node %d of %d, rendezvous %s)", nproc, cfg.node_rank, cfg.nnodes,
+             endpoint)
+    rc = 0
+    try:
+        elastic_launch(lc, sys.executable)("-u", "-m", "trainer", *argv)
+    except ChildFailedError as e:
+        # the cause, not its echoes: a rank killed by a signal other than the launcher's own SIGTERM
+        # (sent to the survivors while it shuts the job down) first, else the earliest error
+        rank, failure = min(e.failures.items(),
+                            key=lambda kv: (kv[1].exitcode == -15, kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+        why = failure.message
+        if isinstance(why, dict):
+            why = why.get("message", why)
+        why = str(why)
+        if failure.exitcode == 2:   # bad input found by a rank: its one line, once, from here
+            rc = 2
+            msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
+            print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
+        else:
+            rc = 1
+            sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
+            err = f"rank {rank} failed ({sig}): {why or 'see the log'}"
+            record_failure(cfg.status_file, err, merge_rank_error=True)   # the rank's own reason kept
+            print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
+    except SignalException as e:
+        # (a signal the launcher handles itself: it stopped the ranks); report how they ended
+        st = {}
+        try:
+            st = read_status(cfg.status_file)
+        except Exception:  # noqa: BLE001
+            pass
+        rc = 0 if st.get("phase") == "done" else 1
+        log.info("supervisor: %s; ranks stopped (phase %s)", e.sigval.name, st.get("phase"))
+    finally:
+        relay.stop()
+        notifier.stopping()
+    return rc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stopper:
+    """SIGTERM/SIGINT to the supervisor: pass SIGTERM on to this node's ranks (each finishes an agreed
+    step, the drafters checkpoint, all exit 0, and the launcher returns normally); SIGKILL the ranks
+    still running `timeout` seconds later."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.requested = threading.Event()
+
+    def install(self):
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    @staticmethod
+    def _children() -> list[int]:
+        me, out = os.getpid(), []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                            out.append(int(p))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return out
+
+    def _signal_children(self, sig) -> None:
+        for pid in self._children():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def _handle(self, signum, frame):
+        import signal
+        if self.requested.is_set():
+            return
+        self.requested.set()
+        log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
+                 signal.Signals(signum).name, self.timeout)
+        self._signal_children(signal.SIGTERM)
+        t = threading.Timer(self.timeout, self._signal_children, args=(signal.SIGKILL,))
+        t.daemon = True
+        t.start()
+
+
+class _NotifyRelay(threading.Thread):
+    """Supervisor thread: READY=1 once rank 0 reports training, WATCHDOG=1 whenever status.json moves,
+    EXTEND_TIMEOUT while the job loads or warms up (a 27B load takes minutes)."""
+
+    def __init__(self, status_file: str, notifier):
+        super().__init__(name="notify-relay", daemon=True)
+        self.path, self.notifier = status_file, notifier
+        self._stop = threading.Event()
+
+    def stop(self):
+        self._stop.set()
+
+    def run(self):
+        from trainer.status import read_status
+        ready, last = False, None
+        start = time.time()
+        while not self._stop.wait(1.0):
+            try:
+                st = read_status(self.path)
+            except Exception:  # noqa: BLE001
+                continue
+            if (st.get("updated_at") or 0) < start:
+                continue   # a previous run's file
+            phase = st.get("phase")
+            if phase in ("starting", "loading", "warmup"):
+                self.notifier.extend_timeout(900)
+            if not ready and phase in ("training", "checkpointing", "done"):
+                self.notifier.ready(f"training: step {st.get('step')}")
+                ready = True
+            stamp = st.get("updated_at")
+            if stamp != last:
+                last = stamp
+                self.notifier.watchdog()
+                if ready:
+                    self.notifier.status(f"{phase}: step {st.get('step')}")

@@ -1,0 +1,66 @@
+"""The transformers a hybrid target's generation needs, checked in one place.
+
+A hybrid target (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside full attention) runs
+transformers' own layers inside our loops, and those layers ask the cache for their conv and recurrent
+states. Our caches answer the API of transformers >= HYBRID_TRANSFORMERS (trainer/serving/fastgen.py's hybrid
+state store: get_/update_conv_state, get_/update_recurrent_state, get_recurrent_states_to_keep;
+modeling_dflash.target_cache: DynamicCache.activate_past_recording(recurrent_states_to_keep=)).
+Older releases ask another one (5.17: cache.has_previous_state(...), layers[i].conv_states[0]) and fail
+mid-generation with an AttributeError. `check_hybrid_transformers` stops first, in one line; every hybrid
+generation path calls it: dflash-eval (both loops) and the in-training eval (--eval-data-dir, at
+validation), dflash-regenerate's captured decoder (with or without graphs), fastgen's decoders and
+evaluate.generate_each (so tests/gpu/regenerate_bench.py and eval_bench.py too). A dense target passes
+on any release. Torch-free and cheap: transformers' version is read only for a hybrid.
+"""
+
+from __future__ import annotations
+
+# the oldest release whose Qwen3.5 Gated DeltaNet calls the cache API our loops answer (pyproject's floor)
+HYBRID_TRANSFORMERS = "5.25"
+LINEAR = "linear_attention"
+
+
+class HybridTransformersTooOld(ValueError):
+    """A hybrid target met a transformers older than HYBRID_TRANSFORMERS (the CLIs print it as their one
+    line and exit 2)."""
+
+
+def installed_transformers() -> str:
+    """The transformers this process imports (its __version__)."""
+    import transformers
+    return transformers.__version__
+
+
+def is_hybrid(target) -> bool:
+    """True for a target with linear-attention layers: `target` a model, its config, config.json's dict
+    (text_config or flat), or a bool said by the caller."""
+    if isinstance(target, bool):
+        return target
+    cfg = getattr(target, "config", target)
+    if isinstance(cfg, dict):
+        types = cfg.get("text_config", cfg).get("layer_types")
+    else:
+        text = getattr(cfg, "text_config", None) if getattr(cfg, "layer_types", None) is None else None
+        types = getattr(text if text is not None else cfg, "layer_types", None)
+    return LINEAR in (types or ())
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'5.25.0.dev0' -> (5, 25, 0): the leading release numbers (a dev or rc build of 5.25 counts as 5.25)."""
+    import re
+    m = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(x) for x in m.group().split(".")) if m else ()
+
+
+def check_hybrid_transformers(target, what: str = "the target") -> None:
+    """Raise HybridTransformersTooOld (one line: the installed release and the needed one) when `target`
+    (see is_hybrid) is a hybrid and the installed transformers is older than HYBRID_TRANSFORMERS; else
+    nothing. `what` names the target in the message (e.g. "--target-model DIR")."""
+    if not is_hybrid(target):
+        return
+    have = installed_transformers()
+    if _release(have) < _release(HYBRID_TRANSFORMERS):
+        raise HybridTransformersTooOld(
+            f"{what} is a hybrid (Gated DeltaNet linear-attention layers): its generation here needs "
+            f"transformers >= {HYBRID_TRANSFORMERS}, installed {have} "
+            f"(pip install 'transformers>={HYBRID_TRANSFORMERS}')")

@@ -1,0 +1,145 @@
+"""DFlash2's speculative generation for dflash-eval: the selector's path proposed, verified by the target.
+
+Per verify step, as the reference `dflash` package's loop and SGLang/vLLM run it: the drafter drafts one
+block from the target's taps of the accepted prefix (slot 0 the newest token, the rest the mask token);
+the candidate selector (dflash2.CandidateSelector.walk) walks its top-K candidates from that token and
+proposes the path; the target verifies [token, path] in one forward.
+
+- Greedy: the path's longest prefix equal to the target's argmax is accepted, plus the target's next token.
+- Temperature T > 0: position k's draft d was drawn from q_k, the softmax of the selector's scores / T over
+  position k's candidates (given the draft before it). Accept it with probability min(1, p_k(d) / q_k(d)),
+  p_k the target's softmax(logits / T); at the first rejection draw from max(0, p_k - q_k) renormalised
+  (q_k scattered onto the vocabulary at its candidates); with every draft accepted, the bonus token from
+  p after the last. The emitted tokens are distributed as the target's sampling (q_k is the distribution
+  the draft was actually drawn from, given the prefix the target accepted).
+
+The drafter is the trainer's packed class (model.DFlashDrafter with its DFlash2 config), run on the whole
+accepted context each step (no drafter cache: the context rows are the same taps, so the drafts are the
+cached loop's). tau: tokens emitted per verify step, as modeling_dflash.dflash_generate counts them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from trainer.model.drafter import DFlashDrafter, PackedMeta
+from trainer.model.modeling_dflash import SpecResult, _cache_kw, crop_cache, finish_output, target_cache, verify_block
+
+
+class DFlash2Proposer:
+    """A DFlash2 DFlashDrafter as the generation loop uses it (block_size, extract_taps, propose)."""
+
+    is_dflash2 = True
+
+    def __init__(self, model: DFlashDrafter):
+        if not model.cfg.is_dflash2:
+            raise ValueError("DFlash2Proposer needs a DFlash2 drafter (its config has no conv_kernel_size)")
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.block_size = model.cfg.block_size
+        self.target_layer_ids = list(model.cfg.target_layer_ids)
+
+    def to(self, *args, **kwargs) -> "DFlash2Proposer":
+        self.model.to(*args, **kwargs)
+        return self
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def extract_taps(self, hidden_states) -> torch.Tensor:
+        """HF `output_hidden_states` -> [b, T, K*H] (tap i: the output of target layer i)."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def propose(self, target, taps: torch.Tensor, first_token: int, temperature: float = 0.0,
+                generator: Optional[torch.Generator] = None):
+        """taps [n, K*H] of positions 0..n-1 (the accepted context); the block is anchored at n with
+        `first_token` in slot 0 -> (path [B-1], candidates [B-1, K], q [B-1, K] fp32 or None at T = 0)."""
+        cfg, bs = self.cfg, self.block_size
+        p = next(self.model.parameters())
+        dev, n = p.device, taps.shape[0]
+        embed = target.get_input_embeddings().weight
+        block = torch.full((bs,), cfg.mask_token_id, dtype=torch.long, device=embed.device)
+        block[0] = first_token
+        slot = torch.arange(bs, device=dev)
+        meta = PackedMeta(ctx_seq=torch.zeros(n, dtype=torch.long, device=dev), ctx_pos=torch.arange(n, device=dev),
+                          q_seq=torch.zeros(bs, dtype=torch.long, device=dev), q_anchor=torch.full_like(slot, n),
+                          q_pos=n + slot, block_size=bs)
+        hidden = self.model(taps.to(dev, p.dtype), embed[block].to(dev, p.dtype), meta, backend="sdpa")[1:]
+        head = target.get_output_embeddings().weight
+        logits = hidden.to(head.dtype) @ head.t()
+        anchor = torch.tensor([first_token], device=dev)
+        path, cand, q = self.model.candidate_selector.walk(hidden[None], logits[None].to(dev), anchor, temperature,
+                                                           generator)
+        return path[0], cand[0], (q[0] if q is not None else None)
+
+
+def verify_candidates(path: torch.Tensor, cand: torch.Tensor, q: Optional[torch.Tensor], target_logits: torch.Tensor,
+                      temperature: float, generator: Optional[torch.Generator] = None) -> tuple[int, int]:
+    """(accepted drafts, next token). path [B-1]; cand [B-1, K]; q [B-1, K] (T > 0); target_logits [B, V],
+    row k the target's distribution for the token after block slot k. See the module docstring."""
+    n = path.shape[0]
+    if temperature <= 0:
+        return verify_block(path, None, target_logits, 0.0)
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = q.float().to(p.device)
+    cand = cand.to(p.device)
+    gdev = generator.device if generator is not None else p.device
+    for k in range(n):
+        d = int(path[k])
+        qd = float(q[k][cand[k] == d].sum())
+        r = float(torch.rand((), generator=generator, device=gdev))
+        if r * qd < float(p[k, d]):
+            continue
+        resid = p[k].clone().scatter_add_(0, cand[k], -q[k]).clamp_min_(0)
+        resid = resid / resid.sum() if float(resid.sum()) > 0 else p[k]
+        return k, int(torch.multinomial(resid, 1, generator=generator))
+    return n, int(torch.multinomial(p[n], 1, generator=generator))
+
+
+@torch.no_grad()
+def dflash2_generate(drafter: DFlash2Proposer, target, input_ids: torch.LongTensor, max_new_tokens: int,
+                     stop_token_ids: Optional[list[int]] = None, temperature: float = 0.0,
+                     generator: Optional[torch.Generator] = None) -> SpecResult:
+    """Speculative generation of one prompt [1, P] with a DFlash2 drafter; the loop and its counts are
+    modeling_dflash.dflash_generate's, the proposal and its verification the selector's."""
+    dev = input_ids.device
+    bs = drafter.block_size
+    stops = set(stop_token_ids or [])
+    n_prompt = input_ids.shape[1]
+    cache_t = target_cache(target, bs)
+    kw = _cache_kw(target)
+    out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
+                 use_cache=True, output_hidden_states=True, **{kw: cache_t})
+    last = out.logits[0, -1].float()
+    if temperature > 0:
+        token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator))
+    else:
+        token = int(last.argmax())
+    taps = drafter.extract_taps(out.hidden_states)[0]
+    crop_cache(cache_t, n_prompt)
+    generated = [token]
+    res = SpecResult(output_ids=input_ids, num_prompt_tokens=n_prompt)
+    start = n_prompt   # position of `token`, the newest token, not yet seen by the target
+    while len(generated) < max_new_tokens and token not in stops:
+        path, cand, q = drafter.propose(target, taps, token, temperature, generator)
+        block = torch.cat([torch.tensor([token], device=dev), path.to(dev)])[None]
+        out = target(input_ids=block, position_ids=torch.arange(start, start + bs, device=dev)[None],
+                     use_cache=True, output_hidden_states=True, **{kw: cache_t})
+        acc, nxt = verify_candidates(path.to(dev), cand, q, out.logits[0], temperature, generator)
+        emitted = path[:acc].tolist() + [nxt]
+        res.accept_lengths.append(len(emitted))
+        taps = torch.cat([taps, drafter.extract_taps(out.hidden_states)[0, :acc + 1]])
+        start += acc + 1
+        crop_cache(cache_t, start)
+        for t in emitted:
+            generated.append(t)
+            if t in stops:
+                break
+        token = generated[-1]
+    return finish_output(res, input_ids, generated, stops, max_new_tokens)

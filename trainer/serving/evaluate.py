@@ -1,0 +1,458 @@
+"""dflash-eval: acceptance length measured the way serving measures it, by speculative generation.
+
+On held-out prompts (each record's tokens before its first supervised token) the target generates;
+at each step the drafter proposes B-1 tokens from the target's taps of the accepted prefix, the target
+verifies [last token, drafts] in one forward, and the matching prefix plus the bonus token are
+emitted (trainer/model/modeling_dflash.py `dflash_generate`, the same loop the export ships).
+
+    tau                      mean tokens emitted per verify step (<= B), as in the DFlash paper
+    per_position_acceptance  [k-1]: fraction of verify steps whose draft k was accepted (k = 1..B-1)
+    block_accuracy           the cheap teacher-forced figure (anchors on held-out text, one block each):
+                             the fraction of draft slots equal to the target's argmax; with
+                             teacher_forced_block_len (mean accepted prefix + 1). Not tau.
+
+Greedy (temperature 0) by default; temperature > 0 runs standard speculative sampling.
+A DFlash2 drafter (its export's DFlash2DraftModel) proposes its candidate selector's path and is verified
+against the selector's q at temperature > 0 (trainer/serving/dflash2_eval.py), one prompt at a time.
+
+    dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
+                [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
+                [--loop auto|batched|single] [--batch-size 16]
+
+The batched loop (greedy; trainer/serving/fastgen.py BatchedSpecDecoder) verifies --batch-size prompts per step,
+each row at its own position, with the step captured as CUDA graphs on GPUs; the single loop runs one
+prompt at a time. Both give the same accept lengths (tests/test_eval_specgen.py). On a hybrid target
+(Qwen3.5/3.6: Gated DeltaNet layers) both roll the linear layers' states back to the accepted tokens after
+each verify step (docs/serving.md, "Hybrid targets"; tests/test_hybrid_generation.py); where the batched
+loop cannot, it says so in one line and the single loop runs (`runnable_loop`).
+
+Public entry point for the trainer: `evaluate_checkpoint(checkpoint, target_model, eval_data)`.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":   # run as a program (python -m): torchao only when asked for (trainer/optional.py)
+    from trainer.optional import defer
+    defer()
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.config.options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS, ConfigError, check_ranges, opt, parse_options
+from trainer.serving.export import ExportError, hf_config_dict, read_checkpoint
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta
+from trainer.model.modeling_dflash import DFlashDraftModel, dflash_generate
+
+log = logging.getLogger("trainer.evaluate")
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+from trainer.ops.plan import anchor_candidates  # noqa: E402
+from trainer.model.target import load_target  # noqa: E402  (the one loader; target.py imports no trainer loop)
+
+
+def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:
+    """The servable drafter class with these weights, loaded strictly (a name mismatch raises). DFlash2
+    (cfg.is_dflash2): the trainer's class behind dflash2_eval.DFlash2Proposer, whose loop runs the selector."""
+    if cfg.is_dflash2:
+        from trainer.serving.dflash2_eval import DFlash2Proposer
+        model = DFlashDrafter(cfg)
+        model.load_state_dict(state, strict=True)
+        return DFlash2Proposer(model.to(device=device, dtype=dtype).requires_grad_(False))
+    from transformers import Qwen3Config
+    model = DFlashDraftModel(Qwen3Config(**hf_config_dict(cfg)))
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_drafter(checkpoint: str, device, dtype=torch.float32) -> tuple[DFlashDrafter, DFlashConfig]:
+    """The trainer's drafter class from a checkpoint, output dir or export; strict."""
+    cfg, state, _ = read_checkpoint(checkpoint)
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype), cfg
+
+
+def _as_hf(drafter, cfg: DFlashConfig) -> DFlashDraftModel:
+    if isinstance(drafter, DFlashDraftModel) or getattr(drafter, "is_dflash2", False):
+        return drafter
+    p = next(drafter.parameters())
+    return hf_drafter(cfg, {k: v.detach() for k, v in drafter.state_dict().items()}, p.device, p.dtype)
+
+
+def stop_token_ids(target) -> list[int]:
+    ids = []
+    for src in (target.config, getattr(target, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids += [e] if isinstance(e, int) else list(e or [])
+    return sorted(set(ids))
+
+
+def heldout_prompts(dataset, max_prompts: int) -> list[np.ndarray]:
+    """Each record's tokens before its first supervised token (records without a prompt are skipped)."""
+    prompts = []
+    for i in range(len(dataset)):
+        ids, mask = dataset[i]
+        sup = np.nonzero(mask)[0]
+        if len(sup) and sup[0] > 0:
+            prompts.append(np.asarray(ids[:sup[0]], dtype=np.int64))
+        if len(prompts) >= max_prompts:
+            break
+    return prompts
+
+
+# ------------------------------------------------------------------------------- tau by generation
+
+
+LOOPS = ("auto", "batched", "single")
+EVAL_BATCH = 16   # prompts verified together by the batched loop
+
+
+def resolve_loop(loop: str, temperature: float) -> str:
+    """auto: the batched loop for greedy evals, today's one-prompt loop for sampling (ValueError naming the
+    flag when the batched loop is asked for a sampled eval)."""
+    if loop not in LOOPS:
+        raise ValueError(f"--loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "auto":
+        return "batched" if temperature <= 0 else "single"
+    if loop == "batched" and temperature > 0:
+        raise ValueError(f"--loop batched: greedy only (--temperature 0), got --temperature {temperature}; "
+                         "use --loop single for sampling")
+    return loop
+
+
+def runnable_loop(target, loop: str) -> str:
+    """`loop`, or "single" with one warning line where the batched loop cannot run this target (a hybrid
+    whose linear-attention layers fastgen does not know how to roll back: fastgen.hybrid_unsupported)."""
+    if loop != "batched":
+        return loop
+    from trainer.serving.fastgen import hybrid_unsupported
+    from trainer.model.target import decoder
+    why = hybrid_unsupported(decoder(target), speculative=True)
+    if why:
+        log.warning("dflash-eval: the batched loop cannot run this target (%s); using the single loop", why)
+        return "single"
+    return loop
+
+
+@torch.no_grad()
+def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                  temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0, loop: str = "single",
+                  batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> list[tuple[list[int], int]]:
+    """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
+    loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
+    (fastgen.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
+    A hybrid target on a transformers older than trainer/model/hybrid.py's floor: HybridTransformersTooOld first."""
+    from trainer.model.hybrid import check_hybrid_transformers
+    check_hybrid_transformers(target)
+    dev = next(target.parameters()).device
+    stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
+    if getattr(drafter, "is_dflash2", False):   # the selector's loop: one prompt at a time
+        from trainer.serving.dflash2_eval import dflash2_generate
+        gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+        return [(r.accept_lengths, r.output_ids.shape[1] - r.num_prompt_tokens)
+                for r in (dflash2_generate(drafter, target, torch.as_tensor(np.asarray(p), dtype=torch.long,
+                                                                            device=dev)[None],
+                                           max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
+    loop = runnable_loop(target, resolve_loop(loop, temperature))
+    if loop == "batched":
+        from trainer.serving.fastgen import BatchedSpecDecoder
+        dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
+                                 graphs=graphs)
+        return [(lengths, len(toks)) for i in range(0, len(prompts), dec.batch)
+                for lengths, toks in dec.generate(prompts[i:i + dec.batch])]
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    each = []
+    for p in prompts:
+        ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
+        res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen)
+        each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
+    return each
+
+
+@torch.no_grad()
+def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                     temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0,
+                     loop: str = "single", batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> dict:
+    """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
+    dev = next(target.parameters()).device
+    bs = drafter.block_size
+    loop = "single" if getattr(drafter, "is_dflash2", False) else runnable_loop(target, resolve_loop(loop, temperature))
+    t0 = time.perf_counter()
+    each = generate_each(target, drafter, prompts, max_new_tokens, temperature, stop_ids, seed, loop, batch_size,
+                         graphs)
+    lengths = [n for steps, _ in each for n in steps]
+    new_tokens = sum(n for _, n in each)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    secs = time.perf_counter() - t0
+    if not lengths:
+        raise ValueError("no verify steps: every prompt stopped at its first token")
+    arr = np.asarray(lengths)
+    return {
+        "tau": float(arr.mean()),
+        "verify_steps": int(len(arr)),
+        "prompts": len(prompts),
+        "new_tokens": int(new_tokens),
+        "per_position_acceptance": [float((arr > k).mean()) for k in range(1, bs)],
+        "accept_length_histogram": [int((arr == n).sum()) for n in range(1, bs + 1)],
+        "block_size": bs,
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+        "loop": loop,
+        "seconds": round(secs, 3),
+        "verify_steps_per_s": round(len(arr) / secs, 2) if secs > 0 else None,
+    }
+
+
+# ------------------------------------------------------------------------------- teacher-forced figure
+
+
+@torch.no_grad()
+def block_accuracy(target, drafter: DFlashDrafter, cfg: DFlashConfig, dataset, device: torch.device,
+                   anchors_per_seq: int = 8, max_seqs: int = 64, seed: int = 0) -> dict:
+    """Cheap and teacher-forced (not tau): anchors sampled on held-out text, one block drafted each from
+    the target's taps of the true prefix, compared with the target's argmax on the true text + drafts."""
+    bs = cfg.block_size
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    dtype = next(drafter.parameters()).dtype
+    rng = np.random.default_rng(seed)
+    lens, slots_ok, slots = [], 0, 0
+    for i in range(min(len(dataset), max_seqs)):
+        ids_np, mask_np = dataset[i]
+        n = len(ids_np)
+        cand = anchor_candidates(mask_np, min_position=1)   # the training rule (plan.py)
+        if len(cand) == 0:
+            continue
+        anchors = np.sort(rng.choice(cand, size=min(anchors_per_seq, len(cand)), replace=False))
+        ids = torch.from_numpy(ids_np.astype(np.int64))[None].to(device)
+        out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
+        taps = torch.cat([out.hidden_states[t + 1] for t in cfg.target_layer_ids], dim=-1)[0].to(dtype)
+        a = torch.from_numpy(anchors).to(device)
+        slot = torch.arange(bs, device=device)
+        q_anchor = a.repeat_interleave(bs)
+        q_pos = (a[:, None] + slot[None]).reshape(-1)
+        tokens = torch.full((len(anchors), bs), cfg.mask_token_id, device=device, dtype=torch.long)
+        tokens[:, 0] = ids[0, a]
+        meta = PackedMeta(ctx_seq=torch.zeros(n, dtype=torch.long, device=device),
+                          ctx_pos=torch.arange(n, device=device), q_seq=torch.zeros_like(q_anchor),
+                          q_anchor=q_anchor, q_pos=q_pos, block_size=bs)
+        hidden = drafter(taps, embed[tokens.reshape(-1)].to(dtype), meta, backend="sdpa")
+        drafts = (hidden.to(head.dtype) @ head.t()).argmax(-1).view(len(anchors), bs)[:, 1:]
+        width = int(anchors.max()) + bs
+        seqs = torch.zeros(len(anchors), width, dtype=torch.long, device=device)
+        for j, p in enumerate(anchors):  # right padded; causal, so the padding changes nothing
+            seqs[j, :p + 1] = ids[0, :p + 1]
+            seqs[j, p + 1:p + bs] = drafts[j]
+        logits = target(input_ids=seqs, use_cache=False).logits
+        for j, p in enumerate(anchors):
+            ok = (logits[j, p:p + bs - 1].argmax(-1) == drafts[j]).long()
+            lens.append(int(torch.cumprod(ok, 0).sum()) + 1)
+            slots_ok += int(ok.sum())
+            slots += bs - 1
+    if not lens:
+        raise ValueError("no evaluable anchors in the held-out data")
+    return {"block_accuracy": slots_ok / slots, "teacher_forced_block_len": float(np.mean(lens)),
+            "blocks": len(lens)}
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device, max_prompts: int = EVAL_PROMPTS,
+             max_new_tokens: int = EVAL_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
+             with_block_accuracy: bool = False, loop: str = "single", batch_size: int = EVAL_BATCH,
+             graphs: bool | None = False) -> dict:
+    """tau by speculative generation for a drafter object (trainer's class or the servable one). `loop`,
+    `batch_size`, `graphs`: as `generate_each` (the trainer's own eval keeps the one-prompt loop)."""
+    hf = _as_hf(drafter, dcfg).to(device)
+    prompts = heldout_prompts(dataset, max_prompts)
+    if not prompts:
+        raise ValueError("no held-out record has a prompt (tokens before its first supervised one)")
+    res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed, loop=loop,
+                           batch_size=batch_size, graphs=graphs)
+    if with_block_accuracy:
+        packed = drafter if isinstance(drafter, DFlashDrafter) else (hf.model if getattr(hf, "is_dflash2", False)
+                                                                     else None)
+        if packed is None:
+            packed = DFlashDrafter(dcfg).to(device=device, dtype=next(hf.parameters()).dtype)
+            packed.load_state_dict(hf.state_dict(), strict=True)
+        res.update(block_accuracy(target, packed, dcfg, dataset, device, seed=seed))
+    return res
+
+
+def evaluate_state(cfg: DFlashConfig, state: dict[str, torch.Tensor], target, dataset, device: torch.device,
+                   dtype: torch.dtype, max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                   temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, loop: str = "single",
+                   batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> dict:
+    """tau for drafter weights `state` (a consolidated state dict, as model.safetensors holds it) against an
+    already loaded `target`: what evaluate_checkpoint runs after reading the files, and what the trainer runs
+    during training on the current weights (trainer/engine/evaltrain.py), so the two agree by construction."""
+    drafter = hf_drafter(cfg, state, device, dtype)
+    return evaluate(target, drafter, cfg, dataset, device, max_prompts, max_new_tokens, temperature, seed,
+                    with_block_accuracy, loop, batch_size, graphs)
+
+
+def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, device: str | None = None,
+                        max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+                        temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
+                        out_dir: str | None = None, loop: str = "auto", batch_size: int = EVAL_BATCH,
+                        graphs: bool | None = None) -> dict:
+    """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
+    dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
+    loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
+    "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
+    `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too)."""
+    from trainer.data.dataset import load_dataset
+    dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg, state, src = read_checkpoint(checkpoint)
+    from trainer.model.identity import check_drafter_on_target
+    # TargetMismatch (a ValueError) names what differs; a loaded target is compared by its config
+    check_drafter_on_target(src, target_model if target is None else target.config.to_dict())
+    if target is None:
+        target = load_target(target_model, dev, dtype)
+    res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
+                         temperature, seed, with_block_accuracy, loop, batch_size, graphs)
+    from trainer.model.checkpoint_format import STEP_DIR_RE
+    m = STEP_DIR_RE.match(src.name)
+    res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
+    log.info("eval %s: tau %.3f over %d verify steps (%d prompts, %.1f steps/s); per-position acceptance %s",
+             src, res["tau"], res["verify_steps"], res["prompts"], res["verify_steps_per_s"] or 0,
+             [round(x, 3) for x in res["per_position_acceptance"]])
+    if out_dir is not None:
+        (Path(out_dir) / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def check_eval_args(max_prompts: int, max_new_tokens: int, temperature: float, loop: str = "auto",
+                    batch_size: int = EVAL_BATCH) -> None:
+    """The bounds of one eval; ValueError naming the flag (dflash-eval prints it as its one line)."""
+    for flag, v in (("--max-prompts", max_prompts), ("--max-new-tokens", max_new_tokens),
+                    ("--batch-size", batch_size)):
+        if v < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {v}")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature: must be >= 0, got {temperature}")
+    resolve_loop(loop, temperature)
+
+
+def parse_device(text: str) -> torch.device:
+    """--device cpu | cuda | cuda:N, checked against this machine (ValueError naming the flag)."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device: expected cpu or cuda:N, got {text!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"--device {text}: expected cpu or cuda:N")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ValueError(f"--device {text}: CUDA is not available on this machine (use --device cpu)")
+    if (dev.index or 0) >= n:
+        raise ValueError(f"--device {text}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
+def _default_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+IN, EVAL = "what to evaluate", "evaluation"
+
+
+@dataclass
+class EvalConfig:
+    """dflash-eval's options (the command line is generated from these fields: trainer/config/options.py)."""
+    target_model: str = opt(help="local Hugging Face model directory of the target", group=IN)
+    data_dir: str = opt(help="held-out shards", group=IN)
+    checkpoint: str = opt("", "a step-* dir, an output dir (newest step) or a dflash-export dir", group=IN,
+                         metavar="PATH")
+    output_dir: str = opt("", "same as --checkpoint with an output dir", group=IN)
+    device: str = opt(help="cpu or cuda:N", group=EVAL, default_factory=_default_device, metavar="DEVICE")
+    max_prompts: int = opt(EVAL_PROMPTS, "held-out prompts generated from", group=EVAL, ge=1)
+    max_new_tokens: int = opt(EVAL_MAX_NEW_TOKENS, "tokens generated per prompt", group=EVAL, ge=1)
+    temperature: float = opt(0.0, "0 = greedy; > 0: speculative sampling", group=EVAL, ge=0)
+    seed: int = opt(0, "sampling seed (temperature > 0)", group=EVAL)
+    loop: str = opt("auto", "batched: --batch-size prompts verified per step, the step captured as CUDA graphs on "
+                            "GPUs (greedy only); single: one prompt at a time (the loop serving exports ship); "
+                            "auto: batched for --temperature 0, else single. Both give the same accept lengths",
+                    group=EVAL, metavar="|".join(LOOPS))   # checked by resolve_loop, which names the choices
+    batch_size: int = opt(EVAL_BATCH, "prompts per step of the batched loop", group=EVAL, ge=1)
+    block_accuracy: bool = opt(True, "also the teacher-forced figure (--no-block-accuracy: skip it)", group=EVAL)
+    untrained: bool = opt(False, "re-initialise the drafter (baseline)", group=EVAL)
+    allow_target_change: bool = opt(False, "evaluate even when the target differs from the one the drafter was "
+                                           "trained on (e.g. a fine-tuned revision) where its weights still fit",
+                                    group=EVAL)
+    json: bool = opt(False, "print the result as JSON", group=EVAL)
+
+
+def main(argv=None) -> int:
+    try:
+        a = parse_options(EvalConfig, argv, "dflash-eval", __doc__.split("\n")[0])
+    except ConfigError as e:
+        print(f"dflash-eval: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from trainer.model import identity
+    from trainer.config.preflight import check_model_dir
+    from trainer.data.dataset import DataError, load_dataset, read_index
+    from trainer.model.hybrid import check_hybrid_transformers
+    src = a.checkpoint or a.output_dir
+    try:
+        if not src:
+            raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
+        check_ranges(a)
+        check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature, a.loop, a.batch_size)
+        dev = parse_device(a.device)
+        # a hybrid target on a transformers older than our cache API: one line, before anything is read
+        check_hybrid_transformers(check_model_dir(a.target_model), f"--target-model {a.target_model}")
+        ds = load_dataset(a.data_dir)
+        cfg, state, ckpt = read_checkpoint(src)
+        if cfg.is_dflash2 and a.loop == "batched":
+            raise ValueError("--loop batched: a DFlash2 drafter's selector runs in the single loop (--loop single)")
+        allowed = identity.check_drafter_on_target(ckpt, a.target_model, allow=a.allow_target_change)
+        identity.check_data_tokenizer(read_index(a.data_dir), identity.of_target(a.target_model), "--data-dir",
+                                      a.data_dir)
+    except (ConfigError, DataError, ExportError, ValueError) as e:   # TargetMismatch is a ValueError
+        print(f"dflash-eval: error: {e}", file=sys.stderr)
+        return 2
+    if allowed:
+        log.warning("%s: evaluating %s on a different target: %s", identity.ALLOW_FLAG, ckpt, "; ".join(allowed))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if a.untrained:
+        from trainer.model.drafter import init_drafter_weights
+        fresh = DFlashDrafter(cfg)
+        init_drafter_weights(fresh)
+        state = fresh.state_dict()
+    drafter = hf_drafter(cfg, state, dev, dtype)
+    target = load_target(a.target_model, dev, dtype)
+    res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
+                   a.block_accuracy, a.loop, a.batch_size, graphs=None)
+    res["checkpoint"] = str(ckpt)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"tau {res['tau']:.3f} over {res['verify_steps']} verify steps, {res['prompts']} prompts "
+              f"(block size {cfg.block_size}, temperature {a.temperature}; {res['loop']} loop, "
+              f"{res['verify_steps_per_s']} steps/s)")
+        print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in res["per_position_acceptance"]))
+        if "block_accuracy" in res:
+            print(f"teacher-forced (not tau): block accuracy {res['block_accuracy']:.3f}, "
+                  f"block length {res['teacher_forced_block_len']:.3f} over {res['blocks']} blocks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

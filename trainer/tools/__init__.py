@@ -1,0 +1,1 @@
+"""Measurement and developer tools: the benchmark, the stream-order replay and checker CLI, dflash-tiny."""

@@ -112,3 +112,14 @@ def test_at_most_one_pair_of_wings_imports_each_other():
     # the top floor (entry points, and status/errors/fsutil/optional that every wing may use) is not a wing
     both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b and "top" not in (a, b))
     assert both in ([], [("config", "model")]), {p: (edges[p], edges[p[::-1]]) for p in both}
+
+
+def test_the_package_build_ships_every_wing():
+    """pyproject's package discovery finds every subpackage (`packages = ["trainer"]` shipped the top floor
+    alone, and the role's install of the trainer in the container would have lost the wings)."""
+    import tomllib
+
+    from setuptools import find_packages
+    cfg = tomllib.loads((TRAINER.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(where=str(TRAINER.parent), include=cfg["include"]))
+    assert found == {"trainer"} | {f"trainer.{w}" for w in WINGS}, found

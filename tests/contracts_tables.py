@@ -3,7 +3,7 @@
 * status fields: what status.json reports, from trainer/status.py's ``STATUS_SCHEMA``;
 * dflash-train flags: every flag of the trainer's command line, from ``TrainConfig``'s fields through the
   option system (``cli_fields()``, ``flag_of()`` and each field's ``opt()`` metadata: help, default, choices,
-  range, group), one table per group. Taken from trainer.config.options where it exists, else trainer.config; a
+  range, group), one table per group. Taken from trainer.config.options; a
   field marked hidden, or in the group "measurement" (flags for A/B measurements only), is left out.
 
 Each table sits in docs/contracts.md between ``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``;
@@ -67,23 +67,8 @@ def status_table() -> str:
 
 
 def option_module():
-    """The option system: trainer.config.options once the options live there, trainer.config until then."""
-    try:
-        return importlib.import_module("trainer.config.options")
-    except ModuleNotFoundError as e:
-        if e.name != "trainer.config.options":
-            raise
-        return importlib.import_module("trainer.config")
-
-
-def _kind(f: dataclasses.Field) -> str:
-    if f.metadata.get("kind"):
-        return f.metadata["kind"]
-    t = str(f.type)
-    for k in ("bool", "int", "float"):
-        if t == k or t.startswith(k + " "):
-            return k
-    return "str"
+    """The option system (trainer/config/options.py)."""
+    return importlib.import_module("trainer.config.options")
 
 
 def _number(x: Any) -> str:
@@ -157,7 +142,7 @@ def flag_table() -> str:
     for group, fields in groups.items():
         lines += ["", f"**{_cell(group)}**", "", "| flag | default | values | meaning |", "|---|---|---|---|"]
         for f in fields:
-            kind = _kind(f)
+            kind = option_module()._kind(f)   # how the parser reads the field: the option system's rule
             flags = parsed.get(f.name, ([], False))[0] or (   # no parser to ask: a switch has both forms
                 [mod.flag_of(f), "--no-" + mod.flag_of(f)[2:]] if kind == "bool" else [mod.flag_of(f)])
             lines.append(f"| {', '.join(_code(x) for x in flags)} | {_default(f, kind)} | {_values(f, kind)} "

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from trainer.ops import fast
+from trainer.ops import compiling as fast
 from trainer.ops.loss import dflash_loss, lm_head_chunk
 from trainer.engine.metrics import HeadTailLog, MetricsFile, Profiler
 
@@ -221,7 +221,7 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
     import numpy as np
     from trainer.config.options import parse_args
     from trainer.ops.plan import plan_micro_batch
-    from trainer.engine.warmup import warmup_batches
+    from trainer.engine.compile_warmup import warmup_batches
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),
             "--max-seq-len", str(max_len), "--block-size", "16", "--max-anchors", "512",
             "--drafter-chunk-rows", str(chunk)]

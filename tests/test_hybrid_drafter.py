@@ -336,7 +336,7 @@ def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
 
 
 class _BufferCache:
-    """A preallocated KV buffer as the batched decoder keeps one (trainer/serving/fastgen.py): the context rows are
+    """A preallocated KV buffer as the batched decoder keeps one (trainer/serving/captured_decoder.py): the context rows are
     written at their positions, the first `view` slots are attended, the block rows appended after them."""
 
     def __init__(self, layers, kv_heads, head_dim, capacity):

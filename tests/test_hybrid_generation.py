@@ -102,7 +102,7 @@ class Proposals:
 def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_greedy_decode(case):
     """Fails before the fix on the hybrid: the single loop's DynamicCache() had no layer for the recurrent
     state (IndexError), the batched loop's cache no get_recurrent_state (AttributeError)."""
-    from trainer.serving.fastgen import BatchedSpecDecoder
+    from trainer.serving.captured_decoder import BatchedSpecDecoder
     from trainer.model.modeling_dflash import dflash_generate
 
     _, target, prompts = case
@@ -182,7 +182,7 @@ def test_the_captured_decoder_on_a_hybrid_writes_the_bytes_of_generate(tiny_hybr
 
 
 def test_the_captured_decoder_holds_only_the_attention_layers_kv_and_each_linear_layers_state(hybrid):
-    from trainer.serving.fastgen import GraphDecoder
+    from trainer.serving.captured_decoder import GraphDecoder
 
     dec = GraphDecoder(hybrid, "cpu", 2, 4, 0.0, [], 0)
     dec.generate([np.arange(5, 20), np.arange(7, 10)], range(2))
@@ -201,11 +201,11 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     dflash-regenerate says so in one line and runs generate."""
     import logging
 
-    from trainer.serving import fastgen
+    from trainer.serving import captured_decoder
     from trainer.serving.evaluate import speculative_eval
     from trainer.serving.regenerate import TargetGenerator
 
-    monkeypatch.setattr(fastgen, "CHUNK_FN", "chunk_some_other_rule")
+    monkeypatch.setattr(captured_decoder, "CHUNK_FN", "chunk_some_other_rule")
     cfg, model = untrained(hybrid)
     hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
@@ -215,7 +215,7 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "batched loop cannot run this target" in lines[0] and "chunk_some_other_rule" in lines[0]
     assert TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured").decoder == "captured"   # needs no rollback
-    monkeypatch.setattr(fastgen, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
+    monkeypatch.setattr(captured_decoder, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured")
     err = capsys.readouterr().err.strip().splitlines()
     assert gen.decoder == "generate" and len(err) == 1
@@ -228,7 +228,7 @@ def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
     (two inputs) is left alone (it used to be patched with a one-input forward: TypeError)."""
     import copy
 
-    from trainer.serving.fastgen import norm_kind
+    from trainer.serving.captured_decoder import norm_kind
 
     layer = hybrid.model.layers[0]
     norm = copy.deepcopy(layer.input_layernorm)
@@ -243,7 +243,7 @@ def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
 def test_the_captured_decoder_with_compiled_small_ops_on_a_hybrid_gives_generates_tokens(hybrid, tiny_hybrid_dir):
     """fuse=True (the GPU default) on a hybrid; before the fix: TypeError from the gated norm (16 s of
     inductor compiles on the CPU)."""
-    from trainer.serving.fastgen import GraphDecoder
+    from trainer.serving.captured_decoder import GraphDecoder
     from trainer.serving.regenerate import TargetGenerator
 
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 4)
@@ -261,12 +261,12 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
     import sys
     import types
 
-    from trainer.serving import fastgen
+    from trainer.serving import captured_decoder
     from trainer.serving.regenerate import TargetGenerator
 
     mod = sys.modules[type(hybrid.model.layers[0].linear_attn).__module__]
-    torch_recurrent = mod.__dict__[fastgen.RECURRENT_FN]
-    fake = types.ModuleType(fastgen.FLA_RECURRENT)
+    torch_recurrent = mod.__dict__[captured_decoder.RECURRENT_FN]
+    fake = types.ModuleType(captured_decoder.FLA_RECURRENT)
     launches = []
 
     class Kernel:
@@ -288,22 +288,22 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
                                                                args=(query, key, value, g, beta, kw), out=out)
         return out["o"], ht
 
-    monkeypatch.setitem(sys.modules, fastgen.FLA_RECURRENT, fake)
-    monkeypatch.setattr(mod, fastgen.RECURRENT_FN, recurrent)
+    monkeypatch.setitem(sys.modules, captured_decoder.FLA_RECURRENT, fake)
+    monkeypatch.setattr(mod, captured_decoder.RECURRENT_FN, recurrent)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 3)
     gen = TargetGenerator(hybrid, "cpu", 8, 0.0, 3)
     ref = gen._batch(prompts)            # generate through the stand-in: a new state each step
     assert launches and not any(launches)
     launches.clear()
-    dec = fastgen.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True)
+    dec = captured_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True)
     got = dec.generate(prompts, range(3))
     assert [list(a) for a in ref] == [list(b) for b in got]
     assert len(launches) == 7 * len(dec.linear_ids) and all(launches)   # every decode step's, aliased
-    assert mod.__dict__[fastgen.RECURRENT_FN] is recurrent              # put back after each step
+    assert mod.__dict__[captured_decoder.RECURRENT_FN] is recurrent              # put back after each step
     assert isinstance(fake.fused_recurrent_gated_delta_rule_fwd_kernel, Kernel)
     # bf16 states (state_dtype): the kernel stores its fp32 result into the bf16 buffer it read
     launches.clear()
-    dec16 = fastgen.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
+    dec16 = captured_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
                                  state_dtype=torch.bfloat16)
     assert [len(c) for c in dec16.generate(prompts, range(3))] == [len(c) for c in ref]
     assert all(t.dtype == torch.bfloat16 for t in dec16.cache.linear.rec.values())
@@ -315,7 +315,7 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
     loop's drafter cache (a buffer written at each position, the block rows after its view) must show each
     sliding layer the same keys as the single loop's DynamicCache. Every draft of every step is compared
     (an untrained drafter: its drafts depend on the whole context the window shows)."""
-    from trainer.serving.fastgen import BatchedSpecDecoder
+    from trainer.serving.captured_decoder import BatchedSpecDecoder
     from trainer.model.modeling_dflash import dflash_generate
 
     cfg = DFlashConfig.from_target(hybrid.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3,

@@ -141,7 +141,7 @@ def test_compiled_layers_get_one_forward_per_mixer_class_and_the_warmup_runs_bot
     """fast.compile_layers on a hybrid stack: one compiled forward for the Gated DeltaNet layers, one for the
     attention layers (the decoder layer class is the same); the target warmup calls both. torch.compile is
     replaced by a recorder here (compiling the tiny stack would cost minutes of CPU)."""
-    import trainer.ops.fast as fast
+    import trainer.ops.compiling as fast
     calls: dict[int, int] = {}
     made = []
 

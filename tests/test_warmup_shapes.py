@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.ops import fast
+from trainer.ops import compiling as fast
 
 
 @pytest.mark.parametrize("duck", [False, True])
@@ -45,7 +45,7 @@ def test_warmup_brings_a_one_query_tile_chunk():
     import numpy as np
     from trainer.config.options import parse_args
     from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
-    from trainer.engine.warmup import warmup_batches
+    from trainer.engine.compile_warmup import warmup_batches
     for bs in (16, 32):
         cfg = parse_args(["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", "4096",
                           "--max-seq-len", "512", "--block-size", str(bs), "--max-anchors", "64", "--compile", "all"])

@@ -33,7 +33,7 @@ def main() -> int:
     import torch
     import torch._dynamo
     from trainer.model import drafter as M
-    from trainer.ops.fast import compile_layers
+    from trainer.ops.compiling import compile_layers
     from trainer.tools.bench import flex_check_case
 
     base, c, taps, emb, proj = flex_check_case(kv_heads=2, ctx_group=0, supervised_from=0)

@@ -4,7 +4,7 @@
 # TINY_DIR: what dflash-tiny wrote (target/, data/), e.g. by tests/gpu/fp8_parity.py. One dflash-train run on
 # GPU 0, --compile all, a few steps; every recompile is logged with its reason (TORCH_LOGS=recompiles), and
 # after the warmup a shape its graphs do not cover fails the run naming the guard (DFLASH_AFTER_WARMUP_STANCE,
-# trainer/ops/fast.py; the trainer's own default compiles it and logs the step). The failure's traceback is in
+# trainer/ops/compiling.py; the trainer's own default compiles it and logs the step). The failure's traceback is in
 # OUT_DIR/logs/. DFLASH_AFTER_WARMUP_STANCE=default in the caller's environment runs the trainer's default:
 # the run goes on, and the log's "compiled after the warmup" lines count the graphs the warmup did not cover.
 set -u

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# choices of the speed options (trainer/ops/fast.py; the transport's in trainer/distributed/groups.py); here, torch-free
+# choices of the speed options (trainer/ops/compiling.py; the transport's in trainer/distributed/groups.py); here, torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("pair", "world")   # groups.Groups: a communicator per (target, drafter) pair, or the world's

@@ -23,7 +23,7 @@ import safetensors.torch
 from trainer.model.checkpoint_format import MODEL_FILE, CheckpointError, CheckpointManager, load_train_state, step_dir_name
 from trainer.engine.train_state import TrainState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trainer.checkpoint")   # the name it has always logged under
 
 # ------------------------------------------------------------------------------ the job's protocol
 

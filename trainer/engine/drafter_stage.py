@@ -22,7 +22,7 @@ import torch
 
 from trainer.config.options import ConfigError, parse_kernel_options, split_blocks
 from trainer.errors import BadInput, TrainingFailed
-from trainer.ops.fast import compile_layers, wants
+from trainer.ops.compiling import compile_layers, wants
 from trainer.model.dflash2 import selector_loss
 from trainer.ops.loss import dflash_loss
 from trainer.engine.metrics import StepLayout

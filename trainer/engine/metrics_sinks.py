@@ -16,7 +16,7 @@ import numbers
 import os
 from typing import Any, Iterator, Mapping
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trainer.metrics_sinks")   # the name it has always logged under
 
 
 def flatten_scalars(scalars: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:

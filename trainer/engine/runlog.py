@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trainer.runlog")   # the name it has always logged under
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 _HANDLER_MARK = "_dflash_runlog"

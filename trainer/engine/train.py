@@ -45,7 +45,7 @@ from trainer.engine.drafter_stage import DrafterStage, build_stage, resolve_mask
 from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from trainer.engine.evaltrain import InTrainingEval, eval_record
 from trainer.engine.faults import Faults
-from trainer.ops.fast import compile_layers, note_new_graphs, resolve_compile, wants
+from trainer.ops.compiling import compile_layers, note_new_graphs, resolve_compile, wants
 from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.model.dflash2 import as_dflash2
@@ -58,7 +58,7 @@ from trainer.model.target import TargetStage, decoder, load_target
 from trainer.distributed.topology import Topology
 from trainer.engine.train_state import DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo, ScheduleState, TrainState
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
-from trainer.engine.warmup import warmup
+from trainer.engine.compile_warmup import warmup
 
 log = logging.getLogger("trainer")
 

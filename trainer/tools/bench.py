@@ -30,7 +30,7 @@ import torch
 
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Dataset
-from trainer.ops.fast import compile_counters
+from trainer.ops.compiling import compile_counters
 from trainer.model.target import decoder
 from trainer.engine.runlog import format_table, setup_console
 
@@ -724,7 +724,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     kernel can evict pages of the mapped libraries and fault them back in, which moves VmRSS."""
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
-    from trainer.ops.fast import sdpa_context
+    from trainer.ops.compiling import sdpa_context
     from trainer.model.target import decoder as _decoder
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
@@ -840,7 +840,7 @@ def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), 
                 layer.self_attn.split_blocks = "flex" if split and backend == "flex" else None
                 layer.self_attn.split_fused = split == 2
             if layers_compiled:
-                from trainer.ops.fast import compile_layers
+                from trainer.ops.compiling import compile_layers
                 compile_layers(m.layers, dynamic=True)
             t = lambda a: torch.from_numpy(a).to(dev)
             meta = M.PackedMeta.from_chunk({k: t(v) for k, v in c.arrays().items()}, 16)

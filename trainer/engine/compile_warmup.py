@@ -12,7 +12,7 @@ import torch
 
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Batch
-from trainer.ops.fast import begin_warmup, end_warmup, wants
+from trainer.ops.compiling import begin_warmup, end_warmup, wants
 from trainer.engine.feed import Feed, make_item
 from trainer.ops.plan import FLEX_BLOCK
 

@@ -75,14 +75,16 @@ def standin(tmp_path_factory):
     s = Standin()
     s.snapshot_sources(tmp_path_factory.mktemp("trainer-src"))
     t0 = time.time()
+    stale = []
     if os.environ.get("DFLASH_FAULTS_SKIP_DEPLOY") != "1":
+        stale = s.leave_stale_cgroups()     # the host as a killed earlier run leaves it
         s.up()
         r = s.playbook("deploy.yml")
         assert r.rc == 0, f"deploy.yml failed:\n{r.tail(80)}"
     s.restore()
     EVIDENCE.mkdir(parents=True, exist_ok=True)
     run = {"setup_s": round(time.time() - t0, 1), "started_at": t0, "commit": _commit(), "cpus": os.cpu_count(),
-           "loadavg_at_start": os.getloadavg()[0]}
+           "loadavg_at_start": os.getloadavg()[0], "stale_cgroups_left_before_up": stale}
     (EVIDENCE / "00-setup.json").write_text(json.dumps(run, indent=1))
     yield s
     run.update(ended_at=time.time(), loadavg_at_end=os.getloadavg()[0])

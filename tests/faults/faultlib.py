@@ -121,6 +121,26 @@ class Standin:
     def up(self):
         subprocess.run([str(STANDIN), "up"], env=standin_env(), check=True, timeout=1800)
 
+    def leave_stale_cgroups(self) -> list:
+        """What a run killed with its host session leaves for CT 201 when the CT is not running: the
+        LXC monitor's cgroup under pve-container's fixed name (lxc.monitor/201), empty, in every
+        hierarchy. A CI run lost its container lanes to exactly this (lxc-start: "Failed to create
+        monitor cgroup"); up() must start the CT anyway (tests/standin/lxc-stale-cgroups). Returns
+        the directories made."""
+        if self.running():
+            return []
+        made = []
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            f = line.split()
+            if f[2] in ("cgroup", "cgroup2"):
+                d = Path(f[1]) / "lxc.monitor" / VMID
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                except OSError:
+                    continue
+                made.append(str(d))
+        return made
+
     def down(self):
         """standin.sh down for CT 201, but keep /usr/sbin/pct when another stand-in container
         (CT 200 of molecule/default or demo.sh) still uses it: standin.sh down removes the shim."""

@@ -464,6 +464,13 @@ class Lxc:
         return int(r.stdout.strip()) if r.stdout.strip().isdigit() else None
 
     def start(self, vmid: int, log) -> None:
+        # the cgroups a killed earlier run left under this vmid's fixed names (lxc-stale-cgroups says why)
+        gc = subprocess.run([os.path.join(os.path.dirname(os.path.abspath(__file__)), "lxc-stale-cgroups"), str(vmid)],
+                            capture_output=True, text=True)
+        for line in gc.stderr.splitlines():
+            log(line)
+        if gc.returncode != 0:
+            raise RuntimeError(f"startup for container '{vmid}' failed: {gc.stderr.strip()}")
         logfile = os.path.join(self.dir(vmid), "standin-start.log")
         r = subprocess.run(["lxc-start", "-n", str(vmid), "-P", self.lxcpath, "-d",
                             "-o", logfile, "-l", "WARN"], capture_output=True, text=True)

@@ -240,7 +240,14 @@ ct_up() {
         [[ "$(ct_state)" == RUNNING ]] && { log "config changed; restarting CT $VMID"; lxc-stop -n "$VMID" -P "$LXCPATH" -t 60; }
     fi
     if [[ "$(ct_state)" != RUNNING ]]; then
-        lxc-start -n "$VMID" -P "$LXCPATH" -d -o "$CACHE/lxc-$VMID.log" -l INFO
+        "$HERE/lxc-stale-cgroups" "$VMID"
+        local log="$CACHE/lxc-$VMID.log" seen
+        seen="$(wc -l < "$log" 2>/dev/null || echo 0)"
+        if ! lxc-start -n "$VMID" -P "$LXCPATH" -d -o "$log" -l INFO; then
+            log "CT $VMID did not start; this start's errors in $log:"
+            tail -n +"$((seen + 1))" "$log" | grep -E ' (ERROR|WARN) ' | grep -v -E 'new[ug]idmap|fchownat' | tail -n 12 >&2 || true
+            exit 1
+        fi
     fi
     wait_booted
 }

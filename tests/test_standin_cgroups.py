@@ -1,0 +1,99 @@
+"""tests/standin/lxc-stale-cgroups on this host's real cgroup hierarchies (root only): what an LXC
+monitor killed with its run leaves under pve-container's fixed names (lxc.monitor/<vmid>,
+lxc/<vmid>/ns/...) is removed before the next start; a left cgroup that still holds a process is
+not touched and named; a bad vmid is refused in one line. The real lxc-start over such leftovers is
+the fault suite's setup (tests/faults/faultlib.py Standin.leave_stale_cgroups)."""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tests/standin/lxc-stale-cgroups"
+VMID = "298"        # no stand-in uses it (tests/test_standin_vmids.py lists theirs)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroup directories)")
+
+
+def hierarchies() -> list[Path]:
+    mounts = [ln.split() for ln in Path("/proc/self/mounts").read_text().splitlines()]
+    return sorted({Path(m[1]) for m in mounts if m[2] in ("cgroup", "cgroup2")})
+
+
+def tops(h: Path) -> list[Path]:
+    return [h / "lxc.monitor" / VMID, h / "lxc" / VMID]
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(TOOL), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def leftovers():
+    """The tree a killed run leaves: the monitor's group and the container's, with the groups systemd
+    made inside (as found on this host after a killed suite run), in every hierarchy."""
+    made = []
+    for h in hierarchies():
+        try:
+            (h / "lxc.monitor" / VMID).mkdir(parents=True)
+            (h / "lxc" / VMID / "ns" / "system.slice" / "dflash.service").mkdir(parents=True)
+        except OSError:            # a hierarchy this host does not let root write (read-only mount)
+            continue
+        made.append(h)
+    if not made:
+        pytest.skip("no writable cgroup hierarchy")
+    yield made
+    for h in made:
+        for top in tops(h):
+            if top.is_dir():
+                subprocess.run(["find", str(top), "-depth", "-type", "d", "-exec", "rmdir", "{}", "+"], check=False)
+
+
+def test_a_killed_runs_cgroups_are_removed_before_the_start(leftovers):
+    r = run_tool(VMID)
+    assert r.returncode == 0, r.stderr
+    removed = [str(top) for h in leftovers for top in tops(h)]
+    for top in removed:
+        assert not Path(top).exists(), f"{top} left"
+    # one line for the CT, naming every group it removed
+    lines = r.stderr.splitlines()
+    head = f"lxc-stale-cgroups: CT {VMID}: removed {len(removed)} cgroups an earlier run's killed LXC monitor left: "
+    assert len(lines) == 1 and lines[0].startswith(head), r.stderr
+    assert sorted(lines[0][len(head):].split()) == sorted(removed)
+    # nothing left: a second call has nothing to say
+    again = run_tool(VMID)
+    assert again.returncode == 0 and again.stderr == ""
+
+
+def test_a_left_cgroup_with_a_process_in_it_is_kept_and_named(leftovers):
+    # a process in the container's inner group of one hierarchy (not cpuset v1: it takes a task only
+    # once cpuset.cpus and .mems are set)
+    h = next(h for h in leftovers if not (h / "cpuset.cpus").exists())
+    inner = h / "lxc" / VMID / "ns"
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        (inner / "cgroup.procs").write_text(str(sleeper.pid))
+        r = run_tool(VMID)
+        assert r.returncode == 1
+        busy = [ln for ln in r.stderr.splitlines() if "still holds" in ln]
+        assert busy == [f"lxc-stale-cgroups: CT {VMID}: {h / 'lxc' / VMID} still holds processes {sleeper.pid}; not removed"]
+        assert inner.is_dir()
+    finally:
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()
+    for _ in range(50):        # the kernel empties the group once the process is reaped
+        if not (inner / "cgroup.procs").read_text().strip():
+            break
+        time.sleep(0.1)
+    assert run_tool(VMID).returncode == 0
+    assert not (h / "lxc" / VMID).exists()
+
+
+@pytest.mark.parametrize("bad", ["", "20x", "../201"])
+def test_a_bad_vmid_is_refused_in_one_line(bad):
+    r = run_tool(bad) if bad else run_tool()
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "VMID" in r.stderr

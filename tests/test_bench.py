@@ -295,3 +295,26 @@ def test_serving_figures_count_what_the_loops_did(tmp_path, capsys):
     assert bench.main(["--shape", "tiny", "--serving", "3,24"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--serving" in err[0]
+
+
+def test_profile_classes_tell_a_librarys_triton_kernels_from_eager_ones():
+    """The H200 regeneration profile of Qwen3.6-27B (results/h200-qwen3.6-27b-regenerate-steps.json) put FLA's
+    fused recurrent kernel, 13.1 ms of a 38.4 ms step, under "elementwise/reduce (eager)", and a page read it
+    as eager conv and gating. A library's Triton kernel (a plain function name) is its own class now."""
+    from trainer.tools.bench import KERNEL_CLASSES, _kernel_class
+
+    named = {
+        "fused_recurrent_gated_delta_rule_fwd_kernel": "triton (libraries)",
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": "triton (libraries)",
+        "chunk_local_cumsum_scalar_kernel": "triton (libraries)",
+        "void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel_generic<c10::BFloat16, int>(": "elementwise/reduce (eager)",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_": "elementwise/reduce (eager)",
+        "triton_poi_fused_add_mul_silu_0": "fused (triton)",
+        "triton_red_fused_mean_pow_rsqrt_1": "fused (triton)",
+        "_decode_attention_split_kv": "attention",
+        "nvjet_sm90_tst_144x128_64x6_2x1_v_bz_TNN": "gemm",
+        "Memcpy DtoD (Device -> Device)": "copy/memset",
+    }
+    for name, cls in named.items():
+        assert _kernel_class(name) == cls, name
+    assert set(named.values()) == set(KERNEL_CLASSES)

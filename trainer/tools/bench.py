@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import platform
+import re
 import sys
 import threading
 import time
@@ -377,7 +378,15 @@ def sync_all(devices):
             torch.cuda.synchronize(d)
 
 
+KERNEL_CLASSES = ["gemm", "attention", "elementwise/reduce (eager)", "fused (triton)", "triton (libraries)",
+                  "copy/memset"]
+
+
 def _kernel_class(name: str) -> str:
+    """One of KERNEL_CLASSES for a profiler kernel name. "fused (triton)" is what inductor generated
+    (triton_poi_/_red_/_per_...); "triton (libraries)" a library's hand-written Triton kernel, whose name is
+    the plain function name (flash-linear-attention's delta-rule, cumsum and conv kernels); eager PyTorch
+    kernels carry C++ signatures (void at::native::...)."""
     n = name.lower()
     if any(k in n for k in ("flash", "fmha", "attention", "cudnn", "triton_tem")):
         return "attention"
@@ -387,6 +396,8 @@ def _kernel_class(name: str) -> str:
         return "copy/memset"
     if n.startswith("triton_"):
         return "fused (triton)"
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", n):
+        return "triton (libraries)"
     return "elementwise/reduce (eager)"
 
 
@@ -1003,7 +1014,7 @@ def table(results: list[dict]) -> str:
 
 def kernel_table(results: list[dict]) -> str:
     """GPU milliseconds per kernel class for the profiled stages (--profile)."""
-    classes = ["gemm", "attention", "elementwise/reduce (eager)", "fused (triton)", "copy/memset"]
+    classes = KERNEL_CLASSES
     rows = []
     for r in results:
         label = f"{r['shape']}/{r['setting']}" + (f" {r['variant']}" if r.get("variant", "base") != "base" else "")

@@ -225,18 +225,69 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
 
 def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
     """fuse: the zero-centred RMSNorm is computed as (1 + w) * x-hat; the gated norm of the linear layers
-    (two inputs) is left alone (it used to be patched with a one-input forward: TypeError)."""
+    (two inputs: it was once patched with a one-input forward, TypeError) as the normalised x times the
+    weight times silu(gate); a two-input norm of another formula is left alone."""
     import copy
 
-    from trainer.serving.captured_decoder import norm_kind
+    from trainer.serving.captured_decoder import NORMS, norm_kind
 
     layer = hybrid.model.layers[0]
     norm = copy.deepcopy(layer.input_layernorm)
+    gated = copy.deepcopy(layer.linear_attn.norm)
     with torch.no_grad():
         norm.weight.normal_()
+        gated.weight.normal_()
     assert norm_kind(norm) == ("rms1p", "eps")
-    assert norm_kind(layer.linear_attn.norm) is None
+    assert norm_kind(gated) == ("rms_gated", "variance_epsilon")
+    x, g = torch.randn(5, gated.weight.shape[0]), torch.randn(5, gated.weight.shape[0])
+    torch.testing.assert_close(NORMS["rms_gated"][0](x, g, gated.weight, gated.variance_epsilon), gated(x, g))
+
+    class SigmoidGated(torch.nn.Module):      # same inputs and attributes, another gate
+        def __init__(self, w):
+            super().__init__()
+            self.weight, self.variance_epsilon = w, 1e-6
+
+        def forward(self, hidden_states, gate):
+            return gated(hidden_states, gate) * torch.sigmoid(gate) / torch.nn.functional.silu(gate)
+
+    assert norm_kind(SigmoidGated(gated.weight)) is None
     assert norm_kind(layer.mlp) is None
+
+
+@pytest.mark.slow
+def test_the_compiled_conv_step_is_transformers_conv_update(hybrid):
+    """fuse: a hybrid's one-position conv update (transformers' torch fallback of causal_conv1d_update on the
+    CPU and wherever causal-conv1d is missing) runs compiled: the same new window in place and the same
+    output (fp32: to rounding; bf16: equal), for the conv the model's layers have; other calls (several
+    positions) reach the original; outside `fused_small_ops` the original is back."""
+    import sys
+
+    from trainer.serving.captured_decoder import fused_small_ops
+
+    la = hybrid.model.layers[0].linear_attn
+    mod = sys.modules[type(la).__module__]
+    orig = mod.causal_conv1d_update
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        c, k = la.conv_dim, la.conv_kernel_size
+        x = torch.randn(3, c, 1, generator=gen).to(dtype)
+        state = torch.randn(3, c, k, generator=gen).to(dtype)
+        w = la.conv1d.weight.detach().squeeze(1).to(dtype)
+        want_state, got_state = state.clone(), state.clone()
+        want = orig(x, want_state, w, None, activation="silu")
+        with fused_small_ops(hybrid):
+            assert mod.causal_conv1d_update is not orig
+            got = mod.causal_conv1d_update(x, got_state, w, None, activation="silu")
+            several = torch.randn(3, c, 2, generator=gen).to(dtype)
+            s1, s2 = state.clone(), state.clone()
+            torch.testing.assert_close(mod.causal_conv1d_update(several, s1, w, None, activation="silu"),
+                                       orig(several, s2, w, None, activation="silu"), rtol=0, atol=0)
+        assert mod.causal_conv1d_update is orig
+        assert torch.equal(got_state, want_state) and got.dtype == want.dtype and got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

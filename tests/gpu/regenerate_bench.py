@@ -101,7 +101,13 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "fused-trim-inplace": ("sdpa", True, True, True, False, "bf16", False, False, True),
             # bf16state: the recurrent states stored in bf16 (GraphDecoder state_dtype; other numerics)
             "fused-triton-trim-inplace-bf16state": ("triton", True, True, True, False, "bf16", False, False, True,
-                                                    True)}
+                                                    True),
+            # nolinear: a hybrid's gated norm and one-position conv update left eager, as before 2026-12-04's
+            # session 3 (GraphDecoder fuse_linear=False): the side-by-side baseline of compiling them
+            "fused-triton-trim-inplace-nolinear": ("triton", True, True, True, False, "bf16", False, False, True,
+                                                   False, False),
+            "fused-triton-trim-inplace-bf16state-nolinear": ("triton", True, True, True, False, "bf16", False,
+                                                             False, True, True, False)}
 
 # The seeds' hybrid target (issue 39): Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random
 # weights): 16 x (3 Gated DeltaNet + 1 gated full attention), full attention 24 x 256 heads over 4 KV heads,
@@ -413,6 +419,7 @@ def set_variant(gen, name):
     f.fuse_mlp = v[7] if len(v) > 7 else False
     f.state_inplace = v[8] if len(v) > 8 else False
     f.state_dtype = torch.bfloat16 if len(v) > 9 and v[9] else torch.float32
+    f.fuse_linear = v[10] if len(v) > 10 else True
     return f
 
 

@@ -148,27 +148,68 @@ def _rms_1p(x, w, eps: float):
     return (xf * (1.0 + w.to(torch.float32))).to(x.dtype)
 
 
-NORMS = {"rms": _rms, "rms1p": _rms_1p}
+def _rms_gated(x, gate, w, eps: float):
+    """Qwen3.5's gated RMSNorm of the linear-attention output (Qwen3_5RMSNormGated): the normalised x times
+    the weight in x's dtype, then times silu(gate) in fp32, cast back."""
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w * xf.to(dt)) * F.silu(gate.to(torch.float32))).to(dt)
+
+
+# NORMS key -> (formula, its number of tensor inputs besides the weight)
+NORMS = {"rms": (_rms, 1), "rms1p": (_rms_1p, 1), "rms_gated": (_rms_gated, 2)}
 _norm_kinds: dict[type, tuple[str, str] | None] = {}   # norm_kind per class: probed once, never in a capture
 
 
 def norm_kind(module) -> tuple[str, str] | None:
     """(NORMS key, name of its epsilon attribute) of the formula that computes this norm's forward, found by
-    running it once on a small random input; None for any other module (another signature, such as the
-    gated norm of the linear-attention layers, or another formula): left as it is."""
+    running it once on small random inputs (one, or two for a gated norm); None for any other module
+    (another signature or another formula): left as it is."""
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     w = getattr(module, "weight", None)
     eps_name = next((n for n in ("variance_epsilon", "eps") if isinstance(getattr(module, n, None), float)), None)
-    if len(params) != 1 or not isinstance(w, torch.Tensor) or w.dim() != 1 or eps_name is None:
+    if len(params) not in (1, 2) or not isinstance(w, torch.Tensor) or w.dim() != 1 or eps_name is None:
         return None
-    x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, w.shape[0], generator=gen).to(w.device, w.dtype) for _ in params]
     with torch.no_grad():
-        y = module(x)
-        for kind, fn in NORMS.items():
-            if torch.allclose(fn(x, w, getattr(module, eps_name)), y, rtol=1e-2, atol=1e-2):
+        y = module(*xs)
+        for kind, (fn, n_in) in NORMS.items():
+            if n_in == len(xs) and torch.allclose(fn(*xs, w, getattr(module, eps_name)), y, rtol=1e-2, atol=1e-2):
                 return kind, eps_name
     return None
+
+
+def _conv_step(x, state, w):
+    """One new position of a depthwise causal conv (transformers' `causal_conv1d_update` torch fallback for
+    seq_len 1, bias-free): x [B, C, 1] enters the window `state` [B, C, K] in place (its oldest input
+    leaves), and the output [B, C, 1] is the window times the taps w [C, K], summed in fp32 as the conv
+    does, in w's dtype. With the SiLU after it, one fused kernel once compiled, where the fallback runs a
+    cat, a copy, a convolution and the activation."""
+    win = torch.cat([state[..., 1:], x.to(state.dtype)], dim=-1)
+    state.copy_(win)
+    return (win.to(torch.float32) * w.to(torch.float32)[None]).sum(-1, keepdim=True).to(w.dtype)
+
+
+def _conv_step_none(x, state, w):
+    return _conv_step(x, state, w).to(x.dtype)
+
+
+def _conv_step_silu(x, state, w):
+    return F.silu(_conv_step(x, state, w)).to(x.dtype)
+
+
+def _fused_conv_update(orig, compiled):
+    """transformers' `causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None)`:
+    one position, bias-free, SiLU or none -> the compiled step; anything else -> the original."""
+    def conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
+        if (hidden_states.shape[-1] == 1 and bias is None and activation in (None, "silu")
+                and conv_state.shape[-1] == weight.shape[-1]):
+            return compiled[activation](hidden_states, conv_state, weight)
+        return orig(hidden_states, conv_state, weight, bias, activation=activation)
+    return conv_update
 
 
 def _silu_mul(g, u):
@@ -181,16 +222,19 @@ def _mlp(x, gate_w, up_w, down_w):
 
 
 @contextmanager
-def fused_small_ops(model, whole_mlp: bool = False):
+def fused_small_ops(model, whole_mlp: bool = False, linear: bool = True):
     """While active, the target's RMSNorm, rotary embedding and SiLU-gated MLP product run as compiled
     (fused) kernels: about 50 eager kernels per layer of a decode step become about 20. Only the classes
-    and functions recognised here are replaced (a one-input norm whose output one of NORMS reproduces,
-    `norm_kind`: Qwen3's RMSNorm and Qwen3.5's zero-centred one; the attention module's
-    `apply_rotary_pos_emb`; an MLP with gate/up/down projections and SiLU); others stay as they are (a
-    hybrid's gated norm and Gated DeltaNet kernels among them).
+    and functions recognised here are replaced (a norm whose output one of NORMS reproduces, `norm_kind`:
+    Qwen3's RMSNorm, Qwen3.5's zero-centred one and its linear layers' gated one; the attention module's
+    `apply_rotary_pos_emb`; an MLP with gate/up/down projections and SiLU; a hybrid's one-position conv
+    update where transformers runs its torch fallback); others stay as they are (the Gated DeltaNet
+    kernels, FLA's on GPUs, and its gates among them).
     whole_mlp: the MLP's projections are compiled with it (one graph per shape for every layer: the
     weights are its arguments), so that work around its GEMMs (e.g. the input quantizations of quantized
-    weights, tests/gpu/regenerate_bench.py's `w8` variants) fuses too."""
+    weights, tests/gpu/regenerate_bench.py's `w8` variants) fuses too.
+    linear: a hybrid's gated norm and conv update are compiled too (False: as before they were, for the
+    bench's side-by-side `-nolinear` variants)."""
     import sys
 
     from trainer.model.target import decoder
@@ -211,9 +255,25 @@ def fused_small_ops(model, whole_mlp: bool = False):
                 _norm_kinds[cls] = norm_kind(m)
             norms[cls] = _norm_kinds[cls]
     for cls, found in norms.items():
-        if found is not None:
-            fn, eps = _compile(found[0], NORMS[found[0]]), found[1]
+        if found is None or (NORMS[found[0]][1] == 2 and not linear):
+            continue
+        fn, eps = _compile(found[0], NORMS[found[0]][0]), found[1]
+        if NORMS[found[0]][1] == 2:
+            patch(cls, "forward", lambda self, x, gate, fn=fn, eps=eps: fn(x, gate, self.weight, getattr(self, eps)))
+        else:
             patch(cls, "forward", lambda self, x, fn=fn, eps=eps: fn(x, self.weight, getattr(self, eps)))
+    # a hybrid's linear-attention layers: their conv's one-position update, where it runs transformers' torch
+    # fallback (causal-conv1d's kernel, where installed and on its device, stays)
+    lin = next((lyr.linear_attn for lyr in base.layers if getattr(lyr, "linear_attn", None) is not None), None)
+    if lin is not None and linear:
+        from trainer.model.target import _kernel_choice
+
+        lin_mod = sys.modules[type(lin).__module__]
+        orig = lin_mod.__dict__.get("causal_conv1d_update")
+        choice = _kernel_choice(orig, lin.conv1d.weight.device.type) if orig is not None else None
+        if choice is not None and choice[2] != "package":
+            compiled = {None: _compile("conv_step", _conv_step_none), "silu": _compile("conv_step_silu", _conv_step_silu)}
+            patch(lin_mod, "causal_conv1d_update", _fused_conv_update(orig, compiled))
     layer = base.layers[0]
     attn_mod = sys.modules[type(getattr(layer, "self_attn", layer)).__module__]
     if hasattr(attn_mod, "apply_rotary_pos_emb"):
@@ -596,7 +656,8 @@ class GraphDecoder:
                  stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
                  float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
-                 fuse_mlp: bool = False, state_inplace: bool = False, state_dtype=torch.float32):
+                 fuse_mlp: bool = False, state_inplace: bool = False, state_dtype=torch.float32,
+                 fuse_linear: bool = True):
         from trainer.model.target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -617,6 +678,7 @@ class GraphDecoder:
         # for the benchmark's fp8-weight variants, docs/performance-archive.md "Sixth call")
         self.fuse = fuse
         self.fuse_mlp = fuse_mlp
+        self.fuse_linear = fuse_linear   # with fuse, a hybrid's gated norm and one-position conv update compiled
         # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to
         # PAD_TO), not the batch's: the left padding of a chunk of short prompts is not computed
         self.prefill_trim = prefill_trim
@@ -706,7 +768,8 @@ class GraphDecoder:
         self.step.add_(1)
 
     def _decode_step(self, view: int) -> None:
-        with fused_small_ops(self.model, whole_mlp=self.fuse_mlp) if self.fuse else nullcontext(), \
+        with fused_small_ops(self.model, whole_mlp=self.fuse_mlp, linear=self.fuse_linear) if self.fuse \
+                else nullcontext(), \
                 inplace_recurrent_state(self.base, self.cache.linear) if self.state_inplace and self.cache.linear \
                 else nullcontext():
             return self._decode_step_inner(view)

@@ -75,8 +75,14 @@ def standin(tmp_path_factory):
     s = Standin()
     s.snapshot_sources(tmp_path_factory.mktemp("trainer-src"))
     t0 = time.time()
-    stale = []
+    stale, leftover = [], False
     if os.environ.get("DFLASH_FAULTS_SKIP_DEPLOY") != "1":
+        # A CT 201 here was left by a run that never reached its teardown (killed): never reused. Its job,
+        # output and any fault a case had put in place would be this run's starting point (a run that
+        # booted one began its first case at step 356 of the old job and timed out waiting for the restart).
+        leftover = s.exists()
+        if leftover:
+            s.down()
         stale = s.leave_stale_cgroups()     # the host as a killed earlier run leaves it
         s.up()
         r = s.playbook("deploy.yml")
@@ -84,7 +90,8 @@ def standin(tmp_path_factory):
     s.restore()
     EVIDENCE.mkdir(parents=True, exist_ok=True)
     run = {"setup_s": round(time.time() - t0, 1), "started_at": t0, "commit": _commit(), "cpus": os.cpu_count(),
-           "loadavg_at_start": os.getloadavg()[0], "stale_cgroups_left_before_up": stale}
+           "loadavg_at_start": os.getloadavg()[0], "stale_cgroups_left_before_up": stale,
+           "leftover_ct_removed": leftover}
     (EVIDENCE / "00-setup.json").write_text(json.dumps(run, indent=1))
     yield s
     run.update(ended_at=time.time(), loadavg_at_end=os.getloadavg()[0])

@@ -154,13 +154,18 @@ class Standin:
         subprocess.run(["lxc-destroy", "-n", VMID, "-P", LXCPATH], check=False, timeout=120,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(os.path.join(LXCPATH, VMID), ignore_errors=True)
-        pidfile = Path(NODE_DIR) / "sshd.pid"
-        if pidfile.exists():
-            try:
-                os.kill(int(pidfile.read_text().strip()), 15)
-            except (ValueError, ProcessLookupError):
-                pass
+        # the node's sshd, if its pid file still names it (after a killed run the number may be another
+        # process's: standin.sh node_sshd)
+        try:
+            pid = int((Path(NODE_DIR) / "sshd.pid").read_text().strip())
+            if f"{NODE_DIR}/sshd_config" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                os.kill(pid, 15)
+        except (OSError, ValueError):
+            pass
         shutil.rmtree(NODE_DIR, ignore_errors=True)
+
+    def exists(self) -> bool:
+        return os.path.isfile(os.path.join(LXCPATH, VMID, "config"))
 
     def running(self) -> bool:
         r = subprocess.run(["lxc-info", "-n", VMID, "-P", LXCPATH, "-sH"], capture_output=True, text=True)

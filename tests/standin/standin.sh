@@ -93,6 +93,16 @@ tiny() {
 }
 
 # ---------------------------------------------------------------- the node (sshd + pct)
+# node_sshd [NODE]: the pid of NODE's sshd (default: this node's), read from its pid file and printed only
+# when that process is still this node's sshd: after a killed run the pid file outlives the process, and
+# its number may belong to another process since.
+node_sshd() {
+    local node="${1:-$NODE}" pid
+    pid="$(cat "$node/sshd.pid" 2>/dev/null)" || return 1
+    [[ "$pid" =~ ^[0-9]+$ ]] && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$node/sshd_config" \
+        && echo "$pid"
+}
+
 node_up() {
     # Shared by every stand-in node on this host, some running at once (tests/run.sh lane A): a
     # rename replaces it atomically (install unlinks it first, and a pct run in that gap is not found).
@@ -124,8 +134,9 @@ LogLevel ERROR
 SetEnv PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME
 CONF
     /usr/sbin/sshd -t -f "$NODE/sshd_config"
-    if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then
-        kill -HUP "$(cat "$NODE/sshd.pid")"      # reload the config we just wrote
+    local running
+    if running="$(node_sshd)"; then
+        kill -HUP "$running"      # reload the config we just wrote
     else
         /usr/sbin/sshd -f "$NODE/sshd_config"
     fi
@@ -140,8 +151,7 @@ CONF
 }
 
 node_down() {
-    if [[ -f "$NODE/sshd.pid" ]]; then
-        pid="$(cat "$NODE/sshd.pid")"
+    if pid="$(node_sshd)"; then
         kill "$pid" 2>/dev/null || true
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     fi
@@ -149,8 +159,8 @@ node_down() {
     # /usr/sbin/pct is shared by every stand-in node on this host (e.g. the fault suite's CT 201
     # behind its own sshd): remove it only when no other node is up, and only if it is our shim.
     local other
-    for other in "$CACHE"/node*/sshd.pid; do
-        [[ -f "$other" ]] && kill -0 "$(cat "$other")" 2>/dev/null && return 0
+    for other in "$CACHE"/node*/; do
+        node_sshd "${other%/}" >/dev/null && return 0
     done
     if [[ -f /usr/sbin/pct ]] && grep -q 'STAND-IN for Proxmox' /usr/sbin/pct; then rm -f /usr/sbin/pct; fi
 }
@@ -275,7 +285,7 @@ case "${1:-}" in
         ct_down; node_down; log "down (caches kept in $CACHE)" ;;
     status)
         echo "CT $VMID: $(ct_state)"
-        if [[ -f "$NODE/sshd.pid" ]] && kill -0 "$(cat "$NODE/sshd.pid")" 2>/dev/null; then echo "node sshd: running"; else echo "node sshd: stopped"; fi ;;
+        if node_sshd >/dev/null; then echo "node sshd: running"; else echo "node sshd: stopped"; fi ;;
     wheelhouse) wheelhouse ;;
     tiny) tiny ;;
     *) sed -n '2,24s/^# \{0,1\}//p' "$0"; exit 2 ;;

@@ -153,7 +153,7 @@ def test_01_sigkill_mid_run_resumes_from_newest_checkpoint(job):
     ev.update(killed_pid=pid, status_at_kill=st["step"], last_metrics_step_of_killed_run=killed_last,
               checkpoints_at_kill=complete)
 
-    after = ct.wait_training(timeout=180, after_pid=pid, past_step=killed_last + 1)
+    after = ct.wait_training(timeout=ct.start_timeout_s(), after_pid=pid, past_step=killed_last + 1)
     u = ct.unit()
     journal = ct.journal(t_kill - 1)
     ev.update(new_pid=u["MainPID"], n_restarts=f"{restarts} -> {u['NRestarts']}", resumed_from=after["resumed_from"],
@@ -214,7 +214,7 @@ def test_02_sigkill_during_checkpoint_write_keeps_previous(job):
               complete_at_kill=complete)
     assert f"step-{writing:08d}" not in before, "the checkpoint being written must not look complete"
 
-    after = ct.wait_training(timeout=180, after_pid=pid)
+    after = ct.wait_training(timeout=ct.start_timeout_s(), after_pid=pid)
     newest = complete[-1]
     ev.update(resumed_from=after["resumed_from"], step_after=after["step"])
     assert after["resumed_from"] == f"{OUT}/step-{newest:08d}"
@@ -582,7 +582,7 @@ def test_09_nan_storm_fails_after_max_nan_skips_keeping_last_good_checkpoint(job
     assert ck["finite"]
     ev["last_good_checkpoint"] = ck
     # exit 1 -> systemd restarts the job from the last good checkpoint
-    after = ct.wait_training(timeout=180, after_pid=pid, past_step=st["step"])
+    after = ct.wait_training(timeout=ct.start_timeout_s(), after_pid=pid, past_step=st["step"])
     journal = ct.journal(t_fail - 30)
     ev.update(resumed_from=after["resumed_from"], step_after=after["step"],
               journal=_lines(journal, "training failed", "status=1/FAILURE", "Scheduled restart"))

@@ -229,6 +229,17 @@ class Standin:
     def n_restarts(self) -> int:
         return int(self.unit("NRestarts")["NRestarts"] or 0)
 
+    def start_timeout_s(self) -> float:
+        """The unit's TimeoutStartSec in seconds (the stand-in's inventory: dflash_service_timeout_start_s):
+        as long as systemd itself gives a (re)start to reach READY, and so as long as a case waits for one.
+        Under the suite's lanes a trainer's start took 270 s where it takes 60-90 s on a quieter host."""
+        text = self.unit("TimeoutStartUSec")["TimeoutStartUSec"]     # e.g. "10min", "1min 30s", "infinity"
+        units = {"h": 3600.0, "min": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+        parts = re.findall(r"(\d+)(h|min|ms|us|s)", text)
+        if not parts:
+            raise AssertionError(f"{UNIT}: TimeoutStartUSec={text!r}: a finite start timeout was expected")
+        return sum(int(n) * units[u] for n, u in parts)
+
     def status(self, path: str = STATUS) -> dict:
         r = self.sh(f"cat {path}", check=False)
         try:
@@ -375,11 +386,12 @@ class Standin:
             return st
         return wait(ok, timeout, f"{UNIT} training" + (f" past step {past_step}" if past_step is not None else ""))
 
-    def wait_healthy(self, timeout: float = 300) -> dict:
-        return wait(lambda: (lambda h: h if h.get("ok") else None)(self.health()), timeout,
-                    "dflash-status healthy", interval=1.0)
+    def wait_healthy(self, timeout: float | None = None) -> dict:
+        """Until dflash-status says healthy; by default as long as the unit's start timeout."""
+        return wait(lambda: (lambda h: h if h.get("ok") else None)(self.health()),
+                    self.start_timeout_s() if timeout is None else timeout, "dflash-status healthy", interval=1.0)
 
-    def restore(self, timeout: float = 300) -> dict:
+    def restore(self, timeout: float | None = None) -> dict:
         """A healthy running job, as each case expects to find it: clear the faults, forget a
         failed state and the start-limit counter, start the unit if it is not running."""
         self.clear_faults()

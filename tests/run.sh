@@ -44,6 +44,9 @@ fi
 work="$(mktemp -d /tmp/dflash-run.XXXXXX)"      # logs and each pytest's own temp root
 export DFLASH_FAULTS_EVIDENCE="${DFLASH_FAULTS_EVIDENCE:-$work/faults-evidence}"
 declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=() CPU=()
+# On every exit (the normal end too: the trap stays set to the end; bash runs it on TERM, INT and HUP as
+# well): the lanes still running killed (none at the normal end), the lxc/ weight put back. The trap
+# keeps the script's exit status: no command in it fails under set -e.
 cleanup() { local p; for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; restore_lxc_cpu; }
 restore_lxc_cpu() { :; }   # defined below once the weight is set
 trap cleanup EXIT
@@ -90,7 +93,14 @@ if [[ -n "$LXC_CPU" ]] && LXC_CPU_WAS="$(cat "$LXC_CPU")" && echo "$LXC_CPU_SET"
 else
     LXC_CPU=""
 fi
-restore_lxc_cpu() { if [[ -n "$LXC_CPU" ]]; then echo "$LXC_CPU_WAS" > "$LXC_CPU" 2>/dev/null || true; fi; }
+# Once: it empties LXC_CPU.
+restore_lxc_cpu() {
+    if [[ -n "$LXC_CPU" ]]; then
+        echo "$LXC_CPU_WAS" > "$LXC_CPU" 2>/dev/null || true
+        echo "run: containers' cgroup parent weighs $LXC_CPU_WAS again ($LXC_CPU)" || true
+        LXC_CPU=""
+    fi
+}
 
 # lane NAME ARGS...: a pytest of its own (own temp root, no cache writes, own CPU cgroup), output to
 # NAME's log
@@ -173,7 +183,7 @@ while (( ${#PIDS[@]} )); do
     done
     (( ${#PIDS[@]} )) && sleep 2
 done
-trap - EXIT
+# (The EXIT trap stays: it puts the lxc/ weight back at the end, after the summary.)
 
 if compgen -G "$DFLASH_FAULTS_EVIDENCE/*.json" >/dev/null; then
     "$PY" tests/faults/report.py "$DFLASH_FAULTS_EVIDENCE" --out "$DFLASH_FAULTS_EVIDENCE/faults-report.md" \

@@ -110,7 +110,9 @@ def test_run_sh_sets_the_allocator_before_the_trainer_starts(rendered):
 def test_run_sh_leaves_a_flight_recorder_dump_and_keeps_nvls_off(rendered):
     """A hang on NCCL must leave each rank's last ops in the output dir, and NVLink multicast stays off."""
     env = dict(re.findall(r"^export (\w+)=(\S+)$", (rendered / "run.sh").read_text(), re.M))
-    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+    # the buffer under its new name and the old one (all that older torch reads), one value
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == env["TORCH_FR_BUFFER_SIZE"]
     assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/workspace/checkpoints/")
     assert env["NCCL_NVLS_ENABLE"] == "0"
 

@@ -16,6 +16,7 @@ conv and a recurrent state beside gated full attention. Specifications, on the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -402,3 +403,115 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
     dec.generate(prompts)
     for s, b in zip(single, batched):
         assert b[:len(s)] == s
+
+
+class _FlaTiles:
+    """A stand-in of FLA 0.6's fused recurrent kernel at one position (T = 1), with its launch convention and
+    its programs' index math (`NV = cdiv(V, BV)`, `i_v, i_nh = pid % NV, pid // NV`, a K x BV tile each): it
+    runs each program of the grid on its tile in torch, and fails on a program outside the state or a tile
+    written twice. `launches` records (programs, BV, num_warps)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(q, k, v, g, beta, o, h0, ht, V, BV, HV, num_warps=1, **_):
+            n_v = -(-V // BV)
+            rows = h0.shape[0] * HV
+            done = torch.zeros(rows, n_v, dtype=torch.int32)
+            for pid in range(grid[0]):
+                i_v, i_nh = pid % n_v, pid // n_v
+                assert i_nh < rows, f"program {pid} is outside the state ({rows} heads)"
+                n, hv = divmod(i_nh, HV)
+                cols = slice(i_v * BV, min(V, i_v * BV + BV))
+                h = h0[n, hv, :, cols].float() * torch.exp(g[n, 0, hv].float())
+                kk = k[n, 0, hv // (HV // k.shape[2])].float()
+                qq = q[n, 0, hv // (HV // q.shape[2])].float()
+                vv = beta[n, 0, hv].float() * (v[n, 0, hv, cols].float() - (h * kk[:, None]).sum(0))
+                h = h + kk[:, None] * vv[None, :]
+                o[n, 0, hv, cols] = (h * qq[:, None]).sum(0).to(o.dtype)
+                ht[n, hv, :, cols] = h.to(ht.dtype)
+                done[i_nh, i_v] += 1
+            assert bool((done == 1).all()), "a state tile written twice or not at all"
+            self.launches.append((grid[0], BV, num_warps))
+        return run
+
+
+def _fla_launch(kernel, q, k, v, g, beta, h0, BV=8):
+    """FLA 0.6's wrapper: BV = 8, one warp, grid (NV * N * HV,), ht a new tensor."""
+    N, _, HV, V = v.shape
+    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    kernel[(-(-V // BV) * N * HV,)](q=q, k=k, v=v, g=g, beta=beta, o=o, h0=h0, ht=ht, V=V, BV=BV, HV=HV,
+                                    num_warps=1)
+    return o, ht
+
+
+@pytest.mark.parametrize("V, tile", [(128, (32, 4)), (128, (64, 4)), (96, (32, 2))])
+def test_the_recurrent_kernel_can_run_with_a_wider_state_tile(V, tile):
+    """GraphDecoder(recurrent_tile=): FLA's recurrent kernel launched with (BV, num_warps) = tile in place of
+    FLA's (8, 1), its grid rescaled so that every K x BV tile of every head's state is one program's: the
+    output and the new state (written over h0) equal FLA's own launch."""
+    from trainer.serving.captured_decoder import _AliasFinalState
+
+    torch.manual_seed(0)
+    N, H, HV, K = 3, 2, 4, 16
+    q, k = torch.randn(N, 1, H, K), torch.randn(N, 1, H, K)
+    v, g, beta = torch.randn(N, 1, HV, V), -torch.rand(N, 1, HV), torch.rand(N, 1, HV)
+    h0 = torch.randn(N, HV, K, V)
+
+    ref_kernel = _FlaTiles()
+    o_ref, ht_ref = _fla_launch(ref_kernel, q, k, v, g, beta, h0.clone())
+    assert ref_kernel.launches == [(-(-V // 8) * N * HV, 8, 1)]
+
+    kernel = _FlaTiles()
+    state = h0.clone()
+    alias = _AliasFinalState(kernel, tile)
+    o, _ = _fla_launch(alias, q, k, v, g, beta, state)
+    assert kernel.launches == [(-(-V // tile[0]) * N * HV, *tile)]
+    assert alias.hits == [state.data_ptr()]            # written over h0, the cache's buffer
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(state, ht_ref)
+
+    # no tile: FLA's own launch, aliased as before
+    kernel = _FlaTiles()
+    state = h0.clone()
+    _fla_launch(_AliasFinalState(kernel), q, k, v, g, beta, state)
+    assert kernel.launches == [(-(-V // 8) * N * HV, 8, 1)]
+    torch.testing.assert_close(state, ht_ref)
+
+
+def test_a_launch_not_of_flas_form_is_not_retiled():
+    """A grid that is not FLA 0.6's one-dimensional (NV * N * HV,) (another FLA): launched as it came."""
+    from trainer.serving.captured_decoder import _AliasFinalState
+
+    alias = _AliasFinalState(None, (32, 4))
+    kw = {"V": 128, "BV": 8, "num_warps": 1}
+    assert alias._retile((16, 2), kw) == ((16, 2), kw)           # two-dimensional
+    assert alias._retile((17,), kw) == ((17,), kw)               # not a multiple of NV = 16
+    assert alias._retile((32,), {"V": 128}) == ((32,), {"V": 128})   # no BV: not FLA 0.6's kernel
+    assert alias._retile((32,), kw) == ((8,), {"V": 128, "BV": 32, "num_warps": 4})
+
+
+def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_hybrid_dir, monkeypatch):
+    """recurrent_tile reaches the kernel's alias on each in-place decode step (and only with state_inplace)."""
+    from trainer.serving import captured_decoder
+    from trainer.serving.regenerate import TargetGenerator
+
+    seen = []
+
+    def spy(base, states, fla_module=None, tile=None):
+        seen.append(tile)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(captured_decoder, "inplace_recurrent_state", spy)
+    prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
+    gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2)
+    ref = gen._batch(prompts)
+    dec = captured_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
+                                        recurrent_tile=(32, 4))
+    assert [list(a) for a in dec.generate(prompts, range(2))] == [list(b) for b in ref]
+    assert seen and set(seen) == {(32, 4)}
+    seen.clear()
+    captured_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id,
+                                  recurrent_tile=(32, 4)).generate(prompts, range(2))
+    assert seen == []

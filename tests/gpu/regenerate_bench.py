@@ -107,7 +107,15 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
             "fused-triton-trim-inplace-nolinear": ("triton", True, True, True, False, "bf16", False, False, True,
                                                    False, False),
             "fused-triton-trim-inplace-bf16state-nolinear": ("triton", True, True, True, False, "bf16", False,
-                                                             False, True, True, False)}
+                                                             False, True, True, False),
+            # bv32 / bv64: FLA's recurrent kernel with a K x 32 (x 64) state tile and 4 warps in place of its
+            # K x 8 and one warp (GraphDecoder recurrent_tile; _AliasFinalState says why)
+            "fused-triton-trim-inplace-bv32": ("triton", True, True, True, False, "bf16", False, False, True,
+                                               False, True, (32, 4)),
+            "fused-triton-trim-inplace-bf16state-bv32": ("triton", True, True, True, False, "bf16", False, False,
+                                                         True, True, True, (32, 4)),
+            "fused-triton-trim-inplace-bf16state-bv64": ("triton", True, True, True, False, "bf16", False, False,
+                                                         True, True, True, (64, 4))}
 
 # The seeds' hybrid target (issue 39): Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random
 # weights): 16 x (3 Gated DeltaNet + 1 gated full attention), full attention 24 x 256 heads over 4 KV heads,
@@ -420,6 +428,7 @@ def set_variant(gen, name):
     f.state_inplace = v[8] if len(v) > 8 else False
     f.state_dtype = torch.bfloat16 if len(v) > 9 and v[9] else torch.float32
     f.fuse_linear = v[10] if len(v) > 10 else True
+    f.recurrent_tile = v[11] if len(v) > 11 else None
     return f
 
 

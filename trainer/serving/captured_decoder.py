@@ -481,20 +481,38 @@ class _AliasFinalState:
     """FLA's fused recurrent kernel with its final state `ht` written over its initial state `h0` (same shape;
     the kernel computes in fp32 and casts to the dtype it stores to): safe in flash-linear-attention 0.6, where
     each program loads its tile of h0 first and stores the same tile of ht last. `hits` collects the h0
-    pointers launched that way."""
+    pointers launched that way.
 
-    def __init__(self, kernel):
-        self.kernel, self.hits = kernel, []
+    `tile` = (BV, num_warps), or None for FLA's own launch: each program's state tile is K x BV. FLA 0.6
+    launches BV = 8 with one warp: a [128, 8] tile whose rows are 32 bytes apart in fp32 and 16 in bf16, so a
+    bf16 state still moves whole 32-byte sectors (on the H200, bf16 states took the kernel from 12.89 to
+    12.05 ms a step, not to half: results/h200-qwen3.6-27b-regenerate-step-variants.json). A wider tile
+    reads whole lines. The kernel derives its programs' tiles from BV (`NV = cdiv(V, BV)`), so the grid is
+    rescaled with it: (N * HV) programs per tile column, as FLA's own wrapper computes it."""
+
+    def __init__(self, kernel, tile: tuple[int, int] | None = None):
+        self.kernel, self.hits, self.tile = kernel, [], tile
+
+    def _retile(self, grid, kwargs):
+        """FLA's grid and launch arguments with BV and num_warps from `tile` (unchanged without one, or when
+        the launch is not the one-dimensional (NV * N * HV,) grid of FLA 0.6's wrapper)."""
+        if self.tile is None or "BV" not in kwargs or "V" not in kwargs:
+            return grid, kwargs
+        bv, warps = self.tile
+        V, old_bv = int(kwargs["V"]), int(kwargs["BV"])
+        old_nv, new_nv = -(-V // old_bv), -(-V // bv)
+        if len(grid) != 1 or grid[0] % old_nv:
+            return grid, kwargs
+        return (grid[0] // old_nv * new_nv,), {**kwargs, "BV": bv, "num_warps": warps}
 
     def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
         def run(*args, **kwargs):
             h0, ht = kwargs.get("h0"), kwargs.get("ht")
             if h0 is not None and ht is not None and h0.shape == ht.shape:   # the kernel casts to ht's dtype
                 kwargs["ht"] = h0
                 self.hits.append(h0.data_ptr())
-            return launch(*args, **kwargs)
+            g, kw = self._retile(tuple(grid), kwargs)
+            return self.kernel[g](*args, **kw)
         return run
 
     def __getattr__(self, name):
@@ -502,12 +520,13 @@ class _AliasFinalState:
 
 
 @contextmanager
-def inplace_recurrent_state(base, states: _LinearStates, fla_module=None):
+def inplace_recurrent_state(base, states: _LinearStates, fla_module=None, tile: tuple[int, int] | None = None):
     """While active, a one-token step's recurrent kernel writes the new state over the old one in the cache's
     buffer: per step the state is read once and written once, where transformers' call writes a new tensor
     that the cache then copies (read, write, read, write). Only where transformers' call reaches FLA's fused
     kernel (`fla_module`, default FLA_RECURRENT, with the buffer itself as h0); elsewhere (the CPU's torch
-    fallback, another FLA) the kernel's own final state is returned and copied as before."""
+    fallback, another FLA) the kernel's own final state is returned and copied as before. `tile`: the
+    kernel's state tile (BV, num_warps) in place of FLA's (_AliasFinalState)."""
     import importlib
     import sys
 
@@ -522,7 +541,7 @@ def inplace_recurrent_state(base, states: _LinearStates, fla_module=None):
     if kernel is None:
         yield
         return
-    alias = _AliasFinalState(kernel)
+    alias = _AliasFinalState(kernel, tile)
     mods = {sys.modules[type(base.layers[i].linear_attn).__module__] for i in states.ids}
     saved = [(mod, mod.__dict__[RECURRENT_FN]) for mod in mods if RECURRENT_FN in mod.__dict__]
     for mod, orig in saved:
@@ -657,7 +676,7 @@ class GraphDecoder:
                  check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
                  float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
                  fuse_mlp: bool = False, state_inplace: bool = False, state_dtype=torch.float32,
-                 fuse_linear: bool = True):
+                 fuse_linear: bool = True, recurrent_tile: tuple[int, int] | None = None):
         from trainer.model.target import decoder
 
         self.model, self.device = model, torch.device(device)
@@ -703,6 +722,9 @@ class GraphDecoder:
         # state_dtype: the recurrent states' storage (fp32 as transformers keeps them; bf16 halves the bytes a
         # step moves, as serving engines store them by default, and changes the numerics; off until measured)
         self.state_dtype = state_dtype
+        # recurrent_tile: with state_inplace, FLA's recurrent kernel launched with this (BV, num_warps) state
+        # tile (_AliasFinalState); None: FLA's own (8, 1). Off until measured (regenerate_bench's `-bv32`)
+        self.recurrent_tile = recurrent_tile
         self.cache: _KVCache | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -770,7 +792,8 @@ class GraphDecoder:
     def _decode_step(self, view: int) -> None:
         with fused_small_ops(self.model, whole_mlp=self.fuse_mlp, linear=self.fuse_linear) if self.fuse \
                 else nullcontext(), \
-                inplace_recurrent_state(self.base, self.cache.linear) if self.state_inplace and self.cache.linear \
+                inplace_recurrent_state(self.base, self.cache.linear, tile=self.recurrent_tile) \
+                if self.state_inplace and self.cache.linear \
                 else nullcontext():
             return self._decode_step_inner(view)
 

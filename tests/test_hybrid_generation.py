@@ -515,3 +515,52 @@ def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_
     captured_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id,
                                   recurrent_tile=(32, 4)).generate(prompts, range(2))
     assert seen == []
+
+
+def test_a_timed_prefill_records_each_row_chunks_shape_and_seconds(hybrid):
+    """timed=True (the benchmark's breakdown): one [rows, width, seconds] per prefill row chunk, at the chunk's
+    own trimmed width, the seconds summing to the prefill's less its tail; untimed (dflash-regenerate), no
+    record and no synchronisation. The record is what separates a first call of a shape in FLA's shape-keyed
+    kernels from the prefill's own rate on the GPU (docs/serving.md, "Hybrid targets")."""
+    from trainer.serving.captured_decoder import PAD_TO, GraphDecoder
+
+    lens = [150, 140, 20, 10, 70]            # two chunks of 2 rows and one of 1 (prefill_tokens // 192 = 2)
+    prompts = [np.arange(3, 3 + n) % 500 for n in lens]
+    dec = GraphDecoder(hybrid, "cpu", 5, 2, 0.0, [], 0, prefill_tokens=2 * 192)
+    dec.generate(prompts, range(5))
+    assert dec.prefill_chunks == []
+    dec.timed = True
+    dec.generate(prompts, range(5))
+    rows = [c[0] for c in dec.prefill_chunks]
+    widths = [c[1] for c in dec.prefill_chunks]
+    assert rows == [2, 2, 1]
+    assert widths == [-(-max(lens[i:i + 2]) // PAD_TO) * PAD_TO for i in (0, 2, 4)] == [192, 64, 128]
+    spent = sum(c[2] for c in dec.prefill_chunks)
+    assert 0 < spent <= dec.times["prefill_s"] + 1e-3
+
+
+def test_the_regeneration_bench_reports_each_headline_pass(hybrid, monkeypatch, capsys):
+    """--headline-passes 2: the same mixed prompts twice in one process, a new generator each time; the row
+    is the last pass's, with each pass's figures and the first pass's rate beside it. A count that is not a
+    whole number of passes is refused before anything is built (exit 2)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "gpu"))
+    import regenerate_bench as rb
+
+    with pytest.raises(SystemExit) as e:
+        rb.main(["--shape", "qwen3.5-tiny", "--headline-passes", "0"])
+    assert e.value.code == 2 and "'0' is not a whole number of passes" in capsys.readouterr().err
+
+    a = rb.argparse.Namespace(headline_batch=3, mixed_prompts=5, min_len=8, max_len=100, new_tokens=3,
+                              headline_passes=2)
+    rows = []
+    rb.headlines(a, {}, lambda section, row: rows.append((section, row)), torch.device("cpu"), 500, False, hybrid,
+                 ["sdpa"])
+    (section, row), = rows
+    assert section == "headline" and "error" not in row, row
+    assert row["pass"] == 2 and [p["pass"] for p in row["passes"]] == [1, 2]
+    assert row["tokens_per_s"] == row["passes"][1]["tokens_per_s"]
+    assert row["tokens_per_s_first_pass"] == row["passes"][0]["tokens_per_s"]
+    assert row["generated"] == 5 * 3 and row["batches"] == 2
+    assert sum(c[0] for c in row["prefill_chunks"]) == 3 + 3     # a short last batch runs at the full batch

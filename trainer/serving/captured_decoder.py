@@ -733,6 +733,9 @@ class GraphDecoder:
         # their seconds summed here (the benchmark's breakdown; off in dflash-regenerate)
         self.timed = False
         self.times = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "batches": 0}
+        # timed: each prefill row chunk's [rows, width, seconds] too (a first call of a shape in FLA's
+        # shape-keyed kernels costs seconds on a hybrid: docs/serving.md, "Hybrid targets")
+        self.prefill_chunks: list[list] = []
         _register_attention()
 
     # ---------------------------------------------------------------- state
@@ -836,15 +839,17 @@ class GraphDecoder:
 
         last = [time.perf_counter()]
 
-        def clock(key):
+        def clock(key) -> float:
+            """The seconds added (0.0 when not timed)."""
             if not self.timed:
-                return
+                return 0.0
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             now = time.perf_counter()
+            dt, last[0] = now - last[0], now
             if key is not None:
-                self.times[key] += now - last[0]
-            last[0] = now
+                self.times[key] += dt
+            return dt
         clock(None)
         return clock
 
@@ -898,6 +903,8 @@ class GraphDecoder:
                 h = self.base(input_ids=ids[r0:r1, c0:], position_ids=pos[r0:r1, c0:], attention_mask=mask,
                               use_cache=True, **{self.cache_kw: cache}).last_hidden_state
                 last[r0:r1] = self.head(h[:, -1]).float()
+                if self.timed:
+                    self.prefill_chunks.append([r1 - r0, width - c0, round(clock("prefill_s"), 4)])
             cache.prefill, cache.offset = False, 0
             if cache.linear is not None:
                 cache.linear.rows, cache.linear.fresh = slice(None), False

@@ -117,6 +117,14 @@ def test_run_sh_leaves_a_flight_recorder_dump_and_keeps_nvls_off(rendered):
     assert env["NCCL_NVLS_ENABLE"] == "0"
 
 
+def test_run_sh_keeps_the_kernel_caches_out_of_tmp(rendered):
+    """Triton's and inductor's caches (FLA's autotune results among them) under the service's home, which a
+    reboot keeps; torch's default is /tmp, emptied at boot."""
+    env = dict(re.findall(r"^export (\w+)=(\S+)$", (rendered / "run.sh").read_text(), re.M))
+    assert env["TRITON_CACHE_DIR"] == "/opt/dflash/kernel-cache/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/opt/dflash/kernel-cache/inductor"
+
+
 def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):
     argv = exec_args((rendered / "run.sh").read_text())
     assert argv[:4] == ["exec", "/opt/dflash/venv/bin/python", "-u", "-m"]

@@ -58,6 +58,8 @@ def test_the_child_environment_is_the_one_run_sh_renders(first_run, tmp_path):
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace_rank_"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["TRITON_CACHE_DIR"] == f"{tmp_path}/kernel-cache/triton"
+    assert not any("{{" in v for v in env.values())
     child = first_run.child_env(tmp_path, tmp_path, "x")
     assert all(child[k] == v for k, v in env.items())
     template = (REPO / "roles/dflash_service/templates/run.sh.j2").read_text()

@@ -78,10 +78,21 @@ def p2p_mode() -> dict:
 
 
 def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE) -> dict[str, str]:
-    """run.sh's environment (the role's dflash_service_run_env) for a run writing into `output_dir`."""
+    """run.sh's environment (the role's dflash_service_run_env) for a run writing into `output_dir`; the
+    kernel caches in its kernel-cache/."""
     import yaml
     mapping = yaml.safe_load(source.read_text())["dflash_service_run_env"]
-    return {k: str(v).replace("{{ dflash_service_output_dir }}", str(output_dir)) for k, v in mapping.items()}
+    paths = {"{{ dflash_service_output_dir }}": str(output_dir),
+             "{{ dflash_service_kernel_cache_dir }}": str(Path(output_dir) / "kernel-cache")}
+    env = {}
+    for k, v in mapping.items():
+        v = str(v)
+        for var, path in paths.items():
+            v = v.replace(var, path)
+        if "{{" in v:
+            raise ValueError(f"dflash_service_run_env's {k} names a variable run_env does not know: {v}")
+        env[k] = v
+    return env
 
 
 def child_env(output_dir: Path, logs: Path, name: str) -> dict[str, str]:

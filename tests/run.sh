@@ -151,7 +151,8 @@ if [[ $EUID -eq 0 ]] && command -v debootstrap >/dev/null && command -v lxc-star
     tests/standin/build-rootfs.sh --bare >/dev/null
     tests/standin/standin.sh wheelhouse >/dev/null
     tests/standin/standin.sh tiny >/dev/null
-    echo "run: stand-in caches (rootfs, bare rootfs, wheelhouse, tiny model) ready in $(( $(date +%s) - t ))s"
+    DFLASH_STANDIN_ARCH=qwen3_5 tests/standin/standin.sh tiny >/dev/null   # molecule multinode's target
+    echo "run: stand-in caches (rootfs, bare rootfs, wheelhouse, tiny models) ready in $(( $(date +%s) - t ))s"
 fi
 lane F -m faults
 # One process per molecule scenario test: the collected ids, so a new scenario runs without an edit here.

@@ -16,12 +16,16 @@
 #     NFS/CephFS share of real nodes): the checkpoint's DCP shards are written by the drafter
 #     ranks of both nodes.
 # Each container boots once, with all of that in its config (standin.sh's DFLASH_STANDIN_CT_EXTRA).
+# The nodes' weights store holds the tiny hybrid (standin.sh's DFLASH_STANDIN_ARCH=qwen3_5: the seeds'
+# Qwen3.5 / Qwen3.6-27B architecture, a vision-language checkpoint) at /workspace/models/tiny-qwen3_5,
+# so this scenario deploys and trains the real target's kind; molecule default keeps the dense one.
 # `down` removes both containers, both sshd, the bridge and the shared directory. Must run as root.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STANDIN="$HERE/../../tests/standin/standin.sh"
 CACHE="${DFLASH_STANDIN_CACHE:-/var/lib/dflash-standin}"
 BRIDGE=mn-br0
+ARCH=qwen3_5        # the tiny target's architecture (inventory/multinode's multinode.yml names its weights)
 SHARED="$CACHE/mn-shared"
 # per container: its node (PVE name and inventory host), the node's sshd port, address, hostname
 declare -A NODE=([211]=mn-node1 [212]=mn-node2)
@@ -50,7 +54,7 @@ standin() {  # VMID up|down: standin.sh as node ${NODE[VMID]}
     DFLASH_STANDIN_VMID=$1 DFLASH_STANDIN_ADDR="${NODE_ADDR[$1]}" DFLASH_STANDIN_PORT="${PORT[$1]}" DFLASH_STANDIN_NODE="$CACHE/node-${NODE[$1]}" \
         DFLASH_STANDIN_LXCPATH="$(lxcpath "$1")" DFLASH_STANDIN_NODE_NAME="${NODE[$1]}" \
         DFLASH_STANDIN_HOSTNAME="${NAME[$1]}" DFLASH_STANDIN_CT_EXTRA="$CACHE/${NODE[$1]}/ct-$1.extra" \
-        "$STANDIN" "$2"
+        DFLASH_STANDIN_ARCH="$ARCH" "$STANDIN" "$2"
 }
 
 up() {
@@ -61,6 +65,9 @@ up() {
     [[ "${DFLASH_STANDIN_PRIVILEGED:-0}" == 1 ]] || chown 100000:100000 "$SHARED"
     local id pid rc=0
     declare -A pids=()
+    # the caches once, before the nodes come up side by side (two first builds at once would race)
+    DFLASH_STANDIN_ARCH="$ARCH" "$STANDIN" wheelhouse >/dev/null
+    DFLASH_STANDIN_ARCH="$ARCH" "$STANDIN" tiny >/dev/null
     for id in 211 212; do           # the two nodes side by side (copy, id shift and boot: I/O waits)
         mkdir -p "$CACHE/${NODE[$id]}"
         extra_config "$id" > "$CACHE/${NODE[$id]}/ct-$id.extra"
@@ -109,5 +116,5 @@ down() {
 case "${1:-}" in
     up) up ;;
     down) down ;;
-    *) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 2 ;;
+    *) sed -n '2,22s/^# \{0,1\}//p' "$0"; exit 2 ;;
 esac

@@ -11,6 +11,9 @@
 #   - bind mounts into it, read-only: the node's weights store ($CACHE/tiny/target, the tiny
 #     target from `dflash-tiny`) at /workspace/models/$MODEL, the tiny dataset at
 #     /workspace/data/tiny and the host wheelhouse at /srv/wheelhouse for offline pip installs;
+#     DFLASH_STANDIN_ARCH=qwen3_5: the tiny hybrid instead (`dflash-tiny --arch qwen3_5`, the seeds'
+#     Qwen3.5 / Qwen3.6-27B architecture as a vision-language checkpoint, cached in $CACHE/tiny-qwen3_5,
+#     mounted as tiny-qwen3_5 unless DFLASH_STANDIN_MODEL says otherwise);
 #   - an sshd on 127.0.0.1:$PORT (DFLASH_STANDIN_ADDR: another loopback address) with its own
 #     config, host key and a generated client key
 #     (key-only): this plays the Proxmox node that Ansible's proxmox_pct_remote connects to;
@@ -31,7 +34,13 @@ PORT="${DFLASH_STANDIN_PORT:-2222}"
 ADDR="${DFLASH_STANDIN_ADDR:-127.0.0.1}"             # the node's address: a loopback one (127.0.0.0/8)
 CACHE="${DFLASH_STANDIN_CACHE:-/var/lib/dflash-standin}"
 NODE="${DFLASH_STANDIN_NODE:-$CACHE/node}"          # sshd state; removed by `down`
-MODEL="${DFLASH_STANDIN_MODEL:-tiny-qwen3}"
+ARCH="${DFLASH_STANDIN_ARCH:-qwen3}"                 # dflash-tiny --arch: qwen3 (dense) | qwen3_5 (hybrid)
+case "$ARCH" in
+    qwen3) TINY_NAME=tiny ;;                         # the dense cache keeps its old path
+    qwen3_5) TINY_NAME="tiny-$ARCH" ;;
+    *) echo "standin: DFLASH_STANDIN_ARCH must be qwen3 or qwen3_5, got '$ARCH'" >&2; exit 2 ;;
+esac
+MODEL="${DFLASH_STANDIN_MODEL:-tiny-$ARCH}"
 LXCPATH="${DFLASH_STANDIN_LXCPATH:-/var/lib/lxc}"   # the node's containers: its pct sees these only
 NODE_NAME="${DFLASH_STANDIN_NODE_NAME:-stand-in}"   # the node's PVE name (pct's messages)
 CTDIR="$LXCPATH/$VMID"
@@ -39,7 +48,7 @@ CT_HOSTNAME="${DFLASH_STANDIN_HOSTNAME:-dflash-ct}"
 CT_EXTRA="${DFLASH_STANDIN_CT_EXTRA:-}"
 PYTHON="${DFLASH_STANDIN_PYTHON:-}"
 WHEELHOUSE="$CACHE/wheelhouse"
-TINY="$CACHE/tiny"
+TINY="$CACHE/$TINY_NAME"
 TEMPLATE="${DFLASH_STANDIN_TEMPLATE:-prepared}"        # prepared | bare
 PRIVILEGED="${DFLASH_STANDIN_PRIVILEGED:-0}"
 IDMAP_BASE=100000                                    # PVE's default map for unprivileged CTs
@@ -83,10 +92,11 @@ tiny() {
     pick_python
     local stamp="$TINY/.complete"
     if [[ -f "$stamp" ]]; then echo "$TINY"; return; fi
-    log "generating the tiny target and dataset with dflash-tiny into $TINY"
+    log "generating the tiny $ARCH target and dataset with dflash-tiny into $TINY"
     rm -rf "$TINY"; mkdir -p "$(dirname "$TINY")"
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-        'import sys; from trainer.tools.tiny import main; sys.argv = ["dflash-tiny", sys.argv[1]]; sys.exit(main())' "$TINY" >&2
+        'import sys; from trainer.tools.tiny import main; sys.argv = ["dflash-tiny", *sys.argv[1:]]; sys.exit(main())' \
+        "$TINY" --arch "$ARCH" >&2
     [[ -f "$TINY/target/config.json" ]] || { log "dflash-tiny wrote no $TINY/target/config.json"; exit 1; }
     date -u +%FT%TZ > "$stamp"
     echo "$TINY"
@@ -288,5 +298,5 @@ case "${1:-}" in
         if node_sshd >/dev/null; then echo "node sshd: running"; else echo "node sshd: stopped"; fi ;;
     wheelhouse) wheelhouse ;;
     tiny) tiny ;;
-    *) sed -n '2,24s/^# \{0,1\}//p' "$0"; exit 2 ;;
+    *) sed -n '2,27s/^# \{0,1\}//p' "$0"; exit 2 ;;
 esac

@@ -5,6 +5,8 @@ stage. Runs the script itself on temporary directories (a small tmpfs for the sp
 from __future__ import annotations
 
 import fcntl
+import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +17,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "roles" / "dflash_weights" / "files" / "dflash-stage-weights"
+stage_mod = importlib.util.module_from_spec(
+    importlib.util.spec_from_loader("dflash_stage_weights", importlib.machinery.SourceFileLoader("dflash_stage_weights", str(SCRIPT))))
+stage_mod.__spec__.loader.exec_module(stage_mod)
 
 
 def model(path: Path, mib: int) -> Path:
@@ -136,13 +141,38 @@ def test_a_copy_the_containers_memory_cgroup_cannot_hold_is_refused_before_copyi
     assert headroom == str(1 << 20)
     rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc), "--node-headroom-bytes", headroom)
     assert rc == 2, out
-    assert "not enough memory in the container's cgroup" in out["msg"] and f"memory.current leaves 0.00 GiB ({1 << 20} bytes)" in out["msg"]
+    assert "not enough memory in the container's cgroup" in out["msg"] and f"inactive_file) leaves 0.00 GiB ({1 << 20} bytes)" in out["msg"]
     assert not (tmp_path / "shm" / "M").exists()
     (node_ct / "memory.current").write_text(f"{32 << 20}\n")
     rc, out = stage(src, tmp_path / "shm" / "M", tmp_path, "--cgroup-dir", str(svc),
                     "--node-headroom-bytes", _node_headroom(tmp_path / "node" / "sys/fs/cgroup", 250))
     assert rc == 0, out
     assert out["cgroup_headroom_bytes"] == 32 << 20
+
+
+def test_the_headroom_counts_reclaimable_page_cache_as_room_and_stops_at_memory_high(tmp_path):
+    """Issue 52 item 4: memory.current holds the page cache of the weights just read from the
+    store, which the kernel reclaims before it refuses a tmpfs page (inactive_file in memory.stat);
+    PVE sets memory.high 128 MiB below memory.max and throttles there. Both views, the node's read
+    and the script's own walk, count the same way."""
+    node_ct = tmp_path / "node" / "lxc" / "250"
+    node_ct.mkdir(parents=True)
+    (node_ct / "memory.max").write_text(f"{1024 << 20}\n")
+    (node_ct / "memory.high").write_text(f"{896 << 20}\n")
+    (node_ct / "memory.current").write_text(f"{1000 << 20}\n")
+    (node_ct / "memory.stat").write_text(f"anon {100 << 20}\nfile {900 << 20}\nactive_file {100 << 20}\n"
+                                         f"inactive_file {800 << 20}\nshmem 0\n")
+    want = (896 << 20) - ((1000 << 20) - (800 << 20))
+    assert _node_headroom(tmp_path / "node", 250) == str(want)
+    assert stage_mod.cgroup_headroom(str(node_ct)) == want
+    (node_ct / "memory.high").write_text("max\n")                 # no high: memory.max is the limit
+    assert _node_headroom(tmp_path / "node", 250) == str((1024 << 20) - (200 << 20))
+    v1 = tmp_path / "v1" / "memory" / "lxc" / "250"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{64 << 20}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{60 << 20}\n")
+    (v1 / "memory.stat").write_text(f"cache {50 << 20}\ntotal_inactive_file {40 << 20}\n")
+    assert _node_headroom(tmp_path / "v1", 250) == str(44 << 20)
 
 
 def test_the_node_side_read_takes_cgroup_v1_and_says_when_there_is_no_limit(tmp_path):

@@ -210,6 +210,22 @@ def test_5b_a_features_change_pve_holds_pending_is_applied_by_a_restart(node):
     assert r.returncode == 0 and api_config(node)["features"] == "nesting=1", r.text[-3000:]
 
 
+def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node):
+    """Issue 52 item 3: the module would rewrite rootfs' size= and reboot the CT without growing
+    the volume (only PVE's resize call does). The role refuses, in check mode too, naming the
+    command; a smaller size is refused as PVE cannot shrink a volume."""
+    before = node["conf"].read_text()
+    for args in ((), ("--check",)):
+        r = play(node, *args, dflash_provision_rootfs_gib=8)
+        assert r.returncode != 0, r.text[-3000:]
+        assert "CT 250's root filesystem is 4 GiB and dflash_provision_rootfs_gib is 8" in r.text, r.text[-3000:]
+        assert "`pct resize 250 rootfs 8G`" in r.text
+    r = play(node, "--check", dflash_provision_rootfs_gib=2)
+    assert r.returncode != 0 and "PVE cannot shrink a volume: set dflash_provision_rootfs_gib to 4" in r.text, \
+        r.text[-3000:]
+    assert node["conf"].read_text() == before
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)

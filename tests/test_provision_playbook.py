@@ -226,6 +226,24 @@ def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node):
     assert node["conf"].read_text() == before
 
 
+def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_before_it_is_started(node):
+    """Issue 52 item 2: an HCA removed (and taken out of dflash_node_rdma_devices), then a node
+    reboot: its devN entry fails every start ("Device ... does not exist"). Provisioning makes the
+    CT present through the API, the node role deletes the entry, and only then is it started."""
+    env = node["env"]
+    pct = [sys.executable, str(PVE_API), "pct"]
+    subprocess.run(pct + ["stop", str(VMID)], env=env, check=True, capture_output=True)
+    text = node["conf"].read_text()
+    node["conf"].write_text(text.replace("arch: amd64\n", "arch: amd64\ndev9: /dev/infiniband/uverbs9\n", 1))
+    r = subprocess.run(pct + ["start", str(VMID)], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "Device /dev/infiniband/uverbs9 does not exist" in r.stderr
+    r = play(node)
+    assert r.returncode == 0, r.text[-4000:]
+    assert "dev9" not in node["conf"].read_text()
+    status = subprocess.run(pct + ["status", str(VMID)], env=env, capture_output=True, text=True).stdout
+    assert "running" in status
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)

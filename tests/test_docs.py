@@ -6,9 +6,16 @@ paths into the repo (trainer/..., tests/..., roles/..., docs/..., ...), test fil
 dotted code identifiers (`EventWaiter`, `Trainer.shutdown`). A name exists when it occurs in the repo
 outside the docs (code, roles, templates, tests, inventories); a path when the file or directory does.
 The fault suite's results block of docs/reliability.md must list exactly the suite's cases.
+
+Dotted Python names (issue 55), lowercase too: `trainer.a.b.name` and `module.name` (`drafter.build_drafter`),
+in the current docs and in trainer/'s docstrings and comments, resolve in today's source (see
+`_python_name_exists`); a bare `name.py` is a file the repo has.
 """
 
+import ast
+import io
 import re
+import tokenize
 import subprocess
 import sys
 from functools import lru_cache
@@ -219,3 +226,174 @@ def test_the_torch_the_package_asks_for_is_the_torch_the_role_and_the_suite_inst
     pin = re.search(r"^torch==([\d.]+)", (REPO / "roles/dflash_trainer/files/constraints.txt").read_text(), re.M).group(1)
     host = re.search(r"^TORCH_VERSION=([\d.]+)", (REPO / "tests/setup-host.sh").read_text(), re.M).group(1)
     assert pin == host and pin.startswith(floor + "."), (floor, pin, host)
+
+
+# Dotted Python names (issue 55): nine lowercase module names went stale in the renames, because the checks
+# above see paths and CamelCase only. A name counts as ours when its head is `trainer` or the name of a
+# trainer module or wing, today's or one that git history shows was one (`fast`, `warmup`): those of an old
+# module fail. The rest must resolve in today's source, read with ast (nothing is imported): submodules, then
+# a module's top-level names (defs, classes, assignments, imports), then a class's members and `self.`
+# attributes. `report.paused_s` names an attribute of the module's object (a Reporter); any class of the
+# module may hold it. A wing's head with a lowercase non-module attribute (`config.layer_types`,
+# `model.visual`) is left alone: those are Hugging Face objects far more often than our packages.
+NOT_OURS = {"dist": "torch.distributed's usual alias (the old trainer/dist.py is gone)"}
+FILE_SUFFIXES = {"py", "json", "jsonl", "md", "yml", "yaml", "sh", "txt", "gz", "log", "j2", "toml", "cfg",
+                 "service", "pt", "bin", "safetensors", "html", "csv", "png", "ini", "conf", "tar", "pid", "npy"}
+DOTTED_RE = re.compile(r"(?<![\w./-])([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+PY_FILE_RE = re.compile(r"(?<![\w./-])([a-z_][a-z0-9_]*\.py)\b")
+# Files of other projects the docs and comments cite by name.
+EXTERNAL_FILES = {"flex_decoding.py": "torch's FlexAttention decoding kernel",
+                  "modeling_qwen3.py": "transformers' Qwen3", "modeling_qwen3_5.py": "transformers' Qwen3.5",
+                  "cumsum.py": "fla's gate cumsum", "setup.py": "a Python package's", "conftest.py": "pytest's"}
+
+
+@lru_cache(maxsize=None)
+def _modules() -> dict[str, list[Path]]:
+    """Today's trainer modules and wings by their last name (a wing by its __init__.py)."""
+    out: dict[str, list[Path]] = {}
+    for p in sorted((REPO / "trainer").rglob("*.py")):
+        if p.name == "__init__.py":
+            out.setdefault(p.parent.name, []).append(p)
+        elif p.name != "__main__.py":
+            out.setdefault(p.stem, []).append(p)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _old_modules() -> frozenset[str]:
+    """Every trainer module or wing name git history has seen (a renamed module's old name among them)."""
+    files = subprocess.run(["git", "-C", str(REPO), "log", "--name-only", "--format=", "--", "trainer"],
+                           capture_output=True, text=True).stdout.split()
+    names = {Path(f).stem for f in files if f.endswith(".py")} | {Path(f).parent.name for f in files if f.endswith("/__init__.py")}
+    return frozenset(names - {"__init__", "__main__"})
+
+
+@lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _defined(body: list) -> dict[str, ast.AST | None]:
+    """The names a block defines, through if/try/with (a guarded import defines its name too)."""
+    out: dict[str, ast.AST | None] = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out.update({e.id: None for e in ast.walk(target) if isinstance(e, ast.Name)})
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update({(a.asname or a.name).split(".")[0]: None for a in node.names})
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For)):
+            for block in (node.body, node.orelse if hasattr(node, "orelse") else [], getattr(node, "finalbody", []),
+                          *[h.body for h in getattr(node, "handlers", [])]):
+                out.update(_defined(block))
+    return out
+
+
+def _members(cls: ast.ClassDef) -> dict[str, ast.AST | None]:
+    out = _defined(cls.body)
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            out.setdefault(node.attr, None)
+    return out
+
+
+def _resolves(path: Path, parts: list[str], wing_head: bool = False) -> bool:
+    if not parts:
+        return True
+    if path.name == "__init__.py":
+        pkg, head = path.parent, parts[0]
+        if (pkg / head / "__init__.py").is_file():
+            return _resolves(pkg / head / "__init__.py", parts[1:])
+        if (pkg / f"{head}.py").is_file():
+            return _resolves(pkg / f"{head}.py", parts[1:])
+    tree = _tree(path)
+    scope = _defined(tree.body)
+    if parts[0] not in scope:
+        # an attribute of the module's objects (`report.paused_s`, `feed.position`)
+        return len(parts) == 1 and any(parts[0] in _members(c) for c in ast.walk(tree) if isinstance(c, ast.ClassDef))
+    for name in parts:
+        if name not in scope:
+            return False
+        if not isinstance(scope[name], ast.ClassDef):
+            return True          # a function's, an import's or a value's attributes are not followed
+        scope = _members(scope[name])
+    return True
+
+
+@lru_cache(maxsize=None)
+def _logger_names() -> frozenset[str]:
+    """The loggers trainer/ names (`trainer.checkpoint` in a journal line is a logger, not a module)."""
+    return frozenset(re.findall(r"getLogger\(\s*[\"']([\w.]+)[\"']", "\n".join(
+        p.read_text() for p in (REPO / "trainer").rglob("*.py"))))
+
+
+def _python_name_exists(name: str) -> bool | None:
+    """True or False for a dotted name of ours; None for one that is not ours (`torch.compile`, a file name)."""
+    parts = name.split(".")
+    head, rest = parts[0], parts[1:]
+    if rest[-1] in FILE_SUFFIXES or head in NOT_OURS:
+        return None
+    if name in _logger_names():
+        return True
+    if head == "trainer":
+        return _resolves(REPO / "trainer" / "__init__.py", rest)
+    modules = _modules()
+    if head in modules:
+        paths = modules[head]
+        if all(p.name == "__init__.py" for p in paths):                 # a wing: config.x, model.x
+            sub = [p for p in paths if (p.parent / rest[0] / "__init__.py").is_file() or (p.parent / f"{rest[0]}.py").is_file()]
+            if not sub and not rest[0][0].isupper():
+                return None
+        return any(_resolves(p, rest) for p in paths)
+    if head in _old_modules():
+        return False
+    return None
+
+
+@lru_cache(maxsize=None)
+def _repo_file_names() -> frozenset[str]:
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, text=True).stdout.split()      # a new file counts before its commit
+    return frozenset(Path(f).name for f in files)
+
+
+def _stale_python_names(text: str) -> list[str]:
+    bad = [n for n in sorted(set(DOTTED_RE.findall(text))) if _python_name_exists(n) is False]
+    return bad + [n for n in sorted(set(PY_FILE_RE.findall(text))) if n not in _repo_file_names() and n not in EXTERNAL_FILES]
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """A Python file's comments and docstrings (every string that stands alone as a statement), by line."""
+    text = path.read_text()
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    out += [(n.lineno, n.value.value) for n in ast.walk(_tree(path))
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+    return out
+
+
+@pytest.mark.parametrize("doc", CURRENT_DOCS, ids=[str(d.relative_to(REPO)) for d in CURRENT_DOCS])
+def test_every_dotted_python_name_in_the_doc_resolves(doc):
+    stale = _stale_python_names(doc.read_text())
+    assert not stale, f"{doc.relative_to(REPO)} names Python that today's source does not have: {stale}"
+
+
+def test_every_dotted_python_name_in_trainer_docstrings_and_comments_resolves():
+    stale = [f"{path.relative_to(REPO)}:{line}: {name}" for path in sorted((REPO / "trainer").rglob("*.py"))
+             for line, text in _prose(path) for name in _stale_python_names(text)]
+    assert not stale, f"trainer/ names Python that today's source does not have: {stale}"
+
+
+def test_the_python_name_check_catches_stale_names():
+    """Made-up and renamed names fail; today's names, other projects' and file names pass."""
+    for name in ("drafter.no_such_function", "fast.no_new_graphs", "trainer.engine.checkpoint.no_such_name",
+                 "trainer.no_such_wing.x", "warmup.run", "model.PackedMetaOld", "checkpoint.Checkpointer.no_such_method",
+                 "warmup.py", "ckpt_format.py"):
+        assert _stale_python_names(f"see `{name}` and") == [name], name
+    fine = ("trainer.engine.checkpoint.Checkpointer", "drafter_stage.build_drafter", "trainer.tools.bench",
+            "compiling.no_new_graphs", "report.paused_s", "checkpoint.Checkpointer.save", "torch.compile",
+            "config.layer_types", "dist.send", "status.json", "train_state.py", "flex_decoding.py",
+            "trainer.checkpoint")
+    assert _stale_python_names(" ".join(f"`{n}`," for n in fine)) == []

@@ -559,14 +559,14 @@ def parse_kernel_options(text: str) -> dict:
 def split_blocks(cfg) -> int:
     """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's; issue 29): 0 one FlexAttention over the
     whole mask, 1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp,
-    2 the same with the in-block part and the merge as model.BlockMerge. ConfigError names the flag for a
-    value or a combination that cannot train right. Read by validate_flags and by drafter.build_drafter."""
+    2 the same with the in-block part and the merge as drafter.BlockMerge. ConfigError names the flag for a
+    value or a combination that cannot train right. Read by validate_flags and by drafter_stage.build_drafter."""
     split = parse_kernel_options(cfg.flex_kernel_options).get("SPLIT_BLOCKS", 0)
     if split not in (0, 1, 2):   # True == 1, False == 0
         raise ConfigError(f"--flex-kernel-options: SPLIT_BLOCKS must be true, false, 0, 1 or 2, got {split}")
     if split and getattr(cfg, "flex_ctx_group", 0):
         raise ConfigError("--flex-kernel-options: SPLIT_BLOCKS needs --flex-ctx-group 0")
-    # 'auto' compiles the drafter's layers on GPUs (fast.resolve_compile)
+    # 'auto' compiles the drafter's layers on GPUs (compiling.resolve_compile)
     compiled = cfg.compile in ("all", "drafter") or (cfg.compile == "auto"
                                                       and bool(getattr(cfg, "drafter_gpus", ())))
     if split == 2 and compiled:

@@ -22,7 +22,7 @@ log = logging.getLogger("trainer")
 def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     """Sequence lengths of the drafter's warmup micro-batches. Uncompiled: one sequence (autotuning only).
     Compiled (--compile all|drafter): the compiled layers should cover the shapes a step can bring, because
-    after the warmup a shape they do not cover stops the step for a compile (fast.end_warmup; inductor's own
+    after the warmup a shape they do not cover stops the step for a compile (compiling.end_warmup; inductor's own
     size regimes make full coverage impossible to promise). Under the old freeze it ran eagerly, and eager
     FlexAttention materializes the whole [heads, rows, ctx] score matrix (tens of GiB at 27B width: the OOM
     in results/log-issue15-27b-b16-oom).
@@ -30,7 +30,7 @@ def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     sequence, full chunks holding several equal sequences, mixed lengths with a partial tail chunk, and a
     chunk of a single 128-row query tile. (Sizes equal in every warmup shape, e.g. block rows and context
     rows at --max-anchors 32 with 512-token sequences, no longer tie the graphs to that equality:
-    fast.compile_layers turns dynamo's duck shaping off.)"""
+    compiling.compile_layers turns dynamo's duck shaping off.)"""
     seq = min(cfg.max_seq_len, cfg.token_budget)
     shapes = [[seq]]
     if not wants(cfg.compile, "drafter"):

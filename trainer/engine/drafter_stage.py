@@ -107,7 +107,7 @@ def build_drafter(dcfg: DFlashConfig, cfg, device: torch.device, dtype: torch.dt
     for layer in model.layers:
         layer.self_attn.kernel_options = kernel_options or None
         layer.self_attn.split_blocks = "flex" if split else None
-        layer.self_attn.split_fused = split == 2   # SPLIT_BLOCKS=2: model.BlockMerge (its own backward)
+        layer.self_attn.split_fused = split == 2   # SPLIT_BLOCKS=2: drafter.BlockMerge (its own backward)
     if wants(cfg.compile, "drafter"):
         compile_layers(model.layers, dynamic=True)  # every micro-batch has its own row counts
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -113,7 +113,7 @@ class InTrainingEval:
                  " (final, with the teacher-forced block accuracy)" if final else "")
         try:
             # the training forward's kernel choice too: on GPUs never cuDNN, whose plan cache would grow
-            # with every KV length the generation loop sees (fast.py)
+            # with every KV length the generation loop sees (compiling.py)
             with target_stage.full_model() as target, sdpa_context(cfg.sdpa_backend, dev.type), no_new_graphs(), \
                     torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else [], device_type=dev.type):
                 check_drafter_fits(dcfg, target.config.to_dict())   # TargetMismatch -> {"error": ...}

@@ -1,9 +1,9 @@
 """The training loop of one rank, top to bottom, and its wiring. The components beside it own their
 state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target.py and
-drafter.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
-warmup.py, optim.py,
+drafter_stage.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
+compile_warmup.py, optim.py,
 train_state.py (what a checkpoint holds: one typed state whose parts their owners declare),
-checkpoint.py (the checkpoint protocol; ckpt_format.py its files on disk),
+checkpoint.py (the checkpoint protocol; checkpoint_format.py its files on disk),
 report.py (status, metrics, sinks, tables), faults.py, errors.py.
 
 Owners on a rank (one each):
@@ -359,7 +359,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------- run
     def warmup(self):
-        """Compile/autotune surprises before step 1 (warmup.py)."""
+        """Compile/autotune surprises before step 1 (compile_warmup.py)."""
         self.report.status.update(phase="warmup", force=True)
         warmup(self.cfg, self.dcfg, self.feed, self.target, self.drafter, self.opt, self.device, self.dtype,
                self.report.extend)

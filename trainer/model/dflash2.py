@@ -1,4 +1,4 @@
-"""DFlash2's two additions to the drafter, on the packed layout of model.py (block rows [Tq, H], block j at
+"""DFlash2's two additions to the drafter, on the packed layout of drafter.py (block rows [Tq, H], block j at
 rows j*B .. j*B+B-1), and the candidate selector's training loss.
 
 1. A grouped dynamic depthwise causal convolution around every attention and MLP sublayer
@@ -37,7 +37,7 @@ ARCHITECTURE = "DFlash2DraftModel"
 
 
 def as_dflash2(cfg, **values):
-    """A model.DFlashConfig made DFlash2's: DFLASH2_DEFAULTS updated by `values`. ValueError naming what does
+    """A drafter.DFlashConfig made DFlash2's: DFLASH2_DEFAULTS updated by `values`. ValueError naming what does
     not fit the drafter (a group size that does not divide the width, more taps than a block has slots,
     more candidates than the vocabulary)."""
     v = {**DFLASH2_DEFAULTS, **values}

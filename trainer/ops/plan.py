@@ -16,7 +16,7 @@ LOSS_CHUNK_ROWS = 4096  # LM-head rows per loss chunk (bounds the fp32 [rows, vo
 
 
 # The per-chunk arrays the drafter's device gets, by ChunkPlan field name: one list that the feed (pinned
-# host copies), the drafter stage (device copies) and model.PackedMeta (the attention's, checked there)
+# host copies), the drafter stage (device copies) and drafter.PackedMeta (the attention's, checked there)
 # read. The optional ones are None in a chunk that does not use them and are then not sent.
 ATTENTION_ARRAYS = ("ctx_seq", "ctx_pos", "q_seq", "q_anchor", "q_pos", "kv_num_blocks", "kv_indices",
                     "full_kv_num_blocks", "full_kv_indices", "kv_ctx", "kv_ctx_seq", "q_copy_seq")

@@ -13,7 +13,7 @@ proposes the path; the target verifies [token, path] in one forward.
   p after the last. The emitted tokens are distributed as the target's sampling (q_k is the distribution
   the draft was actually drawn from, given the prefix the target accepted).
 
-The drafter is the trainer's packed class (model.DFlashDrafter with its DFlash2 config), run on the whole
+The drafter is the trainer's packed class (drafter.DFlashDrafter with its DFlash2 config), run on the whole
 accepted context each step (no drafter cache: the context rows are the same taps, so the drafts are the
 cached loop's). tau: tokens emitted per verify step, as modeling_dflash.dflash_generate counts them.
 """

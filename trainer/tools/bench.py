@@ -278,7 +278,7 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
 
 def _visible_pairs(c, block_size: int, window: int | None) -> float:
     """(query, key) pairs a chunk's block rows attend to in one layer: the context before the anchor and the
-    whole block; a sliding layer (model.py): the context in (p - window, anchor) and the block up to p."""
+    whole block; a sliding layer (drafter.py): the context in (p - window, anchor) and the block up to p."""
     if window is None:
         return float(c.q_anchor.sum()) + len(c.q_seq) * block_size
     p, a = c.q_pos.astype(np.float64), c.q_anchor.astype(np.float64)

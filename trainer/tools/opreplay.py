@@ -141,7 +141,7 @@ class EmulatedFSDP:
         return [_Unit(self) for _ in range(self.units)]
 
     def unshard_unit(self, async_op: bool):
-        """One unit's FSDPModule.unshard (drafter.fsdp_units calls it per unit, in forward order)."""
+        """One unit's FSDPModule.unshard (drafter_stage.fsdp_units calls it per unit, in forward order)."""
         rec = oprecord.RECORDER
         if self.unsharded or len(self.pending) >= self.units:
             return

@@ -1,4 +1,5 @@
-"""Issue 15 on the CPU: the drafter does no redundant work and computes the same loss.
+"""The drafter does no redundant work and computes the same loss (trainer/ops/loss.py and
+trainer/ops/plan.py; issue 15), on the CPU:
 
 - soft labels once per unique position of a loss chunk, zero-weight rows skipped: the loss and its
   gradient equal the per-row reference (float64, and float32 within rounding);

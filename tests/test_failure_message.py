@@ -1,4 +1,4 @@
-"""Issue 30: the NaN failure message, as status.json and dflash-status show it, says its cause once.
+"""The NaN failure message, as status.json and dflash-status show it, says its cause once (issue 30).
 
 The rank records `rank 0: <why>`; the supervisor then wrote `rank 0 failed (exit 1): TrainingFailed: <why>;
 rank 0: <why>` (the supervisor, trainer/distributed/launch.py, joined the two), so every reader saw the reason twice."""

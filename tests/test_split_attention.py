@@ -1,5 +1,5 @@
-"""Issue 29 on the CPU: the split attention path (bench variant `split`, `--flex-kernel-options
-SPLIT_BLOCKS=true`) computes the reference attention.
+"""The split attention path of trainer/model/drafter.py (bench variant `split`, `--flex-kernel-options
+SPLIT_BLOCKS=true`) computes the reference attention, on the CPU (issue 29).
 
 The split path runs FlexAttention over the context keys only (the chunk's tile lists cut to the context
 tiles) and the in-block part as a small dense attention, and merges the two by log-sum-exp. Checked here:

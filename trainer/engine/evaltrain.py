@@ -168,10 +168,3 @@ def eval_scalars(rec: dict) -> dict:
         if k in rec:
             out[k] = rec[k]
     return {"eval": out}
-
-
-def eval_wandb(rec: dict) -> dict:
-    """eval_scalars flattened the TensorBoard way: {"eval/tau": ..., "eval/acceptance/pos_01": ...}."""
-    from trainer.engine.metrics_sinks import flatten_scalars
-    return dict(flatten_scalars(eval_scalars(rec)))
-

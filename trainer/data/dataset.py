@@ -566,8 +566,8 @@ class BatchPlanner:
         """Upper bound on the distinct [B, S] batch shapes over any number of epochs, with each batch
         padded to its longest sequence rounded up to ``pad_multiple``. A bucket's batches all hold
         ``cap`` sequences except one of ``len % cap`` per epoch; S is a member's padded length. Per-shape
-        caches (cuDNN's attention plans: about 1.7 MB of host memory each on the H200) stop growing
-        at this many entries."""
+        caches (cuDNN's attention plans, each holding host memory: results/INDEX.md,
+        h200x2-1.7b-shape-cache-probe.json) stop growing at this many entries."""
         total = 0
         for cap, members in self._buckets:
             padded = -(-self.lengths[members] // pad_multiple) * pad_multiple

@@ -1,8 +1,9 @@
 """Split-KV ("flash-decoding") attention of one query token per row, for the captured decoder (issue 29, goal 3).
 
 A decode step's attention reads the whole KV prefix to produce one output row per query head: it is a
-memory-bound read of K and V. PyTorch's SDPA (cuDNN flash on the H200) runs it with 64-row query tiles of
-which the 4 query heads of one KV head use 4, reading the prefix at about 61% of the copy rate. Here:
+memory-bound read of K and V. PyTorch's SDPA (cuDNN flash on an H200) runs it with 64-row query tiles of
+which the 4 query heads of one KV head use 4, reading the prefix well under the copy rate (results/INDEX.md,
+h200-8b-regenerate-step-variants.json). Here:
 
 * the G query heads of one KV head are the rows of one small tile (padded to 16 for the tensor cores), so
   K and V are read once per (row, KV head);
@@ -33,7 +34,7 @@ except ImportError:   # pragma: no cover - depends on the install
 LOG2E = 1.4426950408889634
 
 # the kernel's tile and split; tests/gpu/regenerate_bench.py may set them from its own sweep
-# (the fastest of the sweep in results/h200-8b-regenerate-triton.json: 4.23 TB/s at batch 256 x view 640)
+# (the fastest of the sweep in results/h200-8b-regenerate-triton.json, its results/INDEX.md row)
 # fp8_convert: how the kernel turns an fp8 cache's tiles into tensor-core operands (results/h200-8b-regenerate-fp8.json:
 # "bf16", Triton's e4m3 -> bf16 cast, left the fp8 read no faster than bf16's). "fp16": Triton's e4m3 -> fp16 cast
 # (a hardware conversion on sm_89+), q and p in fp16; "shift": the e4m3 bits moved into an fp16's (fp8_bits_to_fp16),
@@ -42,11 +43,11 @@ LOG2E = 1.4426950408889634
 # the cache at all: q is quantized to e4m3 once per program (one scale, its amax to 448) and the
 # probabilities times 256 to e4m3, and both products run on fp8 tensor cores (split_kv_reference(fp8_products=True)).
 # fp8_block_n / fp8_num_warps / fp8_num_stages: an fp8 cache's tile where it differs (None: the same as bf16's).
-# The fp8 cache's own tile, 64 keys x 4 warps x 3 stages, is what made it faster than the bf16 cache: at 384 x 1536
-# 0.32-0.33 ms against the bf16 kernel's 0.44 (results/h200-8b-decode-attn-modes-refactor.json), where the bf16
-# tile had left every fp8 mode no faster. With it "fp16" and "dot" run the decode in the same time (42.3 vs 42.7 s,
-# results/h200-8b-regenerate-fp8-fp16-tile.json) and "fp16" keeps the error of the e4m3 storage alone (dot rounds
-# q and p as well: 1.35x the mean error), so "fp16" is the default.
+# The fp8 cache's own tile, 64 keys x 4 warps x 3 stages, is what made it faster than the bf16 cache
+# (results/h200-8b-decode-attn-modes-refactor.json), where the bf16 tile had left every fp8 mode no faster.
+# With it "fp16" and "dot" run the decode in the same time (results/h200-8b-regenerate-fp8-fp16-tile.json) and
+# "fp16" keeps the error of the e4m3 storage alone (dot rounds q and p as well, a larger mean error), so "fp16"
+# is the default. The figures: those files' rows in results/INDEX.md.
 CONFIG = {"block_n": 128, "split_len": 1024, "num_warps": 8, "num_stages": 2, "fp8_convert": "fp16",
           "fp8_block_n": 64, "fp8_num_warps": 4, "fp8_num_stages": 3}
 FP8_CONVERT = {"bf16": 0, "fp16": 1, "shift": 2, "dot": 3}

@@ -16,10 +16,11 @@ and changes only what is around them:
   generator and replayed; the host looks at the stop flags every `check_every` steps only;
 * the prefill runs eagerly in row chunks and computes logits for the last prompt position only; with
   `prefill_trim` (default) each chunk runs at its own width (its longest prompt), not the batch's;
-* `decode_kernel="triton"`: the decode attention is trainer/ops/decode_attn.py's split-KV kernel (1.8-1.9x
-  SDPA per layer on the H200; its plain-torch reference on the CPU); `kv_fp8`: the cache in fp8 e4m3, read
-  by that kernel only (half the memory and, with the fp8 tile of decode_attn.CONFIG, 1.12x the decode on the
-  8B shape; changes the numerics, off by default).
+* `decode_kernel="triton"`: the decode attention is trainer/ops/decode_attn.py's split-KV kernel (faster
+  than SDPA per layer on GPUs: results/INDEX.md, h200-8b-regenerate-triton.json; its plain-torch reference
+  on the CPU); `kv_fp8`: the cache in fp8 e4m3, read by that kernel only (half the memory and, with the fp8
+  tile of decode_attn.CONFIG, a faster decode: h200-8b-regenerate-fp8-dot.json; changes the numerics, off
+  by default).
 
 * a hybrid target (Qwen3.5/3.6: Gated DeltaNet layers beside gated full attention): its linear layers' conv
   and recurrent states live in buffers allocated once (`_LinearStates`, answering transformers' cache API),
@@ -485,8 +486,8 @@ class _AliasFinalState:
 
     `tile` = (BV, num_warps), or None for FLA's own launch: each program's state tile is K x BV. FLA 0.6
     launches BV = 8 with one warp: a [128, 8] tile whose rows are 32 bytes apart in fp32 and 16 in bf16, so a
-    bf16 state still moves whole 32-byte sectors (on the H200, bf16 states took the kernel from 12.89 to
-    12.05 ms a step, not to half: results/h200-qwen3.6-27b-regenerate-step-variants.json). A wider tile
+    bf16 state still moves whole 32-byte sectors (bf16 states did not halve the kernel's time:
+    results/h200-qwen3.6-27b-regenerate-step-variants.json, its results/INDEX.md row). A wider tile
     reads whole lines. The kernel derives its programs' tiles from BV (`NV = cdiv(V, BV)`), so the grid is
     rescaled with it: (N * HV) programs per tile column, as FLA's own wrapper computes it."""
 

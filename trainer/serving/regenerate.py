@@ -362,9 +362,10 @@ class RegenerateConfig:
                                         "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the "
                                         "decoder is captured, every device is a GPU and Triton is installed, else "
                                         "sdpa)", group=GEN, choices=("auto", *DECODE_ATTENTIONS))
-    kv_fp8: str = opt("off", "the captured decoder's KV cache in fp8 e4m3 (half the memory: 1.1x the tok/s of an 8B "
-                             "target at batch 384, or twice the batch of a 27B one; changes the numerics, recorded "
-                             "in the output; needs --decode-attention triton)", group=GEN, choices=ON_OFF)
+    kv_fp8: str = opt("off", "the captured decoder's KV cache in fp8 e4m3 (half the memory: a faster decode, or "
+                             "twice the batch of a 27B target: docs/performance.md, \"Regeneration at serving "
+                             "speed\"; changes the numerics, recorded in the output; needs --decode-attention "
+                             "triton)", group=GEN, choices=ON_OFF)
     json: bool = opt(False, "print the statistics as JSON on stdout", group=GEN)
 
     def device_list(self) -> list[str]:
@@ -433,12 +434,13 @@ def regenerate(
     The ``auto`` switches are resolved by :func:`resolve_switches`:
     static_cache auto: on when every device is a GPU (docs/performance-archive.md measures it).
     decoder auto: "captured" (trainer/serving/captured_decoder.py, CUDA graphs) when every device is a GPU, else "generate".
-    fuse auto: the captured decoder's small ops compiled when every device is a GPU (1.20x per decode step
-    measured on the 8B shape); it changes no token's choice beyond bf16 rounding and is not recorded.
-    decode_attention auto: "triton" (the split-KV kernel, trainer/ops/decode_attn.py; 1.28x per decode step
-    measured on the 8B shape) with the captured decoder when every device is a GPU and Triton is installed,
-    else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference. bf16 rounding only,
-    not recorded either.
+    fuse auto: the captured decoder's small ops compiled when every device is a GPU (a faster decode step:
+    results/INDEX.md, h200-8b-regenerate-fused.json); it changes no token's choice beyond bf16 rounding and is
+    not recorded.
+    decode_attention auto: "triton" (the split-KV kernel, trainer/ops/decode_attn.py; a faster decode step:
+    results/INDEX.md, h200-8b-regenerate-triton.json) with the captured decoder when every device is a GPU and
+    Triton is installed, else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference.
+    bf16 rounding only, not recorded either.
     kv_fp8 on: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
     numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
     Several devices: one worker process per device, each taking the next shard.

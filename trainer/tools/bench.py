@@ -502,7 +502,7 @@ def bench_target(ctx: Ctx, t) -> dict:
             st.forward_pack(it, slot)
 
     # the timed window twice: the first pass meets each batch shape for the first time (on a hybrid target
-    # that cost tens of seconds a shape on the H200: fla's Triton kernels specialise and autotune per shape),
+    # fla's Triton kernels specialise and autotune per shape: results/INDEX.md, h200-qwen3.6-27b-target-eager.json),
     # the second is the steady state a long run sees; tok_s is the second, the first is kept beside it
     first, _ = timed_after_warm(run, items[:1], items[1:], devices)
     wall, c0 = timed_after_warm(run, [], items[1:], devices)

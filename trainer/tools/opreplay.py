@@ -33,10 +33,10 @@ import torch
 from trainer.distributed import oprecord
 from trainer.distributed.streamcheck import Program
 
-# Per-GPU rates of one H200 for the timed replay (docs/performance.md: 27B target 11.38K tok/s on x2;
-# 27B-width drafter 34.1K block rows/s at b16, 35.0K at block 32), bytes per hidden-state token at 27B
-# width (5 taps + the final row, bf16), and link bandwidths (NVLink within a node; TCP between nodes,
-# what the two-container layout gets today).
+# Per-GPU rates of one H200 for the timed replay (the 27B target and the 27B-width drafter of
+# docs/performance.md, "Per-GPU rates: training", whose result files results/INDEX.md lists), bytes per
+# hidden-state token at 27B width (5 taps + the final row, bf16), and link bandwidths (NVLink within a
+# node; TCP between nodes, what the two-container layout gets today).
 TARGET_TOK_S = 11_380.0
 DRAFTER_ROWS_S = {16: 34_100.0, 32: 35_000.0}
 BYTES_PER_TOKEN = 6 * 5120 * 2

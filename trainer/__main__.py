@@ -35,7 +35,8 @@ def main(argv=None) -> int:
         from trainer.engine.train import train_rank
         return train_rank(cfg)
     from trainer.distributed.launch import launch
-    return launch(argv, cfg)
+    from trainer.engine.compile_warmup import startup_bounds
+    return launch(argv, cfg, startup_bounds(cfg))
 
 
 def record_bad_input(status_file: str, error: str) -> None:

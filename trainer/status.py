@@ -75,6 +75,10 @@ STATUS_SCHEMA: tuple[StatusField, ...] = (
     StatusField("eval", "the last tau eval, null until one ran (a resumed run starts with the last one "
                 "metrics.jsonl kept): `step`, `tau`, `per_position_acceptance`, `prompts`, `verify_steps`, "
                 "`seconds`, and `block_accuracy` for the end-of-run eval", ("loading", "eval")),
+    StatusField("startup", "per rank, during the start-up (trainer/distributed/startup.py): its last progress note, "
+                "`role`, `phase`, `detail` (e.g. `target shape 2 of 3 (1x4096, compile and autotune)`), `seq` "
+                "(counts its notes) and `at` (unix seconds); the supervisor ends a start-up none of whose notes "
+                "moves for the stall bound", ("starting", "loading", "warmup"), always=False),
     StatusField("world_size", "processes in the job (ranks)", ("starting",), always=False),
     StatusField("ranks", "per rank, from the first training step on (null until its first stop vote): `rank`, "
                 "`role` (target, drafter or target+drafter), `items` (micro-batches), `busy_s` (stage seconds), "

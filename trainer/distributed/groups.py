@@ -158,6 +158,11 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     import torch
     import torch.distributed as dist
 
+    import faulthandler
+    import signal
+    # SIGUSR1: every thread's stack into this rank's stderr (the journal), without stopping it; the
+    # supervisor sends it before it ends a stalled start-up, the first-run script before it stops a job
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     mine = local_roles(cfg)

@@ -17,12 +17,13 @@ from trainer.distributed.topology import local_roles
 log = logging.getLogger("trainer.dist")
 
 
-def launch(argv: list[str], cfg) -> int:
+def launch(argv: list[str], cfg, bounds=None) -> int:
     """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
     WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
     rank in status.json. SIGTERM/SIGINT stay with this process, which passes SIGTERM on to this node's ranks
     and SIGKILLs those still running after --stop-timeout (_Stopper; the launcher's own signal handling is
-    off)."""
+    off). `bounds` (startup.StartupBounds, derived from the config by compile_warmup.startup_bounds): how long
+    the relay lets the start-up go without progress."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -69,7 +70,15 @@ def launch(argv: list[str], cfg) -> int:
                       **extra)
     stopper = _Stopper(cfg.stop_timeout)
     stopper.install()
-    relay = _NotifyRelay(cfg.status_file, notifier)
+    if bounds is not None:
+        log.info("%s", bounds.describe())
+
+    def on_stall(line: str) -> None:
+        record_failure(cfg.status_file, line)
+        print(f"dflash-train: error: {line}", file=sys.stderr, flush=True)
+        stopper.abort()
+
+    relay = _NotifyRelay(cfg.status_file, notifier, bounds.stall_s if bounds is not None else 1800.0, on_stall)
     relay.start()
     log.info("launching %d rank(s) on this node (node %d of %d, rendezvous %s)", nproc, cfg.node_rank, cfg.nnodes,
              endpoint)
@@ -89,6 +98,9 @@ def launch(argv: list[str], cfg) -> int:
             rc = 2
             msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
             print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
+        elif relay.stalled:   # the relay ended a stalled start-up: its line, not the SIGKILL that followed
+            rc = 1
+            record_failure(cfg.status_file, relay.stalled)
         else:
             rc = 1
             sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
@@ -150,6 +162,16 @@ class _Stopper:
             except OSError:
                 pass
 
+    def abort(self, grace: float = 3.0) -> None:
+        """End the ranks now: SIGUSR1 first (each rank's faulthandler writes every thread's stack to its
+        log: groups.init_rank registers it), SIGKILL `grace` seconds later."""
+        import signal
+        self.requested.set()
+        self._signal_children(signal.SIGUSR1)
+        t = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
+        t.daemon = True
+        t.start()
+
     def _handle(self, signum, frame):
         import signal
         if self.requested.is_set():
@@ -164,22 +186,28 @@ class _Stopper:
 
 
 class _NotifyRelay(threading.Thread):
-    """Supervisor thread: READY=1 once rank 0 reports training, WATCHDOG=1 whenever status.json moves,
-    EXTEND_TIMEOUT while the job loads or warms up (a 27B load takes minutes)."""
+    """Supervisor thread: READY=1 once rank 0 reports training, WATCHDOG=1 whenever status.json moves.
+    Before READY, EXTEND_TIMEOUT only while the start-up proves progress (startup.py): some rank's note in
+    status.json's `startup` (or the phase) moved within `stall_s`. When none moved for `stall_s`, it stops
+    extending and calls on_stall(one line naming the rank and its phase), once; `stalled` keeps the line."""
 
-    def __init__(self, status_file: str, notifier):
+    def __init__(self, status_file: str, notifier, stall_s: float = 1800.0, on_stall=None, interval: float = 1.0):
         super().__init__(name="notify-relay", daemon=True)
         self.path, self.notifier = status_file, notifier
+        self.stall_s, self.on_stall, self.interval = stall_s, on_stall, interval
+        self.stalled: str | None = None
         self._stop = threading.Event()
 
     def stop(self):
         self._stop.set()
 
     def run(self):
+        from trainer.distributed.startup import EXTEND_MARGIN_S, START_PHASES, StallClock
         from trainer.status import read_status
         ready, last = False, None
         start = time.time()
-        while not self._stop.wait(1.0):
+        clock = StallClock(self.stall_s, time.monotonic())
+        while not self._stop.wait(self.interval):
             try:
                 st = read_status(self.path)
             except Exception:  # noqa: BLE001
@@ -187,8 +215,17 @@ class _NotifyRelay(threading.Thread):
             if (st.get("updated_at") or 0) < start:
                 continue   # a previous run's file
             phase = st.get("phase")
-            if phase in ("starting", "loading", "warmup"):
-                self.notifier.extend_timeout(900)
+            if phase in START_PHASES and not ready and self.stalled is None:
+                now = time.monotonic()
+                clock.update(st, now)
+                left = clock.left(now)
+                if left > 0:
+                    self.notifier.extend_timeout(left + EXTEND_MARGIN_S)
+                else:
+                    self.stalled = clock.stall_line(now)
+                    log.error("%s", self.stalled)
+                    if self.on_stall is not None:
+                        self.on_stall(self.stalled)
             if not ready and phase in ("training", "checkpointing", "done"):
                 self.notifier.ready(f"training: step {st.get('step')}")
                 ready = True

@@ -76,12 +76,17 @@ class Topology:
     def drafter_index(self) -> int:
         return self.drafter_ranks.index(self.rank)
 
+    @property
+    def role_name(self) -> str:
+        return role_name(self.role)
+
     def describe(self) -> str:
-        parts = []
-        for r, (x, h) in enumerate(zip(self.roles, self.hosts)):
-            kind = "target+drafter" if x.target and x.drafter else ("target" if x.target else "drafter")
-            parts.append(f"rank {r} {kind} {h}/{x.device}")
-        return "; ".join(parts)
+        return "; ".join(f"rank {r} {role_name(x)} {h}/{x.device}" for r, (x, h) in enumerate(zip(self.roles,
+                                                                                                   self.hosts)))
+
+
+def role_name(x) -> str:
+    return "target+drafter" if x.target and x.drafter else ("target" if x.target else "drafter")
 
 
 def in_launched_rank() -> bool:

@@ -4,6 +4,7 @@ collectives), gradients thrown away."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -12,7 +13,8 @@ import torch
 
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Batch
-from trainer.ops.compiling import begin_warmup, end_warmup, wants
+from trainer.distributed.startup import StartupBounds
+from trainer.ops.compiling import begin_warmup, end_warmup, resolve_compile, wants
 from trainer.engine.feed import Feed, make_item
 from trainer.ops.plan import FLEX_BLOCK
 
@@ -51,23 +53,59 @@ def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
     return shapes
 
 
+def target_warmup_shapes(cfg: TrainConfig) -> list[tuple[int, int]]:
+    """[rows, tokens] of the target's warmup batches."""
+    long_b = max(1, cfg.token_budget // cfg.max_seq_len)
+    return [(long_b, cfg.max_seq_len), (min(cfg.max_batch_size, cfg.token_budget // 256 or 1), 256)]
+
+
+# Worst cases for one piece of start-up work, the unit the start-up's stall bound counts in: one warmup
+# shape that compiles and autotunes (a hybrid target's layers compile per mixer class), one eager shape,
+# the load of a 27B target from /dev/shm.
+COMPILED_SHAPE_S = 1800.0
+EAGER_SHAPE_S = 600.0
+LOAD_S = 1800.0
+
+
+def startup_bounds(cfg, compile_opt: str | None = None) -> StartupBounds:
+    """From the config: the stall bound is the slowest single piece of start-up work (the load, or one
+    warmup shape of a role that compiles); the barrier's bound is the load plus every shape of the role
+    with the most work, each at its worst case."""
+    on_cpu = not cfg.target_gpus and not cfg.drafter_gpus
+    resolved = resolve_compile(compile_opt or cfg.compile, on_cpu)
+    resolved_cfg = dataclasses.replace(cfg, compile=resolved)
+    per = {}
+    for role, n in (("target", len(target_warmup_shapes(cfg))), ("drafter", len(warmup_batches(resolved_cfg)))):
+        per[role] = (n, COMPILED_SHAPE_S if wants(resolved, role) else EAGER_SHAPE_S)
+    stall = max([LOAD_S] + [s for _, s in per.values()])
+    barrier = LOAD_S + max(n * s for n, s in per.values())
+    why = (f"--compile {resolved}; load {LOAD_S:.0f}s, "
+           + ", ".join(f"{n} {role} shape(s) at {s:.0f}s" for role, (n, s) in per.items()))
+    return StartupBounds(stall, barrier, why)
+
+
 def warmup(cfg: TrainConfig, dcfg, feed: Feed, target, drafter, opt, device: torch.device, dtype: torch.dtype,
-           extend) -> None:
-    """Every stage this rank holds, at the shapes training will bring. extend(seconds): the start-up
-    watchdog is told the rank is still busy."""
+           progress) -> None:
+    """Every stage this rank holds, at the shapes training will bring. progress(phase, detail): the
+    start-up's proof of progress (trainer/distributed/startup.py), once before each shape."""
     t0 = time.perf_counter()
     compiled = cfg.compile != "none"
     if compiled:
         begin_warmup()
     vocab = dcfg.vocab_size
+    how = "compile and autotune" if compiled else "autotune"
     if target is not None:
-        long_b = max(1, cfg.token_budget // cfg.max_seq_len)
-        target.warmup([(long_b, cfg.max_seq_len), (min(cfg.max_batch_size, cfg.token_budget // 256 or 1), 256)],
-                      vocab)
-        extend(900)
+        shapes = target_warmup_shapes(cfg)
+        for i, shape in enumerate(shapes):
+            progress("warmup", f"target shape {i + 1} of {len(shapes)} ({shape[0]}x{shape[1]}, "
+                               f"{how if wants(cfg.compile, 'target') else 'eager'})")
+            target.warmup([shape], vocab)
     if drafter is not None:
         k, hidden = len(dcfg.target_layer_ids), dcfg.hidden_size
-        for lens in warmup_batches(cfg):
+        batches = warmup_batches(cfg)
+        for j, lens in enumerate(batches):
+            progress("warmup", f"drafter shape {j + 1} of {len(batches)} ({len(lens)} sequences, "
+                               f"{how if wants(cfg.compile, 'drafter') else 'eager'})")
             t1 = time.perf_counter()
             rng = np.random.default_rng(sum(lens))
             n, s = len(lens), max(lens)
@@ -92,7 +130,6 @@ def warmup(cfg: TrainConfig, dcfg, feed: Feed, target, drafter, opt, device: tor
                 torch.cuda.synchronize(device)
             log.info("warmup: drafter %s %d sequences, %d block rows in %d chunks in %.2fs", device, n,
                      sum(len(c.q_seq) for c in plan.chunks), len(plan.chunks), time.perf_counter() - t1)
-            extend(900)
     stance = end_warmup() if compiled else ""
     log.info("warmup done in %.1fs%s", time.perf_counter() - t0,
              {"": "", "default": f" (--compile {cfg.compile}: a shape its graphs do not cover compiles once, logged)",

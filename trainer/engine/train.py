@@ -41,6 +41,7 @@ from trainer.config.options import TrainConfig
 from trainer.config.preflight import validate
 from trainer.data.dataset import DataError
 from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_together, init_rank
+from trainer.distributed.startup import Startup
 from trainer.engine.drafter_stage import DrafterStage, build_stage, resolve_mask_token, target_embed_head
 from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from trainer.engine.evaltrain import InTrainingEval, eval_record
@@ -58,7 +59,7 @@ from trainer.model.target import TargetStage, decoder, load_target
 from trainer.distributed.topology import Topology
 from trainer.engine.train_state import DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo, ScheduleState, TrainState
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
-from trainer.engine.compile_warmup import warmup
+from trainer.engine.compile_warmup import startup_bounds, warmup
 
 log = logging.getLogger("trainer")
 
@@ -82,6 +83,7 @@ class Trainer:
         self.vote: StopVote = StopVote(topo, groups.control)
         self.report: Reporter = Reporter(cfg, topo, self.run_id, self.device, self.profiler, self.feed, self.vote)
         self.ckpt: Checkpointer = Checkpointer(Path(cfg.output_dir), cfg.keep_checkpoints, topo, groups)
+        self.startup: Startup = Startup(cfg, topo, self.report.status, self.report.extend)   # proof of progress
         # built in setup()
         self.dcfg: DFlashConfig | None = None
         self.target: TargetStage | None = None
@@ -134,6 +136,7 @@ class Trainer:
         log.info("dflash trainer %s run %s rank %d of %d: %s", __version__, self.run_id, topo.rank, topo.world,
                  json.dumps(cfg.to_dict(), default=str))
         log.info("ranks: %s", topo.describe())
+        self.startup.begin(startup_bounds(cfg, cfg.compile))
         facts = validate(cfg) if self.target_factory is None else {}
         if topo.leader:
             self.ckpt.manager.cleanup_stale_tmp()
@@ -156,7 +159,7 @@ class Trainer:
     def _build_stages(self):
         cfg, topo, dev = self.cfg, self.topo, self.device
         self.report.status.update(phase="loading", force=True)
-        self.report.extend(900)
+        self.startup.note("loading", "the target" if topo.is_target else "the target's config, embedding and head")
         t0 = time.perf_counter()
         model = None
         if self.target_factory is not None:
@@ -362,7 +365,7 @@ class Trainer:
         """Compile/autotune surprises before step 1 (compile_warmup.py)."""
         self.report.status.update(phase="warmup", force=True)
         warmup(self.cfg, self.dcfg, self.feed, self.target, self.drafter, self.opt, self.device, self.dtype,
-               self.report.extend)
+               self.startup.note)
         self.profiler.reset()
 
     def run(self) -> int:
@@ -372,7 +375,7 @@ class Trainer:
             log.info("nothing to do: step %d of %d", self.step, self.total_steps)
             report.status.update(phase="done", step=self.step, force=True)
             return 0
-        hold_together(self.topo, self.groups, "the load and warmup")
+        self.startup.barrier(self.groups)   # bounded by the config's worst-case warmup
         self.feed.start(self.step, self.total_steps)
         report.begin(self.step, self.total_steps, self.ckpt.resumed_from, self.ckpt.last)
         try:
@@ -424,6 +427,7 @@ class Trainer:
 
     def shutdown(self):
         self.stop_requested.set()
+        self.startup.close()
         self.feed.close()
         self.report.close()
 

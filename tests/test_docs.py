@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
 SOURCES = ("trainer", "roles", "tests", "molecule", "playbooks", "inventory", ".ci", "pyproject.toml",
            "ansible.cfg", "deploy.yml", "restart.yml")
 # Names of other projects the docs cite (they are not ours to have).

@@ -5,7 +5,8 @@
 #   - <repo>/.venv: torch 2.13.0 CPU first (so nothing pulls a CUDA build), then the trainer
 #     (pip install -e .), the controller's pinned requirements (requirements.txt: ansible-core,
 #     proxmoxer, requests, paramiko, setuptools, wheel) and the test tools (molecule,
-#     ansible-runner, ansible-lint, pytest); the collections of requirements.yml.
+#     ansible-runner, ansible-lint, pytest, ruff: pinned, as its findings change between releases);
+#     the collections of requirements.yml.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,7 +47,8 @@ stamp="$VENV/.dflash-setup"
 want="$(sha256sum "$REPO/pyproject.toml" "$REPO/requirements.txt" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     log "pip install -e $REPO, -r requirements.txt and the test tools"
-    "${PIP[@]}" install -q -e "$REPO[fp8]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest
+    "${PIP[@]}" install -q -e "$REPO[fp8]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest \
+        ruff==0.17.5
     # the test extra (the reference dflash package) without its pins: they would move transformers to 5.24
     # and huggingface_hub to 1.x under every other test; its model code needs only torch and transformers
     "${PIP[@]}" install -q --no-deps $("$VENV/bin/python" -c 'import sys, tomllib

@@ -184,7 +184,7 @@ class TrainConfig:
     queue_depth: int = opt(2, "receive buffers per drafter rank (micro-batches received ahead)", ge=1)
     attention: str = opt("auto", "drafter attention kernel", choices=ATTENTION_CHOICES)
     compile: str = opt("auto", "regional torch.compile of the target's and/or the drafter's layers and loss "
-                               "(auto: all on GPUs, none on the CPU)", choices=COMPILE_CHOICES)
+                               "(auto: all on GPUs, the drafter only on a hybrid target; none on the CPU)", choices=COMPILE_CHOICES)
     sdpa_backend: str = opt("auto", "attention kernel of the target forward (auto: flash on GPUs, never cuDNN, "
                                     "whose per-shape plan cache grows host memory; any: PyTorch chooses)",
                             choices=SDPA_BACKENDS)

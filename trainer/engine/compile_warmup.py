@@ -5,7 +5,9 @@ collectives), gradients thrown away."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 
 import numpy as np
@@ -54,9 +56,53 @@ def warmup_batches(cfg: TrainConfig) -> list[list[int]]:
 
 
 def target_warmup_shapes(cfg: TrainConfig) -> list[tuple[int, int]]:
-    """[rows, tokens] of the target's warmup batches."""
-    long_b = max(1, cfg.token_budget // cfg.max_seq_len)
-    return [(long_b, cfg.max_seq_len), (min(cfg.max_batch_size, cfg.token_budget // 256 or 1), 256)]
+    """[rows, tokens] of the target's warmup batches, in order. The planner makes batches of any row count
+    from 1 to --max-batch-size, padded to any length. A compiled layer (compile_layers, dynamic=None) is
+    first compiled for the sizes it sees, then again with the sizes that changed made symbolic (dynamo's
+    automatic dynamic shapes); it specializes sizes 0 and 1 even then. So the warmup brings two row counts
+    above 1 at two lengths (both dims symbolic), then one sequence alone (B = 1: a graph of its own, its
+    length symbolic already). Without that last shape a one-sequence batch compiled the target's layers in
+    the middle of a step, while the drafters' receives counted against the NCCL timeout.
+    `batch_rows_unwarmed` checks a plan against these shapes."""
+    seq = min(cfg.max_seq_len, cfg.token_budget)
+    short = max(1, min(256, seq // 2))
+    long_b = max(1, min(cfg.max_batch_size, cfg.token_budget // seq))
+    short_b = max(1, min(cfg.max_batch_size, cfg.token_budget // short))
+    shapes = []
+    for b, s in ((long_b, seq), (short_b, short)):
+        if b > 1 and (b, s) not in shapes:
+            shapes.append((b, s))
+    if len({b for b, _ in shapes}) == 1 and cfg.max_batch_size > 2:   # one row count above 1: B would stay static
+        b = shapes[0][0] - 1 if shapes[0][0] > 2 else 3
+        shapes.append((b, max(1, min(short, cfg.token_budget // b))))
+    shapes.append((1, seq))
+    return shapes
+
+
+def batch_rows_unwarmed(rows, shapes: list[tuple[int, int]]) -> list[int]:
+    """The batch row counts in `rows` that the compiled target's warmup `shapes` do not cover: a count
+    warmed as such, or any count above 1 once two different ones above 1 were warmed (dynamo has then
+    made the dim symbolic), is covered; 1 only as itself (dynamo specializes it)."""
+    warmed = {b for b, _ in shapes}
+    symbolic = len({b for b in warmed if b > 1}) >= 2
+    return sorted({int(r) for r in rows if int(r) not in warmed and not (int(r) > 1 and symbolic)})
+
+
+def planned_batch_rows(planner, epochs: int = 1) -> set[int]:
+    """The row counts of the planner's batches over its first `epochs` epochs (host-side, no model)."""
+    return {len(planner.batch(e, i)) for e in range(epochs) for i in range(planner.num_batches)}
+
+
+def check_target_coverage(cfg: TrainConfig, planner) -> list[tuple[int, int]]:
+    """Before the run: the target's warmup shapes, and a ValueError naming any planned batch row count a
+    compiled target would compile in the middle of a step."""
+    shapes = target_warmup_shapes(cfg)
+    if wants(cfg.compile, "target"):
+        missing = batch_rows_unwarmed(planned_batch_rows(planner), shapes)
+        if missing:
+            raise ValueError(f"--compile {cfg.compile}: the plan makes batches of {missing} sequences, which the "
+                             f"target's warmup shapes {shapes} do not cover (a compile in the middle of a step)")
+    return shapes
 
 
 # Worst cases for one piece of start-up work, the unit the start-up's stall bound counts in: one warmup
@@ -67,12 +113,26 @@ EAGER_SHAPE_S = 600.0
 LOAD_S = 1800.0
 
 
-def startup_bounds(cfg, compile_opt: str | None = None) -> StartupBounds:
+def hybrid_target(cfg) -> bool:
+    """Whether --target-model's config.json declares linear-attention layers (False when unreadable: the
+    preflight names a missing or broken target)."""
+    from trainer.model.hybrid import is_hybrid
+    if not cfg.target_model:
+        return False
+    try:
+        with open(os.path.join(cfg.target_model, "config.json")) as f:
+            return is_hybrid(json.load(f))
+    except (OSError, ValueError):
+        return False
+
+
+def startup_bounds(cfg, compile_opt: str | None = None, hybrid: bool | None = None) -> StartupBounds:
     """From the config: the stall bound is the slowest single piece of start-up work (the load, or one
     warmup shape of a role that compiles); the barrier's bound is the load plus every shape of the role
     with the most work, each at its worst case."""
     on_cpu = not cfg.target_gpus and not cfg.drafter_gpus
-    resolved = resolve_compile(compile_opt or cfg.compile, on_cpu)
+    hybrid = hybrid_target(cfg) if hybrid is None else hybrid
+    resolved = resolve_compile(compile_opt or cfg.compile, on_cpu, hybrid)
     resolved_cfg = dataclasses.replace(cfg, compile=resolved)
     per = {}
     for role, n in (("target", len(target_warmup_shapes(cfg))), ("drafter", len(warmup_batches(resolved_cfg)))):

@@ -46,7 +46,7 @@ from trainer.engine.drafter_stage import DrafterStage, build_stage, resolve_mask
 from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from trainer.engine.evaltrain import InTrainingEval, eval_record
 from trainer.engine.faults import Faults
-from trainer.ops.compiling import compile_layers, note_new_graphs, resolve_compile, wants
+from trainer.ops.compiling import compile_layers, compile_reason, note_new_graphs, resolve_compile, wants
 from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.model.dflash2 import as_dflash2
@@ -59,7 +59,7 @@ from trainer.model.target import TargetStage, decoder, load_target
 from trainer.distributed.topology import Topology
 from trainer.engine.train_state import DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo, ScheduleState, TrainState
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
-from trainer.engine.compile_warmup import startup_bounds, warmup
+from trainer.engine.compile_warmup import check_target_coverage, hybrid_target, startup_bounds, warmup
 
 log = logging.getLogger("trainer")
 
@@ -128,7 +128,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------- setup
     def setup(self) -> dict:
         cfg, topo = self.cfg, self.topo
-        cfg.compile = resolve_compile(cfg.compile, self.device.type == "cpu")
+        hybrid = hybrid_target(cfg)
+        reason = compile_reason(cfg.compile, self.device.type == "cpu", hybrid)
+        cfg.compile = resolve_compile(cfg.compile, self.device.type == "cpu", hybrid)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         log_file = setup_logging(cfg.log_dir, self.run_id if topo.leader else f"{self.run_id}-rank{topo.rank}",
                                  link_latest=topo.leader)
@@ -136,7 +138,8 @@ class Trainer:
         log.info("dflash trainer %s run %s rank %d of %d: %s", __version__, self.run_id, topo.rank, topo.world,
                  json.dumps(cfg.to_dict(), default=str))
         log.info("ranks: %s", topo.describe())
-        self.startup.begin(startup_bounds(cfg, cfg.compile))
+        log.info("%s", reason)
+        self.startup.begin(startup_bounds(cfg, cfg.compile, hybrid))
         facts = validate(cfg) if self.target_factory is None else {}
         if topo.leader:
             self.ckpt.manager.cleanup_stale_tmp()
@@ -364,6 +367,11 @@ class Trainer:
     def warmup(self):
         """Compile/autotune surprises before step 1 (compile_warmup.py)."""
         self.report.status.update(phase="warmup", force=True)
+        if self.target is not None:
+            try:
+                check_target_coverage(self.cfg, self.feed.planner)
+            except ValueError as e:
+                raise BadInput(str(e)) from None
         warmup(self.cfg, self.dcfg, self.feed, self.target, self.drafter, self.opt, self.device, self.dtype,
                self.startup.note)
         self.profiler.reset()

@@ -73,12 +73,26 @@ def compile_layers(layers, dynamic: bool | None = None) -> int:
     return n
 
 
-def resolve_compile(opt: str, on_cpu: bool) -> str:
-    """'auto' = everything compiled on GPUs (measured +29% target, +28% drafter on H200, see
-    docs/performance.md), nothing on the CPU (compile time dominates tiny CPU runs)."""
+def resolve_compile(opt: str, on_cpu: bool, hybrid: bool = False) -> str:
+    """'auto' = everything compiled on GPUs (a dense target and the drafter both gain, see
+    docs/performance.md), nothing on the CPU (compile time dominates tiny CPU runs). On a hybrid target
+    (linear-attention layers) 'auto' compiles the drafter only: the compiled hybrid target has never
+    finished a warmup on a GPU (issue 54) and every hybrid rate measured is for an eager target; until it
+    is measured, `--compile all` or `target` asks for it. Say why in the log with `compile_reason`."""
     if opt == "auto":
-        return "none" if on_cpu else "all"
+        return "none" if on_cpu else ("drafter" if hybrid else "all")
     return opt
+
+
+def compile_reason(opt: str, on_cpu: bool, hybrid: bool = False) -> str:
+    """One line for the log: what --compile `opt` resolves to here, and why."""
+    got = resolve_compile(opt, on_cpu, hybrid)
+    if opt != "auto":
+        return f"--compile {opt}"
+    why = ("on the CPU, compile time dominates" if on_cpu else
+           "the target is a hybrid (linear-attention layers), whose compiled warmup is not measured yet: "
+           "the target runs eager (--compile all to compile it)" if hybrid else "on GPUs, everything compiled")
+    return f"--compile auto -> {got}: {why}"
 
 
 def wants(compile_opt: str, part: str) -> bool:

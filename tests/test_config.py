@@ -44,7 +44,8 @@ def test_every_field_is_a_flag_with_help_and_every_flag_a_field():
     assert dests == {f.name for f in cli_fields()}
     for f in cli_fields():
         assert f.metadata["help"], f"{f.name} has no help text"
-    assert {f.name for f in dataclasses.fields(TrainConfig)} - dests == {"save_final"}  # set by the benchmark
+    # save_final: set by the benchmark; given: by parse_args (the flags the command line wrote)
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - dests == {"save_final", "given"}
 
 
 def test_defaults_are_the_recommended_recipe_of_the_seed_run():

@@ -84,12 +84,11 @@ def one_line(err: str) -> str:
 
 def test_taps_and_mask_token_follow_the_trainers_rules(tiny_small_dir):
     from trainer.model.drafter import tap_layers
-    from trainer.engine.train import resolve_mask_token
     for layers in (2, 3, 4, 8, 36, 64):
         for k in (1, 2, 5):
             assert identity.tap_layers(layers, k) == tap_layers(layers, k)
     target = str(tiny_small_dir / "target")
-    assert identity.resolve_mask_token_id(target, 512) == resolve_mask_token(target, 512, None)
+    assert identity.resolve_mask_token(target, 512) == identity.MaskChoice(3, "the tokenizer's mask token '<|mask|>'")
     assert identity.resolve_mask_token_id(target, 512, 7) == 7
 
 

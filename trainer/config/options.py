@@ -43,6 +43,8 @@ ARCH_CHOICES = ("dflash", "dflash2")
 EVAL_PROMPTS = 16
 EVAL_MAX_NEW_TOKENS = 128
 WANDB_MODES = ("disabled", "offline", "online")
+# --draft-contract: follow a target family's published drafter contract or not (trainer/model/contract.py)
+CONTRACT_CHOICES = ("auto", "none")
 
 
 class ConfigError(ValueError):
@@ -155,7 +157,15 @@ class TrainConfig:
                                                    "flash-linear-attention, on transformers' slow torch fallback "
                                                    "(default: such a run exits 2 naming the package)")
     max_nan_skips: int = opt(10, "consecutive non-finite steps before the run fails", ge=1)
-    mask_token_id: int | None = opt(None, "default: the tokenizer's <|mask|>, else 151669")
+    mask_token_id: int | None = opt(None, "token id of the masked block slots (default: the family's published "
+                                          "contract, else the tokenizer's mask token, else a row it never "
+                                          "produces, else an unused special token, else the last row; the run "
+                                          "log names the source: trainer/model/identity.py)")
+    draft_contract: str = opt("auto", "auto: for a target family with published drafters (qwen3_5: 32/8 heads "
+                                      "x 128, sliding layers, MASK 248070) their contract is the default of "
+                                      "every drafter choice not given (block size and anchors stay this run's); "
+                                      "none: the generic rules (trainer/model/contract.py)",
+                              choices=CONTRACT_CHOICES)
     eval_data_dir: str = opt("", "held-out shards: tau by real speculative generation at the end of the run "
                                  "(eval.json) and every --eval-every steps")
     eval_every: int = opt(0, "optimizer steps between tau evaluations during training, into metrics.jsonl, "
@@ -213,6 +223,9 @@ class TrainConfig:
                                      "SIGKILL; dflash.service passes its TimeoutStopSec minus a margin (role dflash_service)", group=DIST, gt=0)
     check_config: bool = opt(False, "validate everything cheap (flags, files, shard headers), load nothing, exit")
     save_final: bool = opt(True, "checkpoint at the end of the run (the benchmark turns it off)", cli=False)
+    # the fields whose flag the command line wrote (parse_args; trainer/model/contract.py fills the others in)
+    # (not compared: two configs that say the same are equal however they were written)
+    given: list[str] = field(default_factory=list, compare=False, metadata={"cli": False, "help": ""})
 
     @property
     def on_cpu(self) -> bool:
@@ -385,11 +398,36 @@ def parse_options(cls: type, argv=None, prog: str | None = None, description: st
 def parse_args(argv=None, prog: str = "dflash-train") -> TrainConfig:
     """dflash-train's command line -> TrainConfig (status file and log dir defaulting under --output-dir)."""
     cfg = parse_options(TrainConfig, argv, prog, TRAIN_DESCRIPTION)
+    cfg.given = given_fields(argv)
     if not cfg.status_file:
         cfg.status_file = str(Path(cfg.output_dir) / "status.json")
     if not cfg.log_dir:
         cfg.log_dir = str(Path(cfg.output_dir) / "logs")
     return cfg
+
+
+def given_fields(argv=None, cls: type | None = None) -> list[str]:
+    """The fields whose flag (or its --no- form) `argv` writes, as --flag, --flag=V or a unique prefix
+    (argparse's abbreviations)."""
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = {}
+    for f in cli_fields(cls):
+        flags[flag_of(f)] = f.name
+        if _kind(f) == "bool":
+            flags["--no-" + flag_of(f)[2:]] = f.name
+    out = set()
+    for a in argv:
+        if not a.startswith("--"):
+            continue
+        word = a.split("=", 1)[0]
+        if word in flags:
+            out.add(flags[word])
+            continue
+        hits = {n for fl, n in flags.items() if fl.startswith(word)}
+        if len(hits) == 1:
+            out |= hits
+    return sorted(out)
 
 
 def flag_spec() -> dict[str, dict]:

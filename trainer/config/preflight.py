@@ -61,6 +61,11 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
 
+    from trainer.model import contract
+    try:   # the choices the flags leave open, filled in once (the family's contract; the run log names each source)
+        contract.log_choices(contract.resolve_run(cfg, tcfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     heads, kv_heads, head_dim = draft_attention(cfg, tcfg)
     if heads % kv_heads or head_dim % 2:
         raise ConfigError(f"--draft-kv-heads: {kv_heads} must divide the draft layers' {heads} query heads, and "

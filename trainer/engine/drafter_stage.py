@@ -33,25 +33,6 @@ from trainer.distributed.transport import device_ctx, new_event, new_stream, str
 log = logging.getLogger("trainer.drafter")
 
 
-def resolve_mask_token(target_dir: str, vocab_size: int, override: int | None) -> int:
-    """The token id of the drafter's masked block slots: --mask-token-id, else the target tokenizer's mask
-    token, else the Qwen3 mask id."""
-    if override is not None:
-        if not 0 <= override < vocab_size:
-            raise ValueError(f"--mask-token-id: {override} outside the vocabulary ({vocab_size})")
-        return override
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        for name in ("<|mask|>", "<|MASK|>", "<mask>"):
-            tid = tok.convert_tokens_to_ids(name)
-            if isinstance(tid, int) and tid != tok.unk_token_id and 0 <= tid < vocab_size:
-                return tid
-    except Exception as e:  # a model without tokenizer files still trains
-        log.warning("no tokenizer in %s (%s); using the Qwen3 mask id", target_dir, e)
-    return 151669 if vocab_size > 151669 else vocab_size - 1
-
-
 def load_embed_head(path: str, device: torch.device, dtype: torch.dtype):
     """A drafter rank needs only the target's embedding and LM head: read those two tensors from the
     safetensors files (tied embeddings: the head is the embedding) instead of loading 27B weights."""

@@ -42,7 +42,7 @@ from trainer.config.preflight import validate
 from trainer.data.dataset import DataError
 from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_together, init_rank
 from trainer.distributed.startup import Startup
-from trainer.engine.drafter_stage import DrafterStage, build_stage, resolve_mask_token, target_embed_head
+from trainer.engine.drafter_stage import DrafterStage, build_stage, target_embed_head
 from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from trainer.engine.evaltrain import InTrainingEval, eval_record
 from trainer.engine.faults import Faults
@@ -50,6 +50,7 @@ from trainer.ops.compiling import compile_layers, compile_reason, note_new_graph
 from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.model.dflash2 import as_dflash2
+from trainer.model import identity
 from trainer.model.drafter import DFlashConfig
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
@@ -186,7 +187,10 @@ class Trainer:
                     raise TrainingFailed(f"--target-model: {cfg.target_model} failed to load: {e}") from e
                 log.info("loaded the target on %s in %.1fs", dev, time.perf_counter() - t0)
         tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
-        mask_token = resolve_mask_token(cfg.target_model, tc.vocab_size, cfg.mask_token_id)
+        # preflight filled the open choices in and logged their sources (trainer/model/contract.py); a run
+        # without preflight (an injected target) takes the same MASK rule here
+        mask = identity.resolve_mask_token(cfg.target_model, tc.vocab_size, cfg.mask_token_id)
+        mask_token = mask.token_id
         self.feed.mask_token = mask_token
         self.dcfg = DFlashConfig.from_target(tc, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
                                              mask_token_id=mask_token, target_layer_ids=cfg.target_layers,

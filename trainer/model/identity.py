@@ -37,7 +37,6 @@ _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash"
 # files of a slow tokenizer (no tokenizer.json), hashed whole
 _SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "added_tokens.json")
 MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>")
-QWEN3_MASK_TOKEN_ID = 151669
 _HF_CACHE_RE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{7,64})")
 
 
@@ -137,21 +136,129 @@ def _token_ids(model_dir: Path) -> dict[str, int]:
     return ids
 
 
-def resolve_mask_token_id(model_dir: str | os.PathLike, vocab_size: int, override: int | None = None) -> int:
-    """The MASK token of the drafter's blocks: --mask-token-id, else the tokenizer's <|mask|> (or <|MASK|>,
-    <mask>), else the Qwen3 id 151669 where the vocabulary has that row, else the last row. The rule of
-    trainer/engine/train.py's resolve_mask_token, read from the tokenizer's files without loading it."""
-    if override is not None:
-        return int(override)
+@dataclass
+class MaskChoice:
+    """The MASK token a run feeds its blocks, and where it came from (the run log's words)."""
+    token_id: int
+    source: str
+
+
+def _content(v) -> str | None:
+    """A tokenizer_config.json special-token entry: a string, or {"content": ...}."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+@dataclass
+class TokenizerFacts:
+    """What the MASK rule reads of a tokenizer's files: token ids, the added (special) tokens, the roles
+    bos/eos/pad/unk/mask, and the chat template's text."""
+    ids: dict[str, int]
+    added: dict[int, tuple[str, bool]]   # id -> (text, special)
+    roles: dict[str, str]                # bos_token/eos_token/pad_token/unk_token/mask_token -> text
+    role_ids: set[int]                   # their ids, and config.json's bos/eos/pad ids
+    chat_template: str
+
+    @property
+    def size(self) -> int:
+        """Rows the tokenizer can produce: its highest id + 1 (0 without token files)."""
+        return max(self.ids.values(), default=-1) + 1
+
+
+def tokenizer_facts(model_dir: str | os.PathLike) -> TokenizerFacts:
+    """Read from tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
+    config.json, without loading a tokenizer. Missing or unreadable files count as empty."""
+    d = Path(model_dir)
+
+    def read(name: str) -> dict:
+        try:
+            v = json.loads((d / name).read_text(encoding="utf-8"))
+            return v if isinstance(v, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    ids = {}
     try:
-        ids = _token_ids(Path(model_dir))
-    except (OSError, ValueError, TypeError, KeyError):
-        ids = {}
-    for name in MASK_TOKEN_NAMES:
-        tid = ids.get(name)
+        ids = _token_ids(d)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    added: dict[int, tuple[str, bool]] = {}
+    for a in read("tokenizer.json").get("added_tokens") or []:
+        if isinstance(a, dict) and "content" in a and "id" in a:
+            added[int(a["id"])] = (a["content"], bool(a.get("special", False)))
+    tc = read("tokenizer_config.json")
+    for k, v in (tc.get("added_tokens_decoder") or {}).items():
+        if isinstance(v, dict) and "content" in v:
+            added[int(k)] = (v["content"], bool(v.get("special", False)))
+    roles = {}
+    for src in (read("special_tokens_map.json"), tc):
+        for role in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token"):
+            text = _content(src.get(role))
+            if text:
+                roles[role] = text
+    template = tc.get("chat_template") or ""
+    if isinstance(template, list):   # [{"name": ..., "template": ...}, ...]
+        template = "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            template += "\n" + jinja.read_text(encoding="utf-8")
+        except OSError:
+            pass
+    cfg = text_config(read("config.json"))
+    role_ids = {ids[t] for r, t in roles.items() if r != "mask_token" and t in ids}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = cfg.get(key)
+        role_ids.update(v if isinstance(v, list) else [v] if isinstance(v, int) else [])
+    return TokenizerFacts(ids, added, roles, role_ids, template if isinstance(template, str) else "")
+
+
+def resolve_mask_token(model_dir: str | os.PathLike, vocab_size: int, override: int | None = None,
+                       contract=None) -> MaskChoice:
+    """THE MASK rule (the trainer, preflight, the identity and the resume check all call it), first match:
+      1. --mask-token-id (ValueError naming the flag when outside the vocabulary);
+      2. the family's published contract (trainer/model/contract.py; qwen3_5 -> 248070, qwen3 -> 151669),
+         where the vocabulary has that row;
+      3. the tokenizer's mask token (tokenizer_config's mask_token, or a <|mask|>, <|MASK|>, <mask> token);
+      4. the first embedding row past the tokenizer's tokens, where the vocabulary is larger (a row the
+         tokenizer never produces: Qwen3's 151669 is that row);
+      5. the highest-id added special token that is not bos/eos/pad/unk and that the chat template never
+         writes (a vocabulary with no spare row, e.g. SmolLM2's <empty_output>);
+      6. the last row.
+    Read from the tokenizer's files without loading it."""
+    if override is not None:
+        if not 0 <= int(override) < vocab_size:
+            raise ValueError(f"--mask-token-id: {override} is outside the vocabulary (0..{vocab_size - 1})")
+        return MaskChoice(int(override), "--mask-token-id")
+    tok = tokenizer_facts(model_dir)
+    text_at = {i: t for t, i in tok.ids.items()}
+    if contract is not None and contract.mask_token_id is not None and contract.mask_token_id < vocab_size:
+        mid = contract.mask_token_id
+        named = f", the tokenizer's {text_at[mid]!r}" if mid in text_at else ", a row the tokenizer never produces" \
+            if mid >= tok.size > 0 else ""
+        return MaskChoice(mid, f"the {contract.family} family's published contract ({contract.published}{named})")
+    for name in ([tok.roles["mask_token"]] if "mask_token" in tok.roles else []) + list(MASK_TOKEN_NAMES):
+        tid = tok.ids.get(name)
         if tid is not None and 0 <= tid < vocab_size:
-            return tid
-    return QWEN3_MASK_TOKEN_ID if vocab_size > QWEN3_MASK_TOKEN_ID else vocab_size - 1
+            return MaskChoice(tid, f"the tokenizer's mask token {name!r}")
+    if 0 < tok.size < vocab_size:
+        return MaskChoice(tok.size, f"the first row past the tokenizer's {tok.size} tokens (never produced by it)")
+    spare = [i for i, (text, special) in tok.added.items()
+             if special and i < vocab_size and i not in tok.role_ids and text not in tok.roles.values()
+             and text not in tok.chat_template]
+    if spare:
+        i = max(spare)
+        return MaskChoice(i, f"the added special token {tok.added[i][0]!r}: not bos/eos/pad/unk, never written "
+                             "by the chat template (the vocabulary has no mask token and no spare row)")
+    return MaskChoice(vocab_size - 1, "the last row (no mask token, spare row or unused special token"
+                      + (")" if tok.ids else "; no tokenizer files)"))
+
+
+def resolve_mask_token_id(model_dir: str | os.PathLike, vocab_size: int, override: int | None = None,
+                          contract=None) -> int:
+    """resolve_mask_token's id alone."""
+    return resolve_mask_token(model_dir, vocab_size, override, contract).token_id
 
 
 def _name_and_revision(model_dir: Path, config: dict) -> tuple[str | None, str | None]:

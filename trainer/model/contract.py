@@ -1,0 +1,202 @@
+"""The published drafter contract of a target family: one table, keyed by the target's model_type, and the
+one place where a run's drafter choices (MASK token, heads, layer types, window, taps) are resolved with
+the source of each (docs/contracts.md "Drafter contract").
+
+A drafter trained for a family that has published drafters should keep their contract: the serving stacks
+and the users' warm starts (--init-drafter) expect the MASK id, the attention shape and the taps those
+drafters use. ``--draft-contract auto`` (the default) makes the family's contract the default of every
+choice the user leaves open; ``none`` keeps the generic rules. The seeds' recipe keeps its own block size
+and anchors: a contract's block size is recorded, never imposed (a warm start takes the drafter's).
+
+Sources (the drafters' config.json on their model cards, mirrored in SpecForge
+configs/qwen3.6-27b-dflash*.json, configs/qwen3.5-4b-dflash.json and NeMo AutoModel's
+qwen3_8_27b_dflash2.yaml):
+  qwen3_5  z-lab/Qwen3.6-27B-DFlash: 32 q / 8 kv heads x 128 (for targets of width 2,048 and up), [S, S, S, S, F] window 2048, taps by the
+           rule ([1, 16, 31, 46, 61] of 64), MASK 248070, block 16; the Qwen3.8-27B DFlash2: the same
+           heads, every layer sliding (2048), taps [5, 19, 33, 47, 61] of 64, block 8. Qwen3.5-4B's and
+           35B-A3B's drafters keep MASK 248070 and 32 heads of 128 too.
+  qwen3    z-lab/Qwen3-8B-DFlash-b16: MASK 151669 (the first row past the tokenizer's 151,669 tokens).
+
+Standard library only (preflight and the Ansible controller's flag check import it without torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("trainer.contract")
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What the drafters published for one target family share, for one drafter architecture."""
+    family: str                        # the target's model_type
+    published: str                     # the drafter that defines it (for the log)
+    arch: str = "dflash"               # dflash | dflash2
+    mask_token_id: int | None = None   # used where the target's vocabulary has that row
+    heads: tuple[int, int, int] | None = None   # (query heads, kv heads, head dim); None: the target's
+    # the narrowest target the family's drafters are published for: below it (a tiny stand-in) nothing says
+    # the heads hold, and a 4096-wide attention on a narrow target would be a guess
+    heads_min_hidden: int = 0
+    layer_types: str | None = None     # "last-full" ([S..S, F]) | "all-sliding" | None (all full)
+    sliding_window: int | None = None
+    taps: tuple[int, ...] | None = None   # for a target of `taps_of` layers (else the rule)
+    taps_of: int | None = None
+    block_size: int | None = None      # recorded; a fresh run keeps its --block-size
+    dflash2: dict = field(default_factory=dict)
+
+    def draft_layer_types(self, num_layers: int) -> list[str] | None:
+        if self.layer_types == "last-full" and num_layers > 1:
+            return [SLIDING] * (num_layers - 1) + [FULL]
+        if self.layer_types == "all-sliding":
+            return [SLIDING] * num_layers
+        return None
+
+
+# model_type (the wrapper's or its text config's) -> the family whose contract applies
+FAMILY_OF = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3": "qwen3"}
+
+CONTRACTS: dict[tuple[str, str], Contract] = {
+    ("qwen3_5", "dflash"): Contract(
+        "qwen3_5", "z-lab/Qwen3.6-27B-DFlash", "dflash", mask_token_id=248070, heads=(32, 8, 128),
+        heads_min_hidden=2048, layer_types="last-full", sliding_window=2048, block_size=16),
+    ("qwen3_5", "dflash2"): Contract(
+        "qwen3_5", "Qwen3.8-27B DFlash2", "dflash2", mask_token_id=248070, heads=(32, 8, 128),
+        heads_min_hidden=2048, layer_types="all-sliding", sliding_window=2048, taps=(5, 19, 33, 47, 61), taps_of=64, block_size=8,
+        dflash2={"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256, "selector_top_k": 16}),
+    ("qwen3", "dflash"): Contract("qwen3", "z-lab/Qwen3-8B-DFlash-b16", "dflash", mask_token_id=151669,
+                                  block_size=16),
+    ("qwen3", "dflash2"): Contract("qwen3", "z-lab/Qwen3-8B-DFlash-b16", "dflash2", mask_token_id=151669),
+}
+
+
+def family_of(target_config: dict) -> str | None:
+    """The family of a target's config.json (the wrapper's model_type first, then its text config's)."""
+    text = target_config.get("text_config") or target_config
+    for mt in (target_config.get("model_type"), text.get("model_type")):
+        if mt in FAMILY_OF:
+            return FAMILY_OF[mt]
+    return None
+
+
+def contract_for(target_config: dict, arch: str = "dflash", mode: str = "auto") -> Contract | None:
+    """The published contract this run follows (None: --draft-contract none, or no published family)."""
+    if mode == "none":
+        return None
+    fam = family_of(target_config)
+    return CONTRACTS.get((fam, arch)) if fam else None
+
+
+# ------------------------------------------------------------------------------ the run's choices
+
+
+@dataclass
+class Choice:
+    """One resolved drafter choice: the value and where it came from (the run log's words)."""
+    name: str
+    value: object
+    source: str
+
+    def line(self) -> str:
+        return f"{self.name} {self.value}: {self.source}"
+
+
+def _flag_given(cfg, name: str) -> bool:
+    """Whether the user wrote the flag of field `name` (TrainConfig.given, filled by options.parse_args); a
+    value alone cannot say it, since this function fills the open ones in."""
+    return name in (getattr(cfg, "given", None) or ())
+
+
+def resolve_run(cfg, target_config: dict, defaults: dict | None = None,
+                defaults_source: str = "") -> list[Choice]:
+    """Fill in the drafter choices of `cfg` (a TrainConfig) that the user left open, in place, and say where
+    each came from: the flag; else `defaults` (a warm start's drafter: --init-drafter); else the family's
+    published contract (--draft-contract auto); else the generic rule. So preflight, the resume checks and
+    the trainer read one answer. Idempotent. Raises ValueError naming the flag for a MASK id outside the
+    vocabulary."""
+    from trainer.model import identity
+    text = target_config.get("text_config") or target_config
+    defaults = defaults or {}
+    contract = contract_for(target_config, cfg.arch, getattr(cfg, "draft_contract", "auto"))
+    by = f"the {contract.family} family's published contract ({contract.published})" if contract else ""
+    out: list[Choice] = []
+
+    def pick(name: str, flag: str, given: bool, value, fallback, rule: str):
+        if given:
+            out.append(Choice(name, value, flag))
+            return value
+        if name in defaults:
+            out.append(Choice(name, defaults[name], defaults_source))
+            return defaults[name]
+        if fallback is not None:
+            out.append(Choice(name, fallback, by))
+            return fallback
+        out.append(Choice(name, value, rule))
+        return value
+
+    # the shape choices first: a warm start's drafter may set them
+    for name, flag in (("arch", "--arch"), ("block_size", "--block-size"), ("num_draft_layers", "--num-draft-layers")):
+        v = pick(name, flag, _flag_given(cfg, name), getattr(cfg, name), None, f"{flag} default")
+        setattr(cfg, name, v)
+    if cfg.arch != (contract.arch if contract else cfg.arch):   # a warm start changed the arch
+        contract = contract_for(target_config, cfg.arch, getattr(cfg, "draft_contract", "auto"))
+        by = f"the {contract.family} family's published contract ({contract.published})" if contract else ""
+
+    heads_given = any(_flag_given(cfg, n) for n in ("draft_heads", "draft_kv_heads", "draft_head_dim"))
+    own = (text.get("num_attention_heads"), text.get("num_key_value_heads") or text.get("num_attention_heads"),
+           text.get("head_dim") or (text.get("hidden_size") or 1) // (text.get("num_attention_heads") or 1))
+    given_heads = tuple(getattr(cfg, n) or o for n, o in zip(("draft_heads", "draft_kv_heads", "draft_head_dim"), own))
+    hidden = text.get("hidden_size") or 0
+    c_heads = contract.heads if contract and hidden >= contract.heads_min_hidden else None
+    own_why = "the target's own attention heads"
+    if contract and contract.heads and c_heads is None:
+        own_why += (f" (the {contract.family} contract's {contract.heads} is published for targets of width >= "
+                    f"{contract.heads_min_hidden}; this one is {hidden})")
+    heads = pick("heads", "--draft-heads/--draft-kv-heads/--draft-head-dim", heads_given, given_heads, c_heads,
+                 own_why)
+    cfg.draft_heads, cfg.draft_kv_heads, cfg.draft_head_dim = (int(x) for x in heads)
+
+    from trainer.config.options import DRAFT_LAYER_TYPES, draft_layer_types
+    n = cfg.num_draft_layers
+    names = {v: k for k, v in DRAFT_LAYER_TYPES.items()}
+    types_given = _flag_given(cfg, "draft_layer_types") and cfg.draft_layer_types != "auto"
+    own_types = draft_layer_types(cfg.draft_layer_types, n, target_config)
+    want = contract.draft_layer_types(n) if contract and contract.layer_types else None
+    if contract and not contract.layer_types:
+        want = [FULL] * n   # the contract says: all full
+    types = pick("layer_types", "--draft-layer-types", types_given, own_types or [FULL] * n, want,
+                 "--draft-layer-types auto (sliding but the last for a hybrid target, full otherwise)")
+    types = list(types or [FULL] * n)
+    cfg.draft_layer_types = ",".join(names[t] for t in types)
+    sliding = SLIDING in types
+    win = pick("sliding_window", "--sliding-window", _flag_given(cfg, "sliding_window"), cfg.sliding_window,
+               contract.sliding_window if contract and sliding else None, "--sliding-window default")
+    cfg.sliding_window = int(win)
+    if not sliding:
+        out.pop()   # no sliding layer: the window means nothing
+    layers = text.get("num_hidden_layers")
+    rule_taps = identity.tap_layers(layers, n) if layers else None
+    c_taps = (list(contract.taps) if contract and contract.taps and contract.taps_of == layers
+              and len(contract.taps) == n else None)
+    taps = pick("taps", "--target-layers", _flag_given(cfg, "target_layers"), cfg.target_layers or rule_taps, c_taps,
+                "evenly spread, round(1 + i (L - 4) / (K - 1)); layer i's output is HF hidden_states[i + 1]")
+    cfg.target_layers = list(taps) if taps is not None else None
+
+    vocab = text.get("vocab_size")
+    mask_given = _flag_given(cfg, "mask_token_id")
+    if "mask_token_id" in defaults and not mask_given:
+        mask = identity.MaskChoice(int(defaults["mask_token_id"]), defaults_source)
+    else:
+        mask = identity.resolve_mask_token(cfg.target_model, vocab, cfg.mask_token_id if mask_given else None,
+                                           contract=contract)
+    out.append(Choice("mask_token_id", mask.token_id, mask.source))
+    cfg.mask_token_id = mask.token_id
+    return out
+
+
+def log_choices(choices: list[Choice], logger: logging.Logger | None = None) -> None:
+    (logger or log).info("drafter contract: %s", "; ".join(c.line() for c in choices))

@@ -112,6 +112,7 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     if cfg.resume and out.is_dir() and any(out.glob("step-*")):
         facts["target_changes"] = check_resume_target(cfg, target)
         check_resume_layers(cfg, tcfg)
+        check_resume_keeps(cfg)
     return facts
 
 
@@ -146,6 +147,18 @@ def check_resume_layers(cfg: TrainConfig, target_config: dict) -> None:
     if have and old.get("sliding_window") != cfg.sliding_window:
         raise ConfigError(f"--sliding-window: {cfg.sliding_window}, the checkpoint's sliding layers were trained "
                           f"with {old.get('sliding_window')} (resuming {latest})", leave_output=True)
+
+
+def check_resume_keeps(cfg: TrainConfig) -> None:
+    """Block size, --arch and --loss are the newest checkpoint's (trainer/model/checkpoint_format.py's
+    check_resume_keeps); ConfigError names the flag, leaving the output dir as it is."""
+    from trainer.model.checkpoint_format import CheckpointManager, ResumeChanged, check_resume_keeps as keeps
+    latest = CheckpointManager(cfg.output_dir).latest()
+    if latest is not None:
+        try:
+            keeps(cfg, latest)
+        except ResumeChanged as e:
+            raise ConfigError(str(e), leave_output=True) from None
 
 
 def check_data(flag: str, data_dir: str, read_shards: bool) -> dict:

@@ -201,6 +201,43 @@ def load_train_state(path: str | os.PathLike, map_location: Any = "cpu") -> dict
     return torch.load(Path(path) / STATE_FILE, map_location=map_location, weights_only=False)
 
 
+# ------------------------------------------------------------------------------- the resume contract
+
+# what a resumed run must keep: the flag, and the TrainConfig field the checkpoint's run config records
+# (train_state.RunInfo); a changed block size, architecture or loss trains another drafter than the
+# checkpoint's, silently
+RESUME_KEEPS = (("--block-size", "block_size"), ("--arch", "arch"), ("--loss", "loss"))
+
+
+class ResumeChanged(ValueError):
+    """A resume that changes what the checkpoint's drafter was trained as; one line naming the flag."""
+
+
+def check_resume_keeps(cfg, checkpoint_dir: str | os.PathLike) -> None:
+    """The run config a checkpoint recorded (training_state.pt's "config"; config.json's block size and
+    architecture for a checkpoint without it) against this run's `cfg` (a TrainConfig): ResumeChanged
+    naming the first flag that differs, this run's value and the checkpoint's. A value the checkpoint does
+    not record (an older one: no --loss) is not compared. Reads only."""
+    d = Path(checkpoint_dir)
+    try:
+        saved = dict(load_train_state(d).get("config") or {})
+    except Exception:  # noqa: BLE001 - an unreadable state file is the resume's own error to report
+        saved = {}
+    try:
+        drafter = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        drafter = {}
+    if saved.get("block_size") is None:
+        saved["block_size"] = drafter.get("block_size")
+    if saved.get("arch") is None and drafter.get("architectures"):
+        saved["arch"] = "dflash2" if drafter.get("conv_kernel_size") else "dflash"
+    for flag, name in RESUME_KEEPS:
+        theirs, ours = saved.get(name), getattr(cfg, name)
+        if theirs is not None and theirs != ours:
+            raise ResumeChanged(f"{flag}: this run's {ours}, the checkpoint's {theirs} (resuming {d}; give "
+                                f"{flag} {theirs}, or another --output-dir to train a new drafter)")
+
+
 # ------------------------------------------------------------------------------- manager
 
 

@@ -340,6 +340,19 @@ def test_8c_a_workspace_on_nfs_is_not_chowned_and_must_belong_to_the_cts_root(no
     assert r.returncode == 0, r.text[-3000:]
 
 
+def test_8d_lxc_passthrough_into_a_privileged_ct_is_refused_naming_the_variable(node):
+    """Issue 52 item 9: lxc mode allows whole device majors; a privileged CT's root could then
+    create the device nodes of other CTs' GPUs. Refused before anything changes."""
+    path = node["tmp"] / "privileged.yml"
+    conf = node["conf"].parent / f"{PRIVILEGED_VMID}.conf"
+    before = conf.read_text()
+    r = play({**node, "inventory": path}, dflash_node_gpu_passthrough="lxc")
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 253 is privileged and dflash_node_gpu_passthrough is lxc, which allows whole device majors" in r.text, \
+        r.text[-3000:]
+    assert conf.read_text() == before
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """Two stand-in nodes, pve-a and pve-b (an API server each, separate state: two nodes that are

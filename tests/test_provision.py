@@ -410,9 +410,10 @@ def test_a_privilege_separated_token_without_an_acl_may_do_nothing(api):
         r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x",
                                                   "unprivileged": 1})
         assert (r.status_code, r.reason) == (403, "Permission check failed")   # ... but no VM.Allocate
-        # the API's default is a privileged CT (unprivileged: 0), which needs Sys.Modify on / first
+        # the API's default is a privileged CT (unprivileged: 0); PVE 8 checks VM.Allocate first
+        # there too (Sys.Modify on / is PVE 9's rule)
         r = t.post(f"{base}/nodes/pve/lxc", data={"vmid": 340, "ostemplate": TEMPLATE, "hostname": "x"})
-        assert (r.status_code, r.reason) == (403, "Permission check failed (/, Sys.Modify)")
+        assert (r.status_code, r.reason) == (403, "Permission check failed")
         assert t.get(base + "/access/permissions").json()["data"] == {}
     _create(s, base, 341)
     assert all(c.get("vmid") != 341 for c in _as(s, "noacl").get(base + "/cluster/resources").json()["data"])
@@ -458,15 +459,55 @@ def test_privilege_names_are_pves_and_acls_propagate_only_when_asked():
     assert acl.permissions("u@pve!t", "/storage/x") == set()
 
 
-def test_the_documented_pveum_lines_grant_exactly_the_role():
+def test_the_documented_pveum_lines_grant_one_role_per_kind_of_path():
+    """Issue 52 item 7: one role with every privilege granted on every path put
+    Datastore.AllocateSpace on the template storage, VM.* on storage paths and SDN.Use on every VLAN
+    of the bridge. Each kind of path now gets its own role, and the SDN paths do not propagate."""
     acl = prov_filters.dflash_token_acl(200, "local-lvm", "local:vztmpl/d.tar.zst",
                                         {"net0": "name=eth0,bridge=vmbr0,ip=dhcp", "net1": "bridge=vmbr1,tag=7"})
     assert [e["path"] for e in acl] == ["/vms/200", "/storage/local-lvm", "/storage/local",
                                         "/sdn/zones/localnetwork/vmbr0", "/sdn/zones/localnetwork/vmbr1/7"]
     lines = prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")
-    assert lines[0].startswith('pveum role add DFlashProvision --privs "Datastore.AllocateSpace Datastore.Audit SDN.Use VM.Allocate')
+    assert lines[:4] == [
+        'pveum role add DFlashProvisionVM --privs "VM.Allocate VM.Audit VM.Config.CPU VM.Config.Disk VM.Config.Memory'
+        ' VM.Config.Network VM.Config.Options VM.PowerMgmt"',
+        'pveum role add DFlashProvisionDisk --privs "Datastore.AllocateSpace"',
+        'pveum role add DFlashProvisionTemplate --privs "Datastore.Audit"',
+        'pveum role add DFlashProvisionSDN --privs "SDN.Use"']
     assert not [p for p in prov_filters.dflash_token_role_privs(acl) if p not in pve_api.PRIVILEGES]
-    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!ansible' --roles DFlashProvision" in lines
+    assert "pveum acl modify /storage/local --tokens 'root@pam!ansible' --roles DFlashProvisionTemplate" in lines
+    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!ansible' --roles DFlashProvisionSDN" \
+        " --propagate 0" in lines
+    # what those lines leave in user.cfg gives the token exactly its privileges on each path, no more
+    ac = pve_api.AccessControl(None)
+    ac.parse("\n".join(prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")))
+    for e in acl:
+        assert ac.permissions("root@pam!ansible", e["path"]) == set(e["privs"]), e["path"]
+    assert ac.permissions("root@pam!ansible", "/storage/local") == {"Datastore.Audit"}
+    assert ac.permissions("root@pam!ansible", "/sdn/zones/localnetwork/vmbr0/20") == set()
+    assert ac.permissions("root@pam!ansible", "/") == set()
+    # a dedicated user: its token has only what both are granted, so the user gets the ACLs too
+    ded = prov_filters.dflash_pveum_lines(acl, "dflash@pve!ansible", "DFlashProvision")
+    assert "pveum acl modify /vms/200 --users dflash@pve --tokens 'dflash@pve!ansible' --roles DFlashProvisionVM" in ded
+    ac = pve_api.AccessControl(None)
+    ac.parse("\n".join(prov_filters.dflash_user_cfg_lines(acl, "dflash@pve!ansible", "DFlashProvision")))
+    assert ac.permissions("dflash@pve!ansible", "/vms/200") == set(prov_filters.VM_PRIVILEGES)
+
+
+def test_a_token_holding_more_than_it_needs_is_named_path_by_path():
+    """Issue 52 item 8: the preflight reads / as well, and names what the token holds beyond its ACL."""
+    acl = prov_filters.dflash_checked_paths(prov_filters.dflash_token_acl(200, "local", TEMPLATE, {}))
+    assert acl[-1] == {"path": "/", "privs": []}
+
+    def res(path, privs):
+        return {"json": {"data": {path: {p: 1 for p in privs}}}}
+    exact = [res(e["path"], e["privs"]) for e in acl]
+    assert prov_filters.dflash_excess_privs(exact, acl) == []
+    admin = [res(e["path"], sorted(pve_api.PRIVILEGES)) for e in acl]
+    excess = prov_filters.dflash_excess_privs(admin, acl)
+    assert [x["path"] for x in excess] == [e["path"] for e in acl]
+    assert "Sys.Modify" in excess[-1]["excess"] and "VM.Allocate" not in excess[0]["excess"]
+    assert prov_filters.dflash_missing_privs(admin, acl) == []
 
 
 # ------------------------------------------------------------------ pct reboot/shutdown (issue 13, item 3)
@@ -508,14 +549,32 @@ def test_the_readme_grants_what_the_role_checks_for_the_production_inventory():
     assert readme == want
 
 
-def test_a_privileged_ct_needs_sys_modify_on_root_granted_without_propagation():
-    """Issue 41 item 3: pve-container's create_vm wants Sys.Modify on / for a privileged CT."""
-    acl = prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}, False)
-    assert acl[0] == {"path": "/", "privs": ["Sys.Modify"]}
+def test_a_privileged_ct_needs_sys_modify_on_root_from_pve_9_on_granted_without_propagation(tmp_path):
+    """Issue 41 item 3, issue 52 item 6: pve-container's create_vm wants Sys.Modify on / for a
+    privileged CT from PVE 9 on (master 4cc73b7); PVE 8 does not check it, and on / it would let the
+    token change datacenter options. The role asks the node's version (GET /version)."""
+    assert prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}, False, "8.2.4") \
+        == prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {})
+    acl = prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}, False, "9.0.3")
+    assert acl[0] == {"path": "/", "privs": ["Sys.Modify"], "kinds": ["sys"], "propagate": False}
     assert acl[1:] == prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {})
     lines = prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "R")
-    assert "pveum acl modify / --tokens 'root@pam!ansible' --roles R --propagate 0" in lines
-    assert "pveum acl modify /vms/200 --tokens 'root@pam!ansible' --roles R" in lines
+    assert "pveum acl modify / --tokens 'root@pam!ansible' --roles RSys --propagate 0" in lines
+    assert "pveum acl modify /vms/200 --tokens 'root@pam!ansible' --roles RVM" in lines
+    # the stand-in: the same rule by its version
+    cfg = "\n".join(prov_filters.dflash_user_cfg_lines(
+        prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}), "root@pam!t", "R"))
+    for version, reason in (("8.2.4", None), ("9.0.3", "Permission check failed (/, Sys.Modify)")):
+        ac = pve_api.AccessControl(None)
+        ac.parse(cfg)
+        node = pve_api.Node("pve", str(tmp_path / version), pve_api.FakeLxc(str(tmp_path / version / "lxc"), None),
+                            [TEMPLATE], ["local", "local-lvm"], ac, version)
+        params = {"ostemplate": TEMPLATE, "hostname": "ct", "rootfs": "local-lvm:4", "storage": "local-lvm"}
+        if reason is None:
+            assert node.wait(node.create(200, params, "root@pam!t"))["exitstatus"] == "OK"
+        else:
+            with pytest.raises(pve_api.ApiError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+                node.create(200, params, "root@pam!t")
 
 
 def test_the_workspace_belongs_to_the_cts_root_and_is_not_chowned_on_nfs():

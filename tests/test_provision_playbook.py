@@ -59,18 +59,17 @@ def node(tmp_path_factory):
     tmp.chmod(0o711)
     etc, lxc, state = tmp / "etc", tmp / "lxc", tmp / "state"
     etc.mkdir()
-    acl = prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, NETIF)
-    privs = prov_filters.dflash_token_role_privs(acl)
-    cfg = ["user:root@pam:1:0:::root@pam::", "token:root@pam!ansible:0:1::", "token:root@pam!nosdn:0:1::",
-           "role:DFlashProvision:%s:" % ",".join(privs),
-           "role:NoSDN:%s:" % ",".join(p for p in privs if p != "SDN.Use")]
-    # exactly the documented `pveum acl modify` lines, one ACL per path
-    cfg += ["acl:1:%s:root@pam!ansible:DFlashProvision:" % e["path"] for e in acl]
-    cfg += ["acl:1:%s:root@pam!nosdn:NoSDN:" % e["path"] for e in acl]
-    # a privileged CT 253: its documented ACLs (Sys.Modify on / without propagation)
-    acl_priv = prov_filters.dflash_token_acl(PRIVILEGED_VMID, "local-lvm", TEMPLATE, NETIF, False)
-    cfg += ["role:DFlashPrivileged:%s:" % ",".join(prov_filters.dflash_token_role_privs(acl_priv))]
-    cfg += ["acl:%d:%s:root@pam!ansible:DFlashPrivileged:" % (e["path"] != "/", e["path"]) for e in acl_priv]
+    # exactly what the documented `pveum` lines leave: one role per kind of path, one ACL per path;
+    # nosdn: the same without the SDN path's ACL; a privileged CT 253: its own ACLs (PVE 8: no /)
+    cfg = ["user:root@pam:1:0:::root@pam::"]
+    for vmid, unpriv in ((VMID, True), (PRIVILEGED_VMID, False)):
+        acl = prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF, unpriv)
+        cfg += [x for x in prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")
+                if x not in cfg]
+    cfg += [x for x in prov_filters.dflash_user_cfg_lines(prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, {}),
+                                                          "root@pam!nosdn", "DFlashProvision") if x not in cfg]
+    # too much power: privsep 0 (root@pam's privileges), and a privilege-separated token with Administrator on /
+    cfg += ["token:root@pam!shared:0:0::", "token:root@pam!admin:0:1::", "acl:1:/:root@pam!admin:Administrator:"]
     (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
     port = _free_port()
     env = {**os.environ, "PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(lxc), "PVE_STANDIN_FAKE_LXC": "1",
@@ -78,7 +77,8 @@ def node(tmp_path_factory):
            "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen([sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(state),
-                             "--token", "root@pam!ansible=s3cret", "--token", "root@pam!nosdn=s3cret"],
+                             "--token", "root@pam!ansible=s3cret", "--token", "root@pam!nosdn=s3cret",
+                             "--token", "root@pam!shared=s3cret", "--token", "root@pam!admin=s3cret"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(100):
         if (state / "pve-ssl.pem").exists():
@@ -154,7 +154,20 @@ def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_noth
     r = play(node, dflash_provision_api_token_id="nosdn")
     assert r.returncode != 0
     assert "Token root@pam!nosdn lacks SDN.Use on /sdn/zones/localnetwork/vmbr0" in r.text, r.text[-3000:]
-    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!nosdn' --roles DFlashProvision" in r.text
+    assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!nosdn' --roles DFlashProvisionSDN" \
+        " --propagate 0" in r.text
+    assert not node["conf"].exists()
+
+
+@pytest.mark.parametrize("token", ["shared", "admin"])
+def test_1b_a_token_with_more_power_than_it_needs_fails_in_preflight_and_creates_nothing(node, token):
+    """Issue 52 item 8: a token made with --privsep 0 has its user's privileges (root@pam: all), and
+    an Administrator ACL is full root; both used to pass a check for missing privileges only."""
+    r = play(node, dflash_provision_api_token_id=token)
+    assert r.returncode != 0, r.text[-3000:]
+    assert f"Token root@pam!{token} (dflash_provision_api_user / dflash_provision_api_token_id) holds privileges" \
+        " it does not need:" in r.text, r.text[-3000:]
+    assert re.search(r"Sys\.Modify[^;]* on /[;.]", r.text) and "a dedicated user (dflash@pve)" in r.text
     assert not node["conf"].exists()
 
 
@@ -368,10 +381,11 @@ def two_nodes(tmp_path_factory):
     for name in ("a", "b"):
         etc, state = tmp / name / "etc", tmp / name / "state"
         etc.mkdir(parents=True)
-        cfg = ["user:root@pam:1:0:::root@pam::", "token:root@pam!ansible:0:1::"]
-        acls = [e for vmid in (251, 252) for e in prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF)]
-        cfg.append("role:DFlashProvision:%s:" % ",".join(prov_filters.dflash_token_role_privs(acls)))
-        cfg += sorted({"acl:1:%s:root@pam!ansible:DFlashProvision:" % e["path"] for e in acls})
+        cfg = ["user:root@pam:1:0:::root@pam::"]
+        for vmid in (251, 252):
+            acl = prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF)
+            cfg += [x for x in prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")
+                    if x not in cfg]
         (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
         node_env = {"PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(tmp / name / "lxc"),
                     "PVE_STANDIN_NODE": f"pve-{name}", "PVE_STANDIN_FAKE_LXC": "1"}

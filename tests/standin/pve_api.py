@@ -586,8 +586,11 @@ class Node:
     """One stand-in node: PVE configs, tasks, and the LXC backend."""
 
     def __init__(self, name: str, pve_etc: str, lxc: Lxc, templates: list, storages: list,
-                 acl: AccessControl | None = None):
+                 acl: AccessControl | None = None, version: str | None = None):
         self.name, self.pve_etc, self.lxc = name, pve_etc, lxc
+        # GET /version; the rules that changed between majors follow it
+        self.version = {**PVE_VERSION, **({"version": version, "release": version.rsplit(".", 1)[0]}
+                                          if version else {})}
         self.acl = acl or AccessControl(os.path.join(pve_etc, "user.cfg"))
         self.templates, self.storages = templates, storages
         self.tasks: dict = {}
@@ -911,12 +914,12 @@ class Node:
             if self.lxc.exists(vmid):
                 raise ApiError(500, f"CT {vmid}: an LXC container '{vmid}' exists outside the stand-in's records")
             self.check_params(params, CREATE_ONLY)
-            # The order of pve-container's create_vm: privileged needs Sys.Modify on /,
-            # VM.Allocate on the vmid, each key's privilege, the template, the storage. The API's
-            # default is privileged (unprivileged: 0; the GUI's default of 1 is the GUI's), as the
-            # backend below records it
+            # The order of pve-container's create_vm: privileged needs Sys.Modify on / (PVE 9 on:
+            # master 4cc73b7; stable-bookworm, PVE 8, does not check it), VM.Allocate on the vmid,
+            # each key's privilege, the template, the storage. The API's default is privileged
+            # (unprivileged: 0; the GUI's default of 1 is the GUI's), as the backend below records it
             unprivileged = str(params.get("unprivileged", "0")) != "0"
-            if not unprivileged:
+            if not unprivileged and int(self.version["version"].split(".")[0]) >= 9:
                 self.acl.check(user, "/", ["Sys.Modify"])
             if not self.acl.has(user, f"/vms/{vmid}", ["VM.Allocate"]):
                 raise perm_error()
@@ -1127,7 +1130,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         r = method + " " + path
         acl = node.acl
         if r == "GET /version":
-            return PVE_VERSION
+            return self.node.version
         if r == "GET /access/permissions":
             # Each user/token may dump its own permissions (or those of its tokens); others
             # need Sys.Audit on /access.
@@ -1275,7 +1278,7 @@ def make_cert(cert: str, key: str) -> None:
 def build_node(a) -> Node:
     backend = (FakeLxc if a.fake_lxc else Lxc)(a.lxcpath, a.rootfs)
     acl = AccessControl(a.user_cfg or os.path.join(a.pve_etc, "user.cfg"))
-    return Node(a.node, a.pve_etc, backend, a.template, a.storage, acl)
+    return Node(a.node, a.pve_etc, backend, a.template, a.storage, acl, a.pve_version)
 
 
 def serve(a) -> None:
@@ -1391,6 +1394,8 @@ def main(argv=None) -> int:
     p.add_argument("--storage", action="append", default=None, help="storage ids (default local, local-lvm)")
     p.add_argument("--user-cfg", default=os.environ.get("PVE_STANDIN_USER_CFG"),
                    help="PVE-format user.cfg with users, tokens, roles and ACLs (default <pve-etc>/user.cfg)")
+    p.add_argument("--pve-version", default=os.environ.get("PVE_STANDIN_VERSION"),
+                   help=f"the version GET /version reports, whose major picks the rules (default {PVE_VERSION['version']})")
     p.add_argument("--pidfile")
     p.add_argument("--fake-lxc", action="store_true", default=os.environ.get("PVE_STANDIN_FAKE_LXC") == "1",
                    help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")

@@ -46,19 +46,40 @@ def dflash_netif_bridges(netif: dict) -> list:
     return paths
 
 
-def dflash_token_acl(vmid, storage: str, ostemplate: str, netif: dict, unprivileged: bool = True) -> list:
-    """[{path, privs}] the provisioning token needs: one ACL per path, least privilege. Creating a
-    privileged CT also needs Sys.Modify on / (pve-container's create_vm), granted without
-    propagation (dflash_pveum_lines)."""
-    acl = [] if unprivileged else [{"path": "/", "privs": ["Sys.Modify"]}]
-    acl += [{"path": "/vms/%d" % int(vmid), "privs": list(VM_PRIVILEGES)},
-           {"path": "/storage/" + storage, "privs": ["Datastore.AllocateSpace"]}]
+def dflash_pve_major(version) -> int:
+    """GET /version's `version` ("8.2.4") -> 8; 0 where it cannot be read."""
+    m = re.match(r"\s*(\d+)", str(version or ""))
+    return int(m.group(1)) if m else 0
+
+
+# Each kind of path gets its own role (suffix of dflash_provision_token_role), so a privilege is
+# granted only where it is needed: no Datastore.AllocateSpace on the template storage, no VM.* on a
+# storage path. "/" and the SDN paths are granted without propagation (no datacenter-wide
+# Sys.Modify, no SDN.Use on every VLAN of the bridge).
+ROLE_KINDS = {"sys": "Sys", "vm": "VM", "disk": "Disk", "template": "Template", "sdn": "SDN"}
+
+
+def dflash_token_acl(vmid, storage: str, ostemplate: str, netif: dict, unprivileged: bool = True,
+                     pve_version="8") -> list:
+    """[{path, privs, kinds, propagate}] the provisioning token needs: one ACL per path, least
+    privilege. Creating a privileged CT also needs Sys.Modify on / from PVE 9 on (pve-container
+    master's create_vm; PVE 8 does not check it, and on / it would let the token change datacenter
+    options), hence the node's version (GET /version)."""
+    acl = []
+    if not unprivileged and dflash_pve_major(pve_version) >= 9:
+        acl.append({"path": "/", "privs": ["Sys.Modify"], "kinds": ["sys"], "propagate": False})
+    acl += [{"path": "/vms/%d" % int(vmid), "privs": list(VM_PRIVILEGES), "kinds": ["vm"], "propagate": True},
+            {"path": "/storage/" + storage, "privs": ["Datastore.AllocateSpace"], "kinds": ["disk"],
+             "propagate": True}]
     tpl_storage = str(ostemplate).split(":", 1)[0]
     if tpl_storage == storage:
         acl[-1]["privs"].append("Datastore.Audit")
+        acl[-1]["kinds"].append("template")
     else:
-        acl.append({"path": "/storage/" + tpl_storage, "privs": ["Datastore.Audit"]})
-    acl += [{"path": p, "privs": ["SDN.Use"]} for p in dflash_netif_bridges(netif)]
+        acl.append({"path": "/storage/" + tpl_storage, "privs": ["Datastore.Audit"], "kinds": ["template"],
+                    "propagate": True})
+    acl += [{"path": p, "privs": ["SDN.Use"], "kinds": ["sdn"], "propagate": False}
+            for p in dflash_netif_bridges(netif)]
     return acl
 
 
@@ -66,14 +87,65 @@ def dflash_token_role_privs(acl: list) -> list:
     return sorted({p for entry in acl for p in entry["privs"]})
 
 
+def dflash_token_roles(acl: list, role: str) -> dict:
+    """{role name: sorted privileges} for the kinds of path in `acl`, in the order they appear."""
+    out: dict = {}
+    for entry in acl:
+        for kind, privs in _kind_privs(entry).items():
+            out.setdefault(role + ROLE_KINDS[kind], set()).update(privs)
+    return {name: sorted(privs) for name, privs in out.items()}
+
+
+def _kind_privs(entry: dict) -> dict:
+    """{kind: privileges} of one acl entry (a storage path may be both rootfs and template store)."""
+    kinds = entry.get("kinds") or ["vm"]
+    if kinds == ["disk", "template"]:
+        return {"disk": ["Datastore.AllocateSpace"], "template": ["Datastore.Audit"]}
+    return {kinds[0]: list(entry["privs"])}
+
+
 def dflash_pveum_lines(acl: list, tokenid: str, role: str) -> list:
-    """The `pveum` commands (run as root on the node) that grant exactly `acl` to the token."""
-    lines = ['pveum role add %s --privs "%s"' % (role, " ".join(dflash_token_role_privs(acl))),
-             "pveum user token add %s %s --privsep 1   # prints the secret once" % tuple(tokenid.split("!", 1))]
-    lines += ["pveum acl modify %s --tokens '%s' --roles %s%s" % (e["path"], tokenid, role,
-                                                                " --propagate 0" if e["path"] == "/" else "")
-              for e in acl]
+    """The `pveum` commands (run as root on the node) that grant exactly `acl` to the token: one
+    role per kind of path. A privilege-separated token of any user other than root@pam has only what
+    both it and its user are granted, so the user gets the same ACLs."""
+    user, token = tokenid.split("!", 1)
+    lines = ['pveum role add %s --privs "%s"' % (name, " ".join(privs))
+             for name, privs in dflash_token_roles(acl, role).items()]
+    if user != "root@pam":
+        lines.append("pveum user add %s   # once" % user)
+    lines.append("pveum user token add %s %s --privsep 1   # prints the secret once" % (user, token))
+    who = "--tokens '%s'" % tokenid if user == "root@pam" else "--users %s --tokens '%s'" % (user, tokenid)
+    for e in acl:
+        roles = ",".join(role + ROLE_KINDS[k] for k in _kind_privs(e))
+        lines.append("pveum acl modify %s %s --roles %s%s" % (e["path"], who, roles,
+                                                            "" if e.get("propagate", True) else " --propagate 0"))
     return lines
+
+
+def dflash_user_cfg_lines(acl: list, tokenid: str, role: str) -> list:
+    """The user.cfg lines those `pveum` commands leave (the PVE stand-in reads them)."""
+    user = tokenid.split("!", 1)[0]
+    lines = ["user:%s:1:0::::::" % user] if user != "root@pam" else []
+    lines.append("token:%s:0:1::" % tokenid)
+    lines += ["role:%s:%s:" % (name, ",".join(privs)) for name, privs in dflash_token_roles(acl, role).items()]
+    who = tokenid if user == "root@pam" else "%s,%s" % (user, tokenid)
+    lines += ["acl:%d:%s:%s:%s:" % (int(e.get("propagate", True)), e["path"], who,
+                                   ",".join(role + ROLE_KINDS[k] for k in _kind_privs(e))) for e in acl]
+    return lines
+
+
+def dflash_checked_paths(acl: list) -> list:
+    """The paths the preflight reads the token's privileges on: every path of `acl`, and / where
+    the token needs nothing (a token with its user's privileges, or an Administrator ACL, shows there)."""
+    out = [{"path": e["path"], "privs": list(e["privs"])} for e in acl]
+    if "/" not in [e["path"] for e in acl]:
+        out.append({"path": "/", "privs": []})
+    return out
+
+
+def _have(res, path) -> set:
+    data = ((res or {}).get("json") or {}).get("data") or {}
+    return set((data.get(path) or {}).keys())
 
 
 def dflash_missing_privs(results: list, acl: list) -> list:
@@ -81,11 +153,20 @@ def dflash_missing_privs(results: list, acl: list) -> list:
     [{path, missing: [...]}] for the paths where the token lacks something."""
     out = []
     for entry, res in zip(acl, results or []):
-        data = ((res or {}).get("json") or {}).get("data") or {}
-        have = set((data.get(entry["path"]) or {}).keys())
-        missing = [p for p in entry["privs"] if p not in have]
+        missing = [p for p in entry["privs"] if p not in _have(res, entry["path"])]
         if missing:
             out.append({"path": entry["path"], "missing": missing})
+    return out
+
+
+def dflash_excess_privs(results: list, acl: list) -> list:
+    """The same results -> [{path, excess: [...]}] for the paths where the token holds privileges
+    it does not need there (sorted)."""
+    out = []
+    for entry, res in zip(acl, results or []):
+        excess = sorted(_have(res, entry["path"]) - set(entry["privs"]))
+        if excess:
+            out.append({"path": entry["path"], "excess": excess})
     return out
 
 
@@ -132,8 +213,13 @@ class FilterModule:
             "dflash_netif_bridges": dflash_netif_bridges,
             "dflash_token_acl": dflash_token_acl,
             "dflash_token_role_privs": dflash_token_role_privs,
+            "dflash_token_roles": dflash_token_roles,
+            "dflash_pve_major": dflash_pve_major,
             "dflash_pveum_lines": dflash_pveum_lines,
+            "dflash_user_cfg_lines": dflash_user_cfg_lines,
+            "dflash_checked_paths": dflash_checked_paths,
             "dflash_missing_privs": dflash_missing_privs,
+            "dflash_excess_privs": dflash_excess_privs,
             "dflash_pin_netif": dflash_pin_netif,
             "dflash_ct_drift": dflash_ct_drift,
             "dflash_rootfs_gib": dflash_rootfs_gib,

@@ -630,7 +630,8 @@ def test_the_stand_in_passes_through_only_devices_as_pve_does(tmp_path):
     assert "dev0: /dev/null\n" in conf.read_text()                                # stopped: applied at once
     assert _pct(tmp_path, "start", 210).returncode == 0
     lxc = (tmp_path / "lxc" / "210" / "config").read_text()
-    assert "lxc.mount.entry = /dev/null dev/null none bind,create=file 0 0" in lxc   # not optional
+    assert f"lxc.mount.entry = {tmp_path}/lxc/210/passthrough/dev/null dev/null none bind,create=file 0 0" \
+        in lxc                                     # a node made for the CT, never an optional bind mount
     # running: pending until the next start
     assert _pct(tmp_path, "set", 210, "-dev2", "/dev/full", "--delete", "dev1").returncode == 0
     main, _, pending = conf.read_text().partition("[pve:pending]")

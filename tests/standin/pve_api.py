@@ -27,8 +27,9 @@ Endpoints (paths below /api2/json; PVE API viewer: https://pve.proxmox.com/pve-d
   POST   /nodes/{node}/lxc                          create: task vzcreate (copy the cached rootfs into
                                                     the LXC container <vmid>, write its config)
   DELETE /nodes/{node}/lxc/{vmid}                   destroy: task vzdestroy (must be stopped unless force=1)
-  GET    /nodes/{node}/lxc/{vmid}/config            the PVE config (raw lxc.* keys as "lxc": [[k, v]...],
-                                                    plus digest)
+  GET    /nodes/{node}/lxc/{vmid}/config            the PVE config with its pending values applied
+                                                    (current=1: without), raw lxc.* keys as
+                                                    "lxc": [[k, v]...], plus digest
   PUT    /nodes/{node}/lxc/{vmid}/config            update keys (and `delete=k1,k2`), synchronous, null
   GET    /nodes/{node}/lxc/{vmid}/status/current    {status: running|stopped, vmid, name, maxmem, ...}
   POST   /nodes/{node}/lxc/{vmid}/status/start      task vzstart: regenerate the LXC config, lxc-start
@@ -46,7 +47,12 @@ PVE 8's rules for what root may set (pve-container stable-bookworm): a devN path
 a block or character device ("Device X does not exist", "X is not a device"); on a running CT a devN
 change, set or delete, stays in [pve:pending] until the next start; at a start a device passed twice
 fails (the pre-start hook's mknod: "File exists"), and so does one that is gone; the device is
-mknod'ed for the CT, never an optional bind mount. A raw lxc.* key outside is_valid_lxc_conf_key's
+mknod'ed for the CT (mode 0660 unless `mode=`, owned by the CT's root unless `uid=`/`gid=`) into
+<lxcpath>/<vmid>/passthrough and allowed `rw` (never `m`), never an optional bind mount. Mount
+points are mounted in key order (rootfs, mp0, mp1, ...), so a later key hides an earlier one's
+path below its own. `pct config` and GET .../config show the pending values (`--current 1`,
+current=1: the running ones). A task is read by who started it, or by the user of the token that
+did, else with Sys.Audit on /nodes/<node>: a token may not read its user's tasks. A raw lxc.* key outside is_valid_lxc_conf_key's
 list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. The generated LXC config has
 PVE's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group.
 
@@ -627,6 +633,17 @@ class Node:
         os.chmod(path + ".tmp", 0o640)         # pmxcfs shows every file in /etc/pve as 0640
         os.replace(path + ".tmp", path)
 
+    def config(self, vmid: int, current: bool = False) -> tuple[dict, list]:
+        """load_current_config: the main section, with the [pve:pending] values applied over it
+        (and its deletes done) unless `current` is asked for, as GET .../config and `pct config` do."""
+        keys, raw, rest = self.read(vmid)
+        if not current:
+            pending, _ = split_pending(rest)
+            for k in filter(None, pending.pop("delete", "").split(",")):
+                keys.pop(k.strip(), None)
+            keys.update(pending)
+        return keys, raw
+
     def digest(self, vmid: int) -> str:
         with open(self.conf_path(vmid), "rb") as f:
             return hashlib.sha1(f.read()).hexdigest()
@@ -682,13 +699,15 @@ class Node:
                       f"lxc.cgroup.cpuset.cpus = {cpus}"]
             if self.lxc.memsw:
                 lines.append(f"lxc.cgroup.memory.memsw.limit_in_bytes = {(mem + swap) * 1024 * 1024}")
-        # Mount points, parents before children (sorted by path), as pve-container mounts them.
+        # Mount points in key order (rootfs, mp0, mp1, ...), as pve-container mounts them: a later
+        # key's mount over an earlier one's path hides it (mp0 at /workspace/models, mp1 at
+        # /workspace: the models are out of sight).
         mps = []
         for k, v in keys.items():
             if re.fullmatch(r"mp\d+", k):
                 vol, opts = split_opts(v)
-                mps.append((opts.get("mp", ""), vol, opts))
-        for mp, vol, opts in sorted(mps):
+                mps.append((int(k[2:]), opts.get("mp", ""), vol, opts))
+        for _, mp, vol, opts in sorted(mps, key=lambda m: m[0]):
             rel = mp.lstrip("/")
             if is_host_path(vol):
                 flags = "bind,create=dir" + (",ro" if opts.get("ro") == "1" else "")
@@ -705,9 +724,15 @@ class Node:
         # /var/lib/lxc/<vmid>/passthrough (a second entry for the same path: "File exists") and the
         # container gets that node, not an optional bind mount. With start=False (a config write
         # between starts) the checks wait for the start, as PVE's do.
+        # The node is made with the entry's mode (0660 unless mode= says) and uid/gid (0, the CT's
+        # root, shifted for an unprivileged CT), and the cgroup allows it rw, never m (mknod).
         seen = set()
+        passthrough = os.path.join(d, "passthrough")
+        if start:
+            shutil.rmtree(passthrough, ignore_errors=True)
         for k in sorted((k for k in keys if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
-            path, _ = split_opts(keys[k])
+            path, dopts = split_opts(keys[k])
+            path = path or dopts.get("path")
             try:
                 st = check_device(path, k)
             except ApiError as e:
@@ -717,10 +742,18 @@ class Node:
             if path in seen and start:
                 raise RuntimeError(f"failed to mknod /var/lib/lxc/{vmid}/passthrough{path}: File exists")
             seen.add(path)
-            lines.append(f"lxc.mount.entry = {path} {path.lstrip('/')} none bind,create=file 0 0")
             kind = "b" if (st.st_mode & 0o170000) == 0o060000 else "c"
+            node_path = passthrough + path
+            if start and os.geteuid() == 0:
+                os.makedirs(os.path.dirname(node_path), exist_ok=True)
+                mode = int(dopts.get("mode", "0660"), 8)
+                os.mknod(node_path, mode | (st.st_mode & 0o170000), st.st_rdev)
+                os.chmod(node_path, mode)
+                base = IDMAP_BASE if unprivileged else 0
+                os.chown(node_path, base + int(dopts.get("uid", 0)), base + int(dopts.get("gid", 0)))
+            lines.append(f"lxc.mount.entry = {node_path} {path.lstrip('/')} none bind,create=file 0 0")
             ver = "cgroup2" if self.lxc.cgroup2 else "cgroup"
-            lines.append(f"lxc.{ver}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rwm")
+            lines.append(f"lxc.{ver}.devices.allow = {kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rw")
         lines += [f"{k} = {v}" for k, v in raw]    # raw lxc.* keys, verbatim, last (as PVE)
         return "\n".join(lines) + "\n"
 
@@ -751,6 +784,13 @@ class Node:
 
         threading.Thread(target=run, daemon=True).start()
         return upid
+
+    def check_task_access(self, upid: str, user: str) -> None:
+        """pve-manager's Tasks.pm: a task is read by whoever started it, by the user of the token
+        that started it, or with Sys.Audit on /nodes/<node>; a token may NOT read its user's tasks."""
+        owner = (self.tasks.get(upid) or {}).get("user")
+        if owner != user and (owner or "").split("!")[0] != user:
+            self.acl.check(user, f"/nodes/{self.name}", ["Sys.Audit"])
 
     def task_status(self, upid: str) -> dict:
         t = self.tasks.get(upid)
@@ -1162,9 +1202,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         r = method + " " + sub
         t = re.fullmatch(r"GET /tasks/([^/]+)/(status|log)", r)
         if t:
-            owner = node.tasks.get(t.group(1), {}).get("user")
-            if owner not in (user, user.split("!")[0]):
-                acl.check(user, f"/nodes/{node.name}", ["Sys.Audit"])
+            node.check_task_access(t.group(1), user)
             return node.task_status(t.group(1)) if t.group(2) == "status" else node.task_log(t.group(1))
         if re.fullmatch(r"GET /storage/[^/]+/content", r):
             storage = sub.split("/")[2]
@@ -1196,7 +1234,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if op == "DELETE ":
             return node.destroy(vmid, p.get("force") == "1", user)
         if op == "GET /config":
-            keys, raw, _ = node.read(vmid)
+            keys, raw = node.config(vmid, current=str(p.get("current", "0")) not in ("0", "", "false"))
             out = dict(keys)
             if raw:
                 out["lxc"] = raw
@@ -1327,7 +1365,12 @@ def pct(a, argv: list) -> int:
             f.write(json.dumps(argv) + "\n")
     try:
         if cmd == "config":
-            keys, raw, _ = node.read(vmid)
+            # pct config shows the pending values (what the next start applies); --current the
+            # running config
+            opts = dict(zip(rest[::2], rest[1::2]))
+            if set(opts) - {"--current", "--snapshot"} or len(rest) % 2:
+                raise ApiError(400, f"400 unable to parse option: {' '.join(rest)}")
+            keys, raw = node.config(vmid, current=opts.get("--current", "0") not in ("0", "false"))
             sys.stdout.write(render_conf(keys, raw))
         elif cmd == "set":
             params, i = {}, 0

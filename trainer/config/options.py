@@ -166,6 +166,12 @@ class TrainConfig:
                                       "every drafter choice not given (block size and anchors stay this run's); "
                                       "none: the generic rules (trainer/model/contract.py)",
                               choices=CONTRACT_CHOICES)
+    init_drafter: str = opt("", "warm start: a published drafter directory (config.json + safetensors; DFlash "
+                                "or DFlash2, as z-lab, SpecForge or speculators export it) as the first step's "
+                                "weights, after a check of its contract against the target and the flags "
+                                "given; its block size, taps, MASK, heads and layer types become this run's "
+                                "defaults; AdamW starts fresh (a resume from --output-dir wins)",
+                            metavar="PATH")
     eval_data_dir: str = opt("", "held-out shards: tau by real speculative generation at the end of the run "
                                  "(eval.json) and every --eval-every steps")
     eval_every: int = opt(0, "optimizer steps between tau evaluations during training, into metrics.jsonl, "

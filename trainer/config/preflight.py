@@ -61,9 +61,18 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
 
-    from trainer.model import contract
-    try:   # the choices the flags leave open, filled in once (the family's contract; the run log names each source)
-        contract.log_choices(contract.resolve_run(cfg, tcfg))
+    from trainer.model import contract, published
+    try:   # the choices the flags leave open, filled in once (a warm start's drafter, else the family's
+        # contract; the run log names each source), then a warm start's drafter checked against them
+        pub = published.read(cfg.init_drafter) if cfg.init_drafter else None
+        contract.log_choices(contract.resolve_run(cfg, tcfg, pub.run_defaults() if pub else None,
+                                                  pub.source if pub else ""))
+        if pub is not None:
+            import logging
+            wlog = logging.getLogger("trainer.contract")
+            wlog.info("%s: %s", pub.source, pub.taps_note)
+            for line in published.check(pub, cfg, tcfg):
+                wlog.warning("%s: %s", published.FLAG, line)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     heads, kv_heads, head_dim = draft_attention(cfg, tcfg)

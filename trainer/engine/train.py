@@ -250,6 +250,28 @@ class Trainer:
         if path is not None:
             log.info("resumed from %s: step %d of %d (warmup %d steps)", path, self.step, self.total_steps,
                      self.warmup_steps)
+            if self.cfg.init_drafter:
+                log.info("--init-drafter %s: not used, the run resumes its own checkpoint", self.cfg.init_drafter)
+        elif self.cfg.init_drafter:
+            self._warm_start()
+
+    def _warm_start(self):
+        """--init-drafter: the published drafter's weights (preflight checked its contract) into this rank's
+        shard; AdamW's moments and the schedule start fresh."""
+        from trainer.model import published
+        if self.state.drafter is not None:
+            try:
+                pub = published.read(self.cfg.init_drafter)
+                shapes = {n: tuple(p.shape) for n, p in self.drafter.model.named_parameters()}
+                weights = published.load_weights(pub, shapes)
+            except published.PublishedError as e:
+                raise BadInput(str(e)) from None
+            self.state.drafter.load_full_weights(weights)
+            del weights
+            if self.topo.leader:
+                log.info("warm start from %s (%s): %d tensors; AdamW moments start fresh, the schedule at step 0 "
+                         "(warmup %d of %d steps, peak lr %g)", pub.source, pub.arch, len(shapes), self.warmup_steps,
+                         self.total_steps, self.cfg.lr)
 
     def save_checkpoint(self, reason: str):
         """Drafter ranks, together (checkpoint.py has the protocol)."""

@@ -386,6 +386,9 @@ def install(rank: int, role: str, groups: dict, members: dict[str, list[int]], o
                             ("reduce_scatter_tensor", 3, 1), ("barrier", 0, None), ("all_gather", 2, 1)):
         if hasattr(dist, name):
             _patch(rec, dist, name, coll(name, pos, data))
+    # the start barrier (startup.start_barrier): gloo's monitored barrier is a barrier to every rule the
+    # checker applies, so it is recorded as one (the op replay's fake groups run the plain barrier)
+    _patch(rec, dist, "monitored_barrier", coll("barrier", 0, None))
 
     def fcoll(name, group_pos):
         def make(old):

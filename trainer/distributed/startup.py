@@ -119,17 +119,21 @@ class StartupWatch(threading.Thread):
         self.poll()
 
 
-def start_barrier(topo, groups, bounds: StartupBounds, progress: StartupProgress | None = None) -> None:
+def start_barrier(topo, groups, bounds: StartupBounds | None, progress: StartupProgress | None = None) -> None:
     """Every rank waits for every other's load and warmup, at most `bounds.barrier_s` (a monitored
     barrier on the gloo control group: past the bound it raises naming the ranks that never came)."""
     if topo.world <= 1:
         return
     import torch.distributed as dist
     if progress is not None:
-        progress.note(WAITING, f"waiting for every rank's load and warmup, at most {bounds.barrier_s:.0f}s")
+        progress.note(WAITING, "waiting for every rank's load and warmup" + (
+            f", at most {bounds.barrier_s:.0f}s" if bounds is not None else ""))
     t0 = time.perf_counter()
-    dist.monitored_barrier(group=groups.control, timeout=datetime.timedelta(seconds=bounds.barrier_s),
-                           wait_all_ranks=True)
+    if bounds is None or dist.get_backend(groups.control) != "gloo":
+        dist.barrier(group=groups.control)   # the op replay (fake groups, no setup): the same collective
+    else:
+        dist.monitored_barrier(group=groups.control, timeout=datetime.timedelta(seconds=bounds.barrier_s),
+                               wait_all_ranks=True)
     waited = time.perf_counter() - t0
     if waited > 5:
         log.info("waited %.0fs for every rank to finish the load and warmup", waited)

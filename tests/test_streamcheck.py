@@ -387,6 +387,53 @@ def test_two_communicators_first_used_in_opposite_orders_deadlock_on_the_host():
     assert not res.ok and any("first use of nccl:A" in line or "first use of nccl:B" in line for line in res.cycle)
 
 
+def _launch_order_counterexample() -> list[Program]:
+    """Two ranks, three communicators between them (connected first, in one order, as groups.connect does).
+    Rank 0 receives on A, then sends on B once that receive is done (its stream waits on it), then sends on
+    C; rank 1 receives on C, sends on A once that is done, then receives on B. With a queue per
+    communicator every op finds its peer; with NCCL_LAUNCH_ORDER_IMPLICIT=1 rank 0's send on C cannot
+    start before its send on B has, which waits for A, which waits for rank 1's receive on C."""
+    g = {"A": [0, 1], "B": [0, 1], "C": [0, 1]}
+    r0, r1 = Program(0, "rank 0", groups=g), Program(1, "rank 1", groups=g)
+    for comm in "ABC":   # first use of every communicator, in one order on both ranks
+        r0.host_wait(r0.send("main", comm, 1, f"connect {comm}"))
+        r1.host_wait(r1.recv("main", comm, 0, f"connect {comm}"))
+    r0.wait("s1", r0.recv("s0", "A", 1, "recv on A"))
+    r0.send("s1", "B", 1, "send on B (after the receive on A)")
+    r0.send("s2", "C", 1, "send on C")
+    r1.wait("t1", r1.recv("t0", "C", 0, "recv on C"))
+    r1.send("t1", "A", 0, "send on A (after the receive on C)")
+    r1.recv("t2", "B", 0, "recv on B")
+    return [r0, r1]
+
+
+def test_the_checker_models_the_launch_order_run_sh_sets():
+    """NCCL_LAUNCH_ORDER_IMPLICIT=1 (run.sh): a rank's NCCL kernels start in host issue order across all
+    its communicators. The model of independent queues passes the counterexample; the default, launch
+    order, finds its cycle and names the launch-order edge."""
+    assert simulate(_launch_order_counterexample(), launch_order=False).ok
+    res = simulate(_launch_order_counterexample())
+    assert not res.ok
+    text = "\n".join(res.cycle)
+    assert "send on C  --starts after (launch order)-->" in text and "send on B" in text
+    assert "recv on A" in text and "recv on C" in text
+
+
+def test_launch_order_waits_for_the_start_not_the_end_of_the_previous_kernel():
+    """Two sends on two communicators to a peer that receives them in the opposite order: the second send
+    starts once the first has started (both kernels then run), so nothing hangs."""
+    g = {"A": [0, 1], "B": [0, 1]}
+    r0, r1 = Program(0, "rank 0", groups=g), Program(1, "rank 1", groups=g)
+    for comm in "AB":
+        r0.host_wait(r0.send("main", comm, 1, f"connect {comm}"))
+        r1.host_wait(r1.recv("main", comm, 0, f"connect {comm}"))
+    r0.send("s0", "A", 1, "send on A")
+    r0.send("s1", "B", 1, "send on B")
+    r1.recv("t0", "B", 0, "recv on B")
+    r1.recv("t1", "A", 0, "recv on A")
+    assert simulate([r0, r1]).ok
+
+
 def _eval_rank(rank: int, store_path: str, out: str) -> None:
     """One rank of an in-training eval's message flow (evaltrain: the leader sends the drafter's state to the
     eval owner on `control`, the owner broadcasts the result), recorded."""

@@ -21,7 +21,12 @@ program (the ops its host issues, in order, each placed on a stream) and replays
     paired across ranks by call order alone; a gloo group's members connect to each other when it is made;
   - `work.wait()` and `stream.wait_event(ev)` block the later work of *that stream*, not the host;
   - host waits (`event.synchronize()`, a gloo collective, a blocking `.wait()` on gloo) block the host,
-    which then issues nothing more until the op completed.
+    which then issues nothing more until the op completed;
+  - launch order (`NCCL_LAUNCH_ORDER_IMPLICIT=1`, which run.sh sets; `launch_order=True`, the default):
+    a rank's NCCL kernels *start* in host issue order across all its communicators (NCCL's launch-order
+    stream, src/enqueue.cc): an NCCL op whose own dependencies are done still waits until the rank's
+    previous NCCL op, on whatever communicator, has started. Independent queues per communicator
+    (`launch_order=False`) pass programs that deadlock under this order.
 
 Communicators: with eager init (`device_id` passed to `init_process_group`) ProcessGroupNCCL sends
 unbatched P2P through the group's own communicator, serialised with every other op of that group
@@ -207,9 +212,18 @@ class Result:
         return "deadlock:\n  " + "\n  ".join(self.cycle)
 
 
-def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None) -> Result:
+def is_nccl_kernel(op: Op) -> bool:
+    """An op NCCL launches as a kernel (point-to-point or collective on a communicator's stream), the ops
+    the launch order ties together; not a process group's creation, not gloo."""
+    return op.queue.startswith("nccl:")
+
+
+def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None,
+             launch_order: bool = True) -> Result:
     """Replay every rank's program under NCCL's rules (module docstring). `groups`: members per group
-    name (collectives need every member); defaults to the union of the programs' own `groups`."""
+    name (collectives need every member); defaults to the union of the programs' own `groups`.
+    `launch_order`: each rank's NCCL kernels start in host issue order across its communicators
+    (NCCL_LAUNCH_ORDER_IMPLICIT=1, run.sh's environment)."""
     groups = dict(groups or {})
     for p in programs:
         for g, members in p.groups.items():
@@ -231,6 +245,10 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
     issued_parts: dict[tuple, list[tuple]] = defaultdict(list)
     mismatch: list[str] = []
     work: deque = deque()
+    launch_prev: dict[tuple, tuple | None] = {}    # NCCL op -> the rank's NCCL op issued before it
+    last_nccl: dict[int, tuple] = {}
+    started: dict[tuple, float] = {}                # NCCL op -> time its kernel started
+    after_start: dict[tuple, list[tuple]] = defaultdict(list)   # op -> NCCL ops waiting for it to start
 
     def expected(op: Op) -> int:
         if op.kind in ("send", "recv"):
@@ -254,6 +272,15 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
         op = by_rank[gid[0]].ops[gid[1]]
         deps = [prev_on_queue[gid]] + [(gid[0], d) for d in op.deps]
         t = max([complete[d] for d in deps if d is not None] + [issue_time[gid]])
+        if gid in launch_prev:   # launch order: not before the rank's previous NCCL kernel started
+            before = launch_prev[gid]
+            if before is not None and before not in started:
+                after_start[before].append(gid)
+                return
+            t = max(t, started.get(before, t)) if before is not None else t
+            started[gid] = t
+            for d in after_start.pop(gid, ()):
+                work.append(("ready", d))
         if op.key is None:
             finish(gid, t + op.dur)
             return
@@ -333,6 +360,9 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
             op = p.ops[i]
             issued.add(gid)
             issue_time[gid] = host_time[r]
+            if launch_order and is_nccl_kernel(op):
+                launch_prev[gid] = last_nccl.get(r)
+                last_nccl[r] = gid
             qk = (r, op.queue)
             prev = last_on_queue.get(qk)
             prev_on_queue[gid] = prev
@@ -381,7 +411,7 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
     if hosts_done and len(complete) == total and not mismatch:
         return Result(True, [], {}, makespan, dict(done), complete)
     return Result(False, mismatch or _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc,
-                                                 groups, connecting, arrived),
+                                                 groups, connecting, arrived, launch_prev, started),
                   _stuck(by_rank, pc, connecting, arrived), makespan, dict(done), complete)
 
 
@@ -406,9 +436,10 @@ def _stuck(by_rank, pc, connecting=None, arrived=None) -> dict[int, str]:
 
 
 def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, groups, connecting=None,
-                arrived=None) -> list[str]:
+                arrived=None, launch_prev=None, started=None) -> list[str]:
     """A wait-for cycle among incomplete ops and blocked hosts, one line per edge."""
     connecting = connecting or {}
+    launch_prev, started = launch_prev or {}, started or {}
 
     def edges(node):
         if node[0] == "host":
@@ -431,6 +462,9 @@ def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, grou
         for d in op.deps:
             if (node[0], d) not in complete:
                 out.append(((node[0], d), "waits on"))
+        before = launch_prev.get(node)
+        if before is not None and before not in started and node not in started:
+            out.append((before, "starts after (launch order)"))
         if out or op.key is None:
             return out
         # deps done: waiting for peers

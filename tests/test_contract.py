@@ -235,3 +235,33 @@ def test_the_hybrid_with_the_real_vocabulary_layout_trains_with_mask_248070(tiny
             "tokenizer never produces)") in line
     cfg, line = _train(target, tiny_hybrid_dir, tmp_path / "none", "--draft-contract", "none")
     assert cfg["mask_token_id"] == 3 and "mask_token_id 3: the tokenizer's mask token" in line
+
+
+# ------------------------------------------------------------------------------ tap numbering
+
+
+def test_our_taps_are_the_reference_packages_numbering_on_the_dense_target(tiny_small_dir):
+    """target_layer_ids name decoder layers; the trainer's target stage captures layer i's output, which is
+    HF hidden_states[i + 1]: the reference package's own extract_context_feature on the same ids gives the
+    same features (so a z-lab drafter's taps mean the same layers here, and speculators' aux ids, one
+    higher, are converted: tests/test_warm_start.py)."""
+    import torch
+    from types import SimpleNamespace
+    ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
+    from trainer.distributed.transport import unpack
+    from trainer.model.target import TargetStage, load_target
+    model = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 500, (1, 29), generator=g)
+    taps = identity.tap_layers(model.config.num_hidden_layers, 5)
+    assert taps == [1, 2, 3, 4, 5]
+    stage = TargetStage(model, torch.device("cpu"), taps, soft_labels=False, rows=29, num_slots=1,
+                        dtype=torch.float32, keep_head=True)
+    slot = stage.next_slot()
+    stage.forward_pack(SimpleNamespace(input_ids=ids, ctx_gather=torch.arange(29), final_gather=None, seq_no=0), slot)
+    got, _ = unpack(slot.flat, 29, 0, len(taps), stage.hidden)
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    want = ref.extract_context_feature(list(hs), taps)[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, ref.extract_context_feature(list(hs), [t - 1 for t in taps])[0], atol=1e-3)

@@ -187,7 +187,8 @@ class TrainConfig:
     flex_ctx_group: int = opt(0, "FlexAttention: each group of this many 128-row query tiles gets its own copy of "
                                  "the context keys it sees, so no key tile's backward walks every query tile "
                                  "of a long sequence (0, the default: one shared context; the same attention; "
-                                 "measured +1-2% at block 32 for 1.3-1.7 GB, none at block 16)", ge=0, group=MEASURE)
+                                 "what it gains and costs: results/INDEX.md, h200-27b-orig-ctxcopy.json)",
+                              ge=0, group=MEASURE)
     fp32_logits: bool = opt(True, "LM-head GEMM writes fp32 logits on GPUs (--no-fp32-logits: bf16 output "
                                   "rounded before the softmax, the old behaviour)", group=MEASURE)
     fp8: str = opt("off", "FP8 training of the drafter's linear layers with torchao float8 (needs the torchao "
@@ -575,7 +576,7 @@ def draft_attention(cfg, target_config: dict) -> tuple[int, int, int]:
 def slow_linear_attention_message(path: str, missing: list[str]) -> str:
     """The one line that refuses a hybrid target whose fast kernels are missing on a GPU."""
     return (f"--target-model: {path} has Gated DeltaNet (linear-attention) layers and {', '.join(missing)} is not "
-            f"installed: transformers' torch fallback is ~1.5x slower and runs out of GPU memory where every "
+            f"installed: transformers' torch fallback is slower and runs out of GPU memory where every "
             f"hidden state is kept (pip install {' '.join(missing)}; or --allow-slow-linear-attention to run it "
             f"anyway)")
 

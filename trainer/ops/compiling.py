@@ -8,9 +8,9 @@
 - The drafter's LM-head loss uses the same per-chunk function compiled (see loss.lm_head_chunk):
   the ~20 elementwise passes over the fp32 [chunk, vocab] logits become a few fused kernels.
 - ``--sdpa-backend`` picks the target's attention kernels. auto (on GPUs) leaves out cuDNN's: its compiled
-  plans sit in a per-thread cache keyed on exact shapes with no limit (about 1.7 MB of host memory per
-  shape on the H200), so host memory grows with every new batch shape; flash is as fast on the target
-  (docs/performance.md, "Memory flat"). ``any`` lets PyTorch choose (cuDNN on H100/H200).
+  plans sit in a per-thread cache keyed on exact shapes with no limit (host memory per shape:
+  results/INDEX.md, h200x2-1.7b-shape-cache-probe.json), so host memory grows with every new batch shape;
+  flash is as fast on the target (docs/performance.md, "Memory flat"). ``any`` lets PyTorch choose (cuDNN on H100/H200).
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from trainer.config.options import parse_args
-from trainer.config.preflight import validate
 from trainer.model import contract, identity
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -245,8 +244,9 @@ def test_our_taps_are_the_reference_packages_numbering_on_the_dense_target(tiny_
     HF hidden_states[i + 1]: the reference package's own extract_context_feature on the same ids gives the
     same features (so a z-lab drafter's taps mean the same layers here, and speculators' aux ids, one
     higher, are converted: tests/test_warm_start.py)."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
     ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
     from trainer.distributed.transport import unpack
     from trainer.model.target import TargetStage, load_target

@@ -4,7 +4,6 @@ naming the flag, this run's value and the checkpoint's, before anything in the o
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -189,6 +189,7 @@ REFUSALS = [
     ([], {"intermediate_size": 96}, "--target-model: the target's MLP width: this run's 128, the drafter's 96"),
     ([], {"num_target_layers": 36}, "--target-model: the target's depth: this run's 8 layers, the drafter's 36"),
     ([], {"target_layer_ids": [1, 8]}, "--init-drafter: the drafter's taps [1, 8] reach past the target's 8 layers"),
+    ([], {"mask_token_id": 600}, "--init-drafter: the drafter's MASK token 600 is outside the target's vocabulary"),
 ]
 
 

@@ -161,7 +161,8 @@ def check_resume_layers(cfg: TrainConfig, target_config: dict) -> None:
 def check_resume_keeps(cfg: TrainConfig) -> None:
     """Block size, --arch and --loss are the newest checkpoint's (trainer/model/checkpoint_format.py's
     check_resume_keeps); ConfigError names the flag, leaving the output dir as it is."""
-    from trainer.model.checkpoint_format import CheckpointManager, ResumeChanged, check_resume_keeps as keeps
+    from trainer.model.checkpoint_format import CheckpointManager, ResumeChanged
+    from trainer.model.checkpoint_format import check_resume_keeps as keeps
     latest = CheckpointManager(cfg.output_dir).latest()
     if latest is not None:
         try:

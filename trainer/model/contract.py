@@ -22,7 +22,6 @@ Standard library only (preflight and the Ansible controller's flag check import 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 

@@ -213,8 +213,10 @@ def check(pub: Published, cfg, target_config: dict) -> list[str]:
                                 pub.sliding_window)):
         if theirs is not None and ours != theirs:
             changed.append(f"{flag} {ours} given on purpose: the drafter was trained with {theirs}")
-    if pub.arch == "dflash2" and cfg.block_size < 2:
-        refuse("--block-size", "block size", cfg.block_size, pub.block_size)
+    vocab = text.get("vocab_size")
+    if vocab is not None and cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < int(vocab):
+        raise PublishedError(f"{FLAG}: the drafter's MASK token {cfg.mask_token_id} is outside the target's "
+                             f"vocabulary of {vocab} ({where}; give --mask-token-id)")
     return changed
 
 

@@ -89,6 +89,33 @@ def test_jsonl_input_and_two_devices_give_the_same_shards(tiny_small_dir, tmp_pa
     assert b["index.json"] == c["index.json"]
 
 
+def test_prompt_only_jsonl_is_what_regeneration_answers(tiny_small_dir, tmp_path, capsys):
+    """Regeneration writes the answers, so prompt-only JSONL (messages without an assistant turn, or a
+    'prompt' alone) is its input: the same shards as the same prompts with answers the target replaces.
+    A record that is neither still exits 2 naming its file and line."""
+    words = ("ef", "gh ij", "kl", "mn op qr", "st")
+    with_answers, prompt_only = tmp_path / "chats.jsonl", tmp_path / "prompts.jsonl"
+    with_answers.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"ab cd {w}"},
+                                                             {"role": "assistant", "content": "x y"}]}) + "\n"
+                                    for w in words))
+    prompt_only.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"ab cd {w}"}]}
+                                              if i % 2 else {"prompt": f"ab cd {w}"}) + "\n"
+                                   for i, w in enumerate(words)))
+    target = tiny_small_dir / "target"
+    common = dict(batch_size=2, max_new_tokens=8, shard_size=2, **QUIET)
+    regenerate(None, target, tmp_path / "a", inputs=[with_answers], **common)
+    regenerate(None, target, tmp_path / "b", inputs=[prompt_only], **common)
+    a, b = files(tmp_path / "a"), files(tmp_path / "b")
+    shards = [n for n in a if n.startswith("shard-")]
+    assert len(shards) == 3 and all(a[n] == b[n] for n in shards)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ab"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
+    capsys.readouterr()
+    rc = main(["--target-model", str(target), "--input", str(bad), "--output-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"{bad}:2" in err[0]
+
+
 def test_a_static_cache_writes_the_same_shards(tiny_small_dir, tmp_path):
     """--static-cache (transformers' static KV cache, prompts padded wider to few shapes; compiled on GPUs)
     generates the same tokens as the dynamic cache, and is part of the output's configuration."""

@@ -24,6 +24,7 @@ Exit codes: 0 written, 2 bad input (the message names the file and line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -47,8 +48,10 @@ class PrepareError(ValueError):
 # Parsing
 
 
-def parse_line(obj) -> tuple[list[dict], bool]:
-    """Validate one JSON object; return (messages, from_prompt_completion)."""
+def parse_line(obj, prompt_only: bool = False) -> tuple[list[dict], bool]:
+    """Validate one JSON object; return (messages, from_prompt_completion). prompt_only: a record without
+    an answer (messages with no assistant turn, or a 'prompt' alone) is accepted, as dflash-regenerate,
+    which writes the answers, takes it."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
@@ -65,9 +68,12 @@ def parse_line(obj) -> tuple[list[dict], bool]:
             if not isinstance(content, str):
                 raise ValueError(f"messages[{j}] has no 'content' string")
             out.append({"role": role, "content": content})
-        if not any(m["role"] == "assistant" for m in out):
+        if not prompt_only and not any(m["role"] == "assistant" for m in out):
             raise ValueError("no assistant message (nothing to train on)")
         return out, False
+    if prompt_only and isinstance(obj.get("prompt"), str) and "completion" not in obj:
+        system = [{"role": "system", "content": obj["system"]}] if isinstance(obj.get("system"), str) else []
+        return system + [{"role": "user", "content": obj["prompt"]}], True
     if "prompt" in obj or "completion" in obj:
         p, c = obj.get("prompt"), obj.get("completion")
         if not isinstance(p, str) or not isinstance(c, str):
@@ -146,6 +152,15 @@ class Encoder:
             spans.append(span)
             cursor = span[1]
         return full, spans
+
+    def prompt_text(self, messages: list[dict], raw: bool) -> str:
+        """The text a record without an answer asks the target to continue: its turns rendered with the chat
+        template's generation prompt (no template: the prompts' text, as `render` writes it)."""
+        if not self.has_template:
+            if not raw:
+                raise ValueError("the target's tokenizer has no chat template; 'messages' needs one")
+            return "".join(m["content"] for m in messages)
+        return self._render(messages, True)
 
     def _locate(self, full: str, content: str, cursor: int, i: int) -> tuple[int, int]:
         if not content:
@@ -226,44 +241,76 @@ def iter_records(
                 yield ids, mask
             pending.clear()
 
-        try:
-            f = open(path, "r", encoding="utf-8")
-        except OSError as e:
-            raise PrepareError(f"{path}: cannot open: {e.strerror or e}") from None
-        with f:
-            lineno = 0
-            while True:
-                try:
-                    line = f.readline()
-                except UnicodeDecodeError as e:
-                    raise PrepareError(f"{path}:{lineno + 1}: not UTF-8 text: {e.reason}") from None
-                if not line:
-                    break
-                lineno += 1
-                if not line.strip():
+        lineno = 0
+        for lineno, obj in read_objects(path):
+            stats.lines += 1
+            with record_errors(path, lineno):
+                messages, raw = parse_line(obj)
+                pending.append(encoder.render(messages, raw))
+            if len(pending) >= ENCODE_BATCH:
+                yield from flush()
+            now = time.monotonic()
+            if now - last >= progress_every:
+                last = now
+                log(f"{PROG}: {path}:{lineno}: {stats.sequences} sequences, "
+                    f"{stats.tokens} tokens so far")
+        yield from flush()
+        log(f"{PROG}: read {path} ({lineno} lines)")
+
+
+def read_objects(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line; PrepareError naming the file and line."""
+    try:
+        f = open(path, "r", encoding="utf-8")
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot open: {e.strerror or e}") from None
+    with f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path}:{lineno + 1}: not UTF-8 text: {e.reason}") from None
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+
+
+@contextlib.contextmanager
+def record_errors(path: Path, lineno: int):
+    """A record's bad content or failing chat template as one PrepareError naming the file and line."""
+    try:
+        yield
+    except ValueError as e:
+        raise PrepareError(f"{path}:{lineno}: {e}") from None
+    except Exception as e:  # template errors (jinja raise_exception etc.)
+        raise PrepareError(f"{path}:{lineno}: chat template failed: {type(e).__name__}: {e}") from None
+
+
+def iter_prompts(encoder: Encoder, inputs: list[Path], log=print) -> Iterator[np.ndarray]:
+    """Each record's prompt tokens, as dflash-regenerate takes them: the tokens before its first supervised
+    token (as dflash-eval takes a record's prompt), or, for a record without an answer (prompt-only JSONL),
+    the record rendered with the chat template's generation prompt. A record with an answer but no prompt
+    tokens (supervised from its first token) is skipped."""
+    for path in inputs:
+        lineno = 0
+        for lineno, obj in read_objects(path):
+            with record_errors(path, lineno):
+                messages, raw = parse_line(obj, prompt_only=True)
+                if any(m["role"] == "assistant" for m in messages):
+                    (ids, mask), = encoder.encode([encoder.render(messages, raw)])
+                    sup = np.nonzero(mask)[0]
+                    if len(sup) and sup[0] > 0:
+                        yield ids[:sup[0]]
                     continue
-                stats.lines += 1
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PrepareError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-                try:
-                    messages, raw = parse_line(obj)
-                    pending.append(encoder.render(messages, raw))
-                except ValueError as e:
-                    raise PrepareError(f"{path}:{lineno}: {e}") from None
-                except Exception as e:  # template errors (jinja raise_exception etc.)
-                    raise PrepareError(
-                        f"{path}:{lineno}: chat template failed: {type(e).__name__}: {e}"
-                    ) from None
-                if len(pending) >= ENCODE_BATCH:
-                    yield from flush()
-                now = time.monotonic()
-                if now - last >= progress_every:
-                    last = now
-                    log(f"{PROG}: {path}:{lineno}: {stats.sequences} sequences, "
-                        f"{stats.tokens} tokens so far")
-            yield from flush()
+                text = encoder.prompt_text(messages, raw)
+            yield np.asarray(encoder.tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
         log(f"{PROG}: read {path} ({lineno} lines)")
 
 

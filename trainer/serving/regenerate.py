@@ -8,8 +8,9 @@
 
 Prompts: with --data-dir (shards as dflash-prepare writes them) each record's tokens before its first
 supervised token, as dflash-eval takes them (`evaluate.heldout_prompts`); with --input, JSONL that
-dflash-prepare accepts, rendered by dflash-prepare's own code (chat template), the same prompt then.
-Records without a prompt (supervised from the first token) are skipped. Only the first assistant turn
+dflash-prepare accepts, rendered by dflash-prepare's own code (chat template), the same prompt then, or
+prompt-only JSONL (messages without an assistant turn, or a "prompt" alone): the turns rendered with the
+template's generation prompt. Records without a prompt (supervised from the first token) are skipped. Only the first assistant turn
 is regenerated: later turns answered a reply the target did not write.
 
 The target generates each prompt's completion with transformers' `generate` (left padding, attention
@@ -49,7 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from trainer.data.dataset import DEFAULT_SHARD_SIZE, INDEX_NAME, SHARD_PATTERN, DataError, Dataset, load_dataset, read_index, sha256_file, write_index, write_shard
+from trainer.data.dataset import DEFAULT_SHARD_SIZE, INDEX_NAME, SHARD_PATTERN, DataError, load_dataset, read_index, sha256_file, write_index, write_shard
 from trainer.fsutil import atomic_write_text
 from trainer.config.options import ConfigError, check_ranges, opt, parse_options
 
@@ -91,7 +92,7 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
     # JSONL: dflash-prepare's parser and chat-template rendering, records kept in memory
     from transformers import AutoTokenizer
 
-    from trainer.data.prepare import Encoder, PrepareError, Stats, iter_records
+    from trainer.data.prepare import Encoder, PrepareError, iter_prompts
 
     for p in inputs:
         if not p.is_file():
@@ -101,11 +102,11 @@ def load_prompts(data_dir, inputs: Sequence[Path], target: Path, log) -> tuple[l
     except Exception as e:  # transformers raises OSError, ValueError, ... for a missing tokenizer
         raise RegenerateError(f"--target-model {target}: cannot load tokenizer: {e}") from None
     try:
-        ds = Dataset.from_records(iter_records(Encoder(tok), list(inputs), 0, Stats(), log=log))
+        prompts = list(iter_prompts(Encoder(tok), list(inputs), log=log))
     except PrepareError as e:
         raise RegenerateError(str(e)) from None
     source = {"inputs": [{"path": str(p.absolute()), "sha256": sha256_file(p)} for p in inputs]}
-    return prompts_from_records(ds), source, len(ds)
+    return prompts, source, len(prompts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,13 +475,13 @@ def regenerate(
         raise RegenerateError(str(e)) from None
     batch_size, max_new_tokens, temperature, seed = cfg.batch_size, cfg.max_new_tokens, cfg.temperature, cfg.seed
     shard_size, max_records = cfg.shard_size, cfg.max_records
-    static_cache, decoder, fuse, decode_attention, kv_fp8 = resolve_switches(cfg, devs, target_config, target)
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
-
+    # the prompts before anything loads the target: a bad record is named at once
     prompts, source, num_records = load_prompts(data_dir, inputs, target, log)
     if not prompts:
         raise RegenerateError(f"{src}: no record has a prompt (tokens before its first supervised one)")
+    static_cache, decoder, fuse, decode_attention, kv_fp8 = resolve_switches(cfg, devs, target_config, target)
     if num_records > len(prompts):
         log(f"{PROG}: {src}: {num_records - len(prompts)} of {num_records} records have no prompt "
             "(supervised from their first token), skipped")

@@ -47,7 +47,7 @@ stamp="$VENV/.dflash-setup"
 want="$(sha256sum "$REPO/pyproject.toml" "$REPO/requirements.txt" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     log "pip install -e $REPO, -r requirements.txt and the test tools"
-    "${PIP[@]}" install -q -e "$REPO[fp8]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest \
+    "${PIP[@]}" install -q -e "$REPO[fp8,real]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest \
         ruff==0.17.5
     # the test extra (the reference dflash package) without its pins: they would move transformers to 5.24
     # and huggingface_hub to 1.x under every other test; its model code needs only torch and transformers

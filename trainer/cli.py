@@ -38,3 +38,7 @@ def evaluate(argv=None) -> int:
 
 def export(argv=None) -> int:
     return _run("trainer.serving.export", argv)
+
+
+def real(argv=None) -> int:
+    return _run("trainer.tools.realmodel", argv)

@@ -125,6 +125,19 @@ def test_run_sh_keeps_the_kernel_caches_out_of_tmp(rendered):
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/opt/dflash/kernel-cache/inductor"
 
 
+def test_run_sh_bounds_the_compile_workers(rendered):
+    """Inductor's compile workers per rank: the container's cores (the provision role's) shared among this
+    node's ranks (one per GPU of either list), so the warmup's compiles never start more workers than cores."""
+    import yaml
+    env = dict(re.findall(r"^export (\w+)=(\S+)$", (rendered / "run.sh").read_text(), re.M))
+    cores = yaml.safe_load((REPO / "roles/dflash_provision/defaults/main.yml").read_text())["dflash_provision_cores"]
+    args = exec_args((rendered / "run.sh").read_text())
+    gpus = {g for flag in ("--target-gpus", "--drafter-gpus") for g in args[args.index(flag) + 1].split(",")}
+    threads = int(env["TORCHINDUCTOR_COMPILE_THREADS"])
+    assert threads == max(1, cores // len(gpus))
+    assert 1 <= threads * len(gpus) <= cores
+
+
 def test_run_sh_execs_the_trainer_unbuffered_from_the_venv(rendered):
     argv = exec_args((rendered / "run.sh").read_text())
     assert argv[:4] == ["exec", "/opt/dflash/venv/bin/python", "-u", "-m"]

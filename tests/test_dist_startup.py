@@ -111,3 +111,17 @@ def test_roles_are_exchanged_on_the_gloo_control_group_not_the_world_group(monke
         assert groups.control is not dist.group.WORLD
     finally:
         finish_single()
+
+
+@pytest.mark.parametrize("given, cpus, nproc, want", [
+    (None, 32, 8, 4),        # unset: this node's share
+    ("4", 32, 8, 4),         # run.sh's value, the same share
+    ("2", 32, 8, 2),         # a smaller value stays
+    ("4", 8, 8, 1),          # the container has fewer cores than the inventory said: lowered
+    ("0", 16, 3, 5), ("x", 16, 3, 5),   # not a positive number: the share
+])
+def test_the_supervisor_bounds_the_compile_workers_by_the_cores_and_ranks(given, cpus, nproc, want):
+    from trainer.distributed.launch import COMPILE_THREADS_ENV, bound_compile_threads
+    env = {} if given is None else {COMPILE_THREADS_ENV: given}
+    assert bound_compile_threads(env, nproc, cpus) == want
+    assert env[COMPILE_THREADS_ENV] == str(want)

@@ -77,9 +77,10 @@ def p2p_mode() -> dict:
             "eager_init_serialises_p2p": found}
 
 
-def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE) -> dict[str, str]:
+def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE, ranks: int = 1) -> dict[str, str]:
     """run.sh's environment (the role's dflash_service_run_env) for a run writing into `output_dir`; the
-    kernel caches in its kernel-cache/."""
+    kernel caches in its kernel-cache/; the compile workers this machine's share for `ranks` ranks (the
+    role sizes them from the container's cores, unknown here)."""
     import yaml
     mapping = yaml.safe_load(source.read_text())["dflash_service_run_env"]
     paths = {"{{ dflash_service_output_dir }}": str(output_dir),
@@ -87,6 +88,8 @@ def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE) -> dict[str, st
     env = {}
     for k, v in mapping.items():
         v = str(v)
+        if k == "TORCHINDUCTOR_COMPILE_THREADS":
+            v = str(max(1, len(os.sched_getaffinity(0)) // max(1, ranks)))
         for var, path in paths.items():
             v = v.replace(var, path)
         if "{{" in v:

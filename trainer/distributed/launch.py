@@ -37,6 +37,7 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     os.environ.pop("WATCHDOG_USEC", None)
     os.environ.pop("WATCHDOG_PID", None)
     nproc = len(local_roles(cfg))
+    bound_compile_threads(os.environ, nproc)
     multi = cfg.nnodes > 1
     if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -120,6 +121,24 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
         relay.stop()
         notifier.stopping()
     return rc
+
+
+COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def bound_compile_threads(env, nproc: int, cpus: int | None = None) -> int:
+    """Inductor's compile workers per rank, at most this node's share of the cores this process may run on
+    (`cpus`, default its affinity) among its `nproc` ranks: unset, each rank starts as many as it sees cores,
+    all of them at once during the warmup. A smaller value from run.sh's list stays. Returns the value set."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    share = max(1, cpus // max(1, nproc))
+    given = env.get(COMPILE_THREADS_ENV, "")
+    value = min(int(given), share) if given.strip().isdigit() and int(given) > 0 else share
+    if str(value) != given:
+        log.info("%s=%d: %d core(s) among %d rank(s) on this node%s", COMPILE_THREADS_ENV, value, cpus, nproc,
+                 f" (was {given})" if given else "")
+    env[COMPILE_THREADS_ENV] = str(value)
+    return value
 
 
 def free_port() -> int:

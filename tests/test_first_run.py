@@ -90,3 +90,92 @@ def test_the_tiny_recipe_does_not_call_itself_the_seed_recipe(first_run):
     assert "--block-size" in first_run.TINY_RECIPE and first_run.TINY_RECIPE[1] != "32"
     text = SCRIPT.read_text()
     assert "tiny (block 8" in text and "at the seed\n     recipe" not in text
+
+
+# ----------------------------------------------------------------------------- failures (issue 54)
+
+FAKE_TRAINER_EXIT = r"""
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+for r in (0, 1):   # what TORCH_NCCL_DUMP_ON_TIMEOUT leaves: one dump per rank
+    (out / f"nccl_trace_rank_{r}").write_bytes(b"trace")
+(out / "status.json").write_text(json.dumps({"phase": "failed", "step": 3, "error":
+    "rank 1 failed (signal 6): Watchdog caught collective operation timeout"}))
+sys.exit(1)
+"""
+
+FAKE_HUNG_SUPERVISOR = r"""
+import json, os, subprocess, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+rank = "import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n" \
+       "def hung_in_warmup():\n    time.sleep(120)\nhung_in_warmup()\n"
+kids = [subprocess.Popen([sys.executable, "-c", rank]) for _ in range(2)]
+import signal
+signal.signal(signal.SIGTERM, lambda *a: ([k.kill() for k in kids], os._exit(0)))   # the stop: ranks go too
+time.sleep(1.0)
+(out / "nccl_trace_rank_1").write_bytes(b"trace")
+while True:
+    (out / "status.json").write_text(json.dumps({"phase": "warmup", "step": 0, "updated_at": time.time()}))
+    time.sleep(0.2)
+"""
+
+
+def test_a_watchdog_ended_run_names_its_flight_recorder_dumps(first_run, tmp_path):
+    """An NCCL timeout ends a hung step (the ranks' watchdog, --dist-timeout) before the script's own stall
+    clock: the trainer exits 1. The report names each rank's flight-recorder dump and the job's error."""
+    script = tmp_path / "trainer.py"
+    script.write_text(FAKE_TRAINER_EXIT)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        first_run.run([str(out)], out, tmp_path, "resumed", (60, 60), cmd=[sys.executable, str(script)])
+    msg = str(e.value)
+    assert "trainer exit 1" in msg and "Watchdog caught collective operation timeout" in msg
+    assert f"{out}/nccl_trace_rank_0" in msg and f"{out}/nccl_trace_rank_1" in msg
+    assert "\n" not in msg
+
+
+def test_a_stall_takes_every_ranks_stacks_before_the_stop_and_names_the_dumps(first_run, tmp_path, monkeypatch):
+    """A start-up past its bound: SIGUSR1 to every rank first (faulthandler: their stacks into the log, the
+    hung frame named), then the stop; the report names the dumps and the stacks."""
+    monkeypatch.setattr(first_run.shutil, "which", lambda name: None)    # no py-spy: faulthandler alone
+    script = tmp_path / "supervisor.py"
+    script.write_text(FAKE_HUNG_SUPERVISOR)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        first_run.run([str(out)], out, tmp_path, "stopped", (4, 60), cmd=[sys.executable, str(script)])
+    msg = str(e.value)
+    assert "no step within 4s of the start" in msg and "faulthandler stacks of 2 rank(s)" in msg
+    assert f"{out}/nccl_trace_rank_1" in msg
+    log = (tmp_path / "stopped.log").read_text()
+    assert log.count("in hung_in_warmup") == 2, log[-2000:]
+
+
+def test_the_runs_share_one_kernel_cache(first_run, tmp_path):
+    """The stopped, resumed and straight runs write into different output dirs but compile into one cache
+    under --work, as the service's restarts share /opt/dflash/kernel-cache: the straight run is warm."""
+    envs = [first_run.child_env(tmp_path / name, tmp_path, name) for name in ("resumed", "straight")]
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert envs[0][key] == envs[1][key] and envs[0][key].startswith(f"{tmp_path}/kernel-cache/")
+    assert envs[0]["TORCH_FR_DUMP_TEMP_FILE"] != envs[1]["TORCH_FR_DUMP_TEMP_FILE"]   # dumps stay per run
+
+
+def test_the_startup_bound_is_the_trainers_own_for_the_config(first_run):
+    from trainer.config.options import parse_args
+    from trainer.engine.compile_warmup import startup_bounds
+    base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--target-gpus", "0",
+            "--drafter-gpus", "1"]
+    eager, compiled = (first_run.startup_bound([*base, "--compile", c]) for c in ("none", "all"))
+    assert compiled > eager
+    assert eager == startup_bounds(parse_args([*base, "--compile", "none"])).barrier_s + 300
+
+
+def test_the_tiny_target_can_be_the_hybrid(first_run):
+    text = SCRIPT.read_text()
+    assert '"--arch", default="qwen3", choices=("qwen3", "qwen3_5")' in text and "arch=a.arch" in text
+    r = subprocess.run([sys.executable, str(SCRIPT), "--target-gpus", "0", "--drafter-gpus", "0", "--arch", "llama"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--arch" in r.stderr

@@ -2,7 +2,8 @@
 """The first run of a multi-GPU layout, ready to go: run as is on a machine with 1, 2, 4 or 8 GPUs.
 
     python tests/gpu/first_multi_gpu_run.py --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 \
-        [--target-model DIR --data-dir DIR] [--steps 200] [--step-bound 900] [--out results/NAME.json]
+        [--target-model DIR --data-dir DIR | --arch qwen3_5] [--steps 200] [--step-bound 900] \
+        [--out results/NAME.json]
 
 It imports the repo from its own place (nothing to install) and starts every child with the environment
 run.sh exports (dflash_service_run_env in roles/dflash_service/vars/main.yml: NVLS off, the flight
@@ -18,11 +19,16 @@ into a log file per process. What it does, in order, each phase with a time boun
      SIGTERM at half way, then the same command again, which resumes. A run that reaches no step within
      --startup-bound seconds of its start (loading is not progress), or no next step within
      --step-bound, is a stall: the script writes a `py-spy dump` of every rank (when py-spy is
-     installed), lists the NCCL logs and flight-recorder dumps, and stops;
+     installed), sends every rank SIGUSR1 (faulthandler: all its threads' stacks into the log) before
+     it stops the run, and names the NCCL logs and flight-recorder dumps, as it does for a run that
+     fails (an NCCL timeout ends a hung step before the stall clock). The start-up bound is the
+     trainer's own for the config (--startup-bound overrides it); every run shares one kernel cache
+     under --work, as the service's restarts do;
   4. the same steps again without the interruption, comparing the losses (resumed vs uninterrupted),
      counting recompiles after the warmup, and writing per-rank rates and peak GPU memory with the
      verdicts to --out.
-Without --target-model/--data-dir it makes a tiny random target and data set (dflash-tiny) and a tiny
+Without --target-model/--data-dir it makes a tiny random target (--arch qwen3, or qwen3_5 for the seeds'
+hybrid architecture) and data set (dflash-tiny) and a tiny
 recipe (block 8, 64 anchors, 2 draft layers), and says so: ordering, resume and recompiles are
 checked; rates mean nothing then.
 """
@@ -77,14 +83,15 @@ def p2p_mode() -> dict:
             "eager_init_serialises_p2p": found}
 
 
-def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE, ranks: int = 1) -> dict[str, str]:
+def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE, ranks: int = 1,
+            kernel_cache: str | Path | None = None) -> dict[str, str]:
     """run.sh's environment (the role's dflash_service_run_env) for a run writing into `output_dir`; the
-    kernel caches in its kernel-cache/; the compile workers this machine's share for `ranks` ranks (the
-    role sizes them from the container's cores, unknown here)."""
+    kernel caches in `kernel_cache` (default: the output dir's kernel-cache/); the compile workers this
+    machine's share for `ranks` ranks (the role sizes them from the container's cores, unknown here)."""
     import yaml
     mapping = yaml.safe_load(source.read_text())["dflash_service_run_env"]
     paths = {"{{ dflash_service_output_dir }}": str(output_dir),
-             "{{ dflash_service_kernel_cache_dir }}": str(Path(output_dir) / "kernel-cache")}
+             "{{ dflash_service_kernel_cache_dir }}": str(kernel_cache or Path(output_dir) / "kernel-cache")}
     env = {}
     for k, v in mapping.items():
         v = str(v)
@@ -99,7 +106,10 @@ def run_env(output_dir: str | Path, source: Path = RUN_ENV_FILE, ranks: int = 1)
 
 
 def child_env(output_dir: Path, logs: Path, name: str) -> dict[str, str]:
-    env = dict(os.environ, **run_env(output_dir))
+    """A child's environment: run.sh's, the kernel caches shared by every run of this `logs` (--work)
+    directory, as the service keeps one across its restarts (a second run compiles warm, as a restarted
+    unit does), NCCL's INIT/P2P log per process."""
+    env = dict(os.environ, **run_env(output_dir, kernel_cache=logs / "kernel-cache"))
     env.update(PYTHONPATH=str(REPO), TORCH_LOGS="recompiles", NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P",
                NCCL_DEBUG_FILE=str(logs / f"nccl-{name}-%h-%p.log"))
     return env
@@ -173,37 +183,84 @@ def stack_dumps(pid: int, into: Path) -> list[str]:
     return files
 
 
+def faulthandler_stacks(pid: int) -> list[int]:
+    """SIGUSR1 to the supervisor's ranks (its direct children): each rank's faulthandler (registered in
+    groups.init_rank) writes every thread's stack into its stderr, the run's log, and runs on."""
+    ranks = [c for c in children(pid) if _parent(c) == pid]
+    for c in ranks:
+        try:
+            os.kill(c, signal.SIGUSR1)
+        except OSError:
+            pass
+    return ranks
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def failure(name: str, why: str, out: Path, work: Path, log: Path, spies: list[str] | None = None,
+            stacks: list[int] | None = None) -> str:
+    """The one message of a failed run, on every failure path: what ended it, and where to look: the
+    flight-recorder dumps (NCCL's last ops per rank, written on an NCCL timeout), the NCCL logs, the
+    stacks, the log."""
+    dumps = sorted(str(x) for x in out.glob("nccl_trace_rank_*"))
+    nccl = sorted(str(x) for x in work.glob(f"nccl-{name}-*.log"))
+    where = [f"flight recorder dumps: {dumps or 'none'}", f"NCCL INIT/P2P logs: {nccl or 'none'}"]
+    if stacks is not None:
+        where.append(f"faulthandler stacks of {len(stacks)} rank(s) in the log" if stacks else
+                     "no rank to take stacks from")
+    if spies is not None:
+        where.append(f"py-spy dumps: {spies or 'none'}")
+    err = status(out).get("error")
+    return (f"first_multi_gpu_run: {name}: {why}{f' ({err})' if err else ''}; " + "; ".join(where)
+            + f"; log {log}")
+
+
 def run(argv: list[str], out: Path, work: Path, name: str, bounds: tuple[float, float],
-        stop_at: int | None = None) -> dict:
-    """One `python -m trainer` run; SIGTERM once status shows step >= stop_at. Raises SystemExit on a stall."""
+        stop_at: int | None = None, cmd: list[str] | None = None) -> dict:
+    """One `python -m trainer` run (`cmd`, its command); SIGTERM once status shows step >= stop_at. Raises
+    SystemExit naming the flight-recorder dumps on a stall and on a failed exit (an NCCL timeout ends the
+    job before the stall clock does)."""
     log = work / f"{name}.log"
     with open(log, "a") as f:
-        p = subprocess.Popen([sys.executable, "-m", "trainer", *argv], stdout=f, stderr=subprocess.STDOUT,
-                             env=child_env(out, work, name), cwd=REPO)
+        p = subprocess.Popen([*(cmd or [sys.executable, "-m", "trainer"]), *argv], stdout=f,
+                             stderr=subprocess.STDOUT, env=child_env(out, work, name), cwd=REPO)
         prog, termed = Progress(*bounds, time.time()), False
         while p.poll() is None:
             st = status(out)
             stall = prog.update(st, time.time())
             if stall:
                 spies = stack_dumps(p.pid, work)
+                stacks = faulthandler_stacks(p.pid)    # before the stop: the stacks of the hang itself
+                time.sleep(2.0)
                 p.send_signal(signal.SIGTERM)
                 try:
                     p.wait(120)
                 except subprocess.TimeoutExpired:
                     p.kill()
-                dumps = sorted(str(x) for x in out.glob("nccl_trace_rank_*"))
-                nccl = sorted(str(x) for x in work.glob(f"nccl-{name}-*.log"))
-                raise SystemExit(f"first_multi_gpu_run: {name}: {stall}: a hang. py-spy dumps: {spies or 'none'}; "
-                                 f"NCCL INIT/P2P logs: {nccl or 'none'}; flight recorder dumps: {dumps or 'none'}; "
-                                 f"log {log}")
+                    p.wait()
+                raise SystemExit(failure(name, f"{stall}: a hang", out, work, log, spies, stacks))
             step = st.get("step") or 0
             if stop_at is not None and not termed and step >= stop_at:
                 p.send_signal(signal.SIGTERM)
                 termed = True
             time.sleep(1.0)
     if p.returncode != 0:
-        raise SystemExit(f"first_multi_gpu_run: {name}: trainer exit {p.returncode}; log {log}")
+        raise SystemExit(failure(name, f"trainer exit {p.returncode}", out, work, log))
     return status(out)
+
+
+def startup_bound(argv: list[str], margin: float = 300.0) -> float:
+    """Seconds from a run's start to its first step before the script calls it a hang: the trainer's own
+    start barrier bound for this command line (compile_warmup.startup_bounds: the load and every warmup
+    shape at its worst case), plus a margin for the supervisor and the first step."""
+    from trainer.config.options import parse_args
+    from trainer.engine.compile_warmup import startup_bounds
+    return startup_bounds(parse_args(argv)).barrier_s + margin
 
 
 # ------------------------------------------------------------------------------------------ NCCL smoke
@@ -301,8 +358,11 @@ def main() -> int:
     ap.add_argument("--target-model", default="")
     ap.add_argument("--data-dir", default="")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--startup-bound", type=float, default=1800.0,
-                    help="seconds from a run's start to its first step (load, warmup, compile) before it is a hang")
+    ap.add_argument("--startup-bound", type=float, default=None,
+                    help="seconds from a run's start to its first step (load, warmup, compile) before it is a hang "
+                         "(default: the trainer's start barrier bound for the config, plus a margin)")
+    ap.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_5"),
+                    help="the tiny target's architecture without --target-model (qwen3_5: the seeds' hybrid)")
     ap.add_argument("--step-bound", type=float, default=900.0, help="seconds without a new step before it is a hang")
     ap.add_argument("--smoke-bound", type=float, default=300.0, help="seconds for the whole NCCL smoke")
     ap.add_argument("--work", default="/tmp/dflash-first-run")
@@ -329,12 +389,14 @@ def main() -> int:
     target, data, recipe, recipe_name = a.target_model, a.data_dir, SEED_RECIPE, "seed (block 32, 1,024 anchors)"
     if not target:
         from trainer.tools.tiny import make_tiny
-        if not (work / "tiny" / "data").is_dir():      # a second run in the same --work reuses the set
-            shutil.rmtree(work / "tiny", ignore_errors=True)
-            make_tiny(work / "tiny", seed=0, num_train=512, num_heldout=8, log=lambda *x, **k: None)
-        target, data = str(work / "tiny" / "target"), str(work / "tiny" / "data")
+        tiny = work / ("tiny" if a.arch == "qwen3" else f"tiny-{a.arch}")
+        if not (tiny / "data").is_dir():      # a second run in the same --work reuses the set
+            shutil.rmtree(tiny, ignore_errors=True)
+            make_tiny(tiny, seed=0, num_train=512, num_heldout=8, log=lambda *x, **k: None, arch=a.arch)
+        target, data = str(tiny / "target"), str(tiny / "data")
         recipe = TINY_RECIPE
-        recipe_name = "tiny (block 8, 64 anchors, 2 draft layers; a tiny random target: rates mean nothing)"
+        recipe_name = (f"tiny (block 8, 64 anchors, 2 draft layers; a tiny random {a.arch} target: rates mean "
+                       "nothing)")
     print(f"recipe: {recipe_name}", flush=True)
     base = ["--target-model", target, "--data-dir", data, "--target-gpus", a.target_gpus,
             "--drafter-gpus", a.drafter_gpus, "--max-steps", str(a.steps), "--epochs", "100",
@@ -344,7 +406,9 @@ def main() -> int:
         shutil.rmtree(d, ignore_errors=True)
     for name in ("stopped", "resumed", "straight"):      # one log per run: recompiles are counted per run
         (work / f"{name}.log").unlink(missing_ok=True)
-    bounds = (a.startup_bound, a.step_bound)
+    bounds = (a.startup_bound or startup_bound([*base, "--output-dir", str(resumed)]), a.step_bound)
+    print(f"bounds: {bounds[0]:.0f}s to the first step, {bounds[1]:.0f}s between steps; kernel caches shared "
+          f"by the runs: {work / 'kernel-cache'}", flush=True)
     t0 = time.time()
     run([*base, "--output-dir", str(resumed)], resumed, work, "stopped", bounds, stop_at=a.steps // 2)
     cut = status(resumed).get("step")

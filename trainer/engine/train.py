@@ -238,7 +238,7 @@ class Trainer:
         topo = self.topo
         self.state = TrainState(
             loop=self.loop, schedule=self.schedule,
-            data=DataFeedState(self.feed, self.loop, self.batches_per_step),
+            data=DataFeedState(self.feed, self.loop, self.batches_per_step, self.total_steps),
             health=NanSkips(self.report),
             run=RunInfo(self.run_id, self.cfg, len(topo.drafter_ranks)),
             rng=RNGState(topo.drafter_index if topo.is_drafter else None, len(topo.drafter_ranks),

@@ -86,6 +86,7 @@ class DataFeedState(Stateful):
     feed: Any                  # Feed: position(seq) -> (epoch, batch)
     loop: LoopState
     batches_per_step: int      # micro-batches per optimizer step, this run's (dispatch.py)
+    total_steps: int = 0       # this run's schedule length (Trainer._build_schedule), for the warning
 
     @property
     def seq_next(self) -> int:
@@ -101,9 +102,23 @@ class DataFeedState(Stateful):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         seq_next, step = state_dict.get("seq_next"), int(state_dict["step"])
         if seq_next is not None and seq_next != step * self.batches_per_step:
-            log.warning("resuming step %d with %d micro-batches per step (it was trained with %d): the data "
-                        "position is step x the new size, so some batches are skipped or repeated",
-                        step, self.batches_per_step, state_dict.get("batches_per_step"))
+            log.warning("%s", self.changed_size_warning(step, state_dict))
+
+    def changed_size_warning(self, step: int, state_dict: Mapping[str, Any]) -> str:
+        """What resuming at another step size (another drafter rank count) does: the step is kept, the data
+        position and the schedule are recomputed for the new size, so both jump."""
+        old_bps = int(state_dict.get("batches_per_step") or 0)
+        # the old length, from the same data and epochs at the old size (--max-steps may have capped either)
+        old_total = self.total_steps * self.batches_per_step // old_bps if old_bps else 0
+        where = ""
+        if old_total and self.total_steps:
+            where = (f"; the schedule is recomputed for the new size: {self.total_steps} steps in all instead of "
+                     f"about {old_total}, so the learning rate's warmup and cosine stand at step {step} of "
+                     f"{self.total_steps} ({100 * step / self.total_steps:.0f}% through) where they stood at "
+                     f"{100 * step / old_total:.0f}%: the learning rate jumps at the resume")
+        return (f"resuming step {step} with {self.batches_per_step} micro-batches per step (it was trained with "
+                f"{old_bps or 'another number'}): the step size is drafter ranks x --grad-accum, and the data "
+                f"position is step x the new size, so some batches are skipped or repeated{where}")
 
 
 @dataclass

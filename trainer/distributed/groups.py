@@ -212,8 +212,25 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
                          "only GPU (world size 1)")
     groups = Groups(topo, timeout, cfg.transport, control=control)
     oprecord.name_groups(topo, groups)
+    if len(set(nodes)) > 1:   # several nodes: a vanished host must not hold the others in a gloo wait for hours
+        start_heartbeat(topo, cfg.dist_timeout)
     connect(topo, groups, device)
     return topo, groups
+
+
+def start_heartbeat(topo: Topology, dist_timeout_s: float):
+    """Every rank of a job over several nodes beats through the job's store (heartbeat.py); a normal exit
+    writes `done`. Returns the Heartbeat, or None where the job has no store."""
+    import atexit
+
+    from trainer.distributed.heartbeat import Heartbeat, heartbeat_bound
+    from trainer.distributed.startup import default_store
+    store = default_store()
+    if store is None:
+        return None
+    hb = Heartbeat(store, topo.rank, topo.world, topo.hosts, heartbeat_bound(dist_timeout_s)).start()
+    atexit.register(hb.stop)
+    return hb
 
 
 class StopVote:

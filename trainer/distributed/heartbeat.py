@@ -1,0 +1,124 @@
+"""Several nodes: a host that vanishes (power, a partition) ends the job on the others within a bound.
+
+A dead rank on a live host ends the job through its launcher. A host that vanishes closes no connection:
+its peers' gloo waits (the host phases' barriers, the stop vote, checkpoint coordination) run to
+HOST_PHASE_TIMEOUT_S (3 h), and NCCL's only within --dist-timeout where an NCCL op is pending. So every
+rank of a job over several nodes beats through the job's store (the rendezvous store on node 0) from a
+thread of its own, which runs while the main thread waits in C++:
+
+  beat    every `interval` s: this rank's counter up by one (`dflash/heartbeat/<rank>`), every other
+          rank's counter read back; a counter that moved is a peer alive
+  watch   a second thread: a peer whose counter has not moved for `bound_s`, or a store that answered
+          nothing for `bound_s` (node 0 gone), ends this rank with one line naming the rank, its host and
+          the silence; its launcher then stops the node's other ranks, and the unit restarts
+
+The bound is --dist-timeout plus a margin (`heartbeat_bound`). A rank that ends normally writes `done`,
+which no peer counts as silence."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("trainer.dist")
+
+KEY = "dflash/heartbeat/{rank}"
+DONE = "done"
+MARGIN_S = 30.0           # beyond --dist-timeout: a few beats, and the store's own round trips
+
+
+def heartbeat_bound(dist_timeout_s: float) -> float:
+    return float(dist_timeout_s) + MARGIN_S
+
+
+def end_rank(line: str) -> None:
+    """The default on a silence: one line, then this process ends (exit 1) without waiting for any group."""
+    log.error("%s", line)
+    print(f"dflash-train: error: {line}", file=sys.stderr, flush=True)
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(1)
+
+
+class Heartbeat:
+    """This rank's beat and watch (module docstring). `hosts[r]`: rank r's host, for the line."""
+
+    def __init__(self, store, rank: int, world: int, hosts: list[str], bound_s: float, interval: float = 5.0,
+                 on_silent=end_rank):
+        self.store, self.rank, self.world, self.hosts = store, rank, world, hosts
+        self.bound_s, self.interval, self.on_silent = bound_s, min(interval, bound_s / 4), on_silent
+        now = time.monotonic()
+        self.last_ok = now                                   # the store's last answer
+        self.seen: dict[int, tuple[str | None, float]] = {r: (None, now) for r in range(world) if r != rank}
+        self.count = 0
+        self.silent: str | None = None
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._beat, name="heartbeat", daemon=True),
+                         threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True)]
+
+    def start(self) -> "Heartbeat":
+        log.info("heartbeat through the store: a rank or the store silent for %.0fs ends the job", self.bound_s)
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, done: bool = True) -> None:
+        """A normal end: `done` in this rank's key, so its peers do not count its silence."""
+        self._halt.set()
+        if done:
+            try:
+                self.store.set(KEY.format(rank=self.rank), DONE)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def beat_once(self) -> None:
+        self.count += 1
+        self.store.set(KEY.format(rank=self.rank), str(self.count))
+        keys = {r: KEY.format(rank=r) for r in self.seen}
+        now = time.monotonic()
+        for r, key in keys.items():
+            if not self.store.check([key]):
+                continue
+            value = self.store.get(key).decode()
+            with self._lock:
+                if value != self.seen[r][0]:
+                    self.seen[r] = (value, now)
+        with self._lock:
+            self.last_ok = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.beat_once()
+            except Exception as e:  # noqa: BLE001  (the store is gone or slow: the watch decides)
+                log.debug("heartbeat: %s", e)
+            self._halt.wait(self.interval)
+
+    def check(self, now: float | None = None) -> str | None:
+        """The silence to end on, or None."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if now - self.last_ok > self.bound_s:
+                return (f"the job's store (node 0, {self.hosts[0]}) answered nothing for {now - self.last_ok:.0f}s "
+                        f"(bound {self.bound_s:.0f}s): node 0 is gone or cut off; rank {self.rank} ends")
+            for r, (value, since) in sorted(self.seen.items()):
+                if value != DONE and now - since > self.bound_s:
+                    return (f"rank {r} ({self.hosts[r]}) silent for {now - since:.0f}s (bound {self.bound_s:.0f}s, "
+                            f"heartbeat through the store): its host is gone or cut off; rank {self.rank} ends")
+        return None
+
+    def _watch(self) -> None:
+        while not self._halt.wait(min(1.0, self.interval)):
+            line = self.check()
+            if line is not None and self.silent is None:
+                self.silent = line
+                self._halt.set()
+                self.on_silent(line)
+                return

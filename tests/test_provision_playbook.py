@@ -181,6 +181,9 @@ def test_2_the_documented_role_provisions_the_container(node):
     assert "lxc.prlimit.memlock: unlimited" in raw
     assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=256M,create=dir 0 0" in raw
     assert "memlock unlimited / unlimited" in r.text       # read back from /proc/1/limits
+    # the store's mount point inside the workspace is made by the role, the CT root's own (issue 52 item 1)
+    models = node["tmp"] / "workspace" / "models"
+    assert models.is_dir() and (models.stat().st_uid, models.stat().st_gid) == (100000, 100000)
 
 
 def test_3_a_second_run_changes_nothing_and_check_mode_agrees(node):
@@ -346,6 +349,14 @@ def test_8c_a_workspace_on_nfs_is_not_chowned_and_must_belong_to_the_cts_root(no
     assert f"The workspace {ws} is on nfs, where the node's root may not chown (root_squash), and it belongs to 0:0" \
         in r.text and "chown 100000:100000 <export>/<dir>" in r.text, r.text[-3000:]
     os.chown(ws, 100000, 100000)                      # as the NFS server's admin makes it
+    # Issue 52 item 1: the store mounts at /workspace/models, inside the workspace; PVE would make that
+    # directory as the node's root, which root_squash refuses: it must be there, the CT root's own
+    r = play(nfs, dflash_node_workspace_host_path=str(ws))
+    assert r.returncode != 0, r.text[-3000:]
+    assert f"The weights store mounts at /workspace/models, inside the NFS workspace, and {ws}/models does not exist" \
+        in r.text and "chown 100000:100000 <export>/<dir>/models" in r.text, r.text[-3000:]
+    (ws / "models").mkdir()
+    os.chown(ws / "models", 100000, 100000)
     r = play(nfs, dflash_node_workspace_host_path=str(ws))
     assert r.returncode == 0, r.text[-3000:]
     assert (ws.stat().st_uid, ws.stat().st_gid) == (100000, 100000)

@@ -81,3 +81,39 @@ def test_a_token_may_not_read_its_users_tasks(tmp_path):
     node.check_task_access("UPID:token", "u@pve!t")            # its own
     node.check_task_access("UPID:token", "u@pve")              # the user reads its token's
     node.check_task_access("UPID:user", "u@pve!audit")         # Sys.Audit on the node
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the node's root makes the mount path")
+def test_a_bind_mount_is_hot_plugged_as_the_nodes_root_and_root_squash_refuses_it(tmp_path, monkeypatch):
+    """PVE hot-plugs `pct set -mpN` on a running CT: it makes the missing mount path as the NODE's
+    root (walk_tree_nofollow, mkdirat) in the directory that holds it, here the workspace mount. On
+    an NFS export with root_squash that mkdir is refused: the set fails and nothing is written; a
+    stopped CT's start fails the same way. PVE_STANDIN_ROOT_SQUASH names such exports."""
+    (tmp_path / "etc" / "lxc").mkdir(parents=True)
+    store, ws = tmp_path / "store", tmp_path / "ws"
+    store.mkdir()
+    ws.mkdir()
+    os.chown(ws, 100000, 100000)                                  # the CT root's own, as the role makes it
+    conf = tmp_path / "etc" / "lxc" / "223.conf"
+    conf.write_text(f"arch: amd64\nhostname: ct223\nmemory: 512\nunprivileged: 1\nmp0: {ws},mp=/workspace\n"
+                    "rootfs: local-lvm:vm-223-disk-0,size=4G\n")
+    assert _pct(tmp_path, "start", 223).returncode == 0
+    assert _pct(tmp_path, "set", 223, "-mp1", f"{store},mp=/workspace/models,ro=1").returncode == 0
+    made = (ws / "models").stat()
+    assert (made.st_uid, made.st_gid) == (0, 0)                   # the node's root, not the CT's
+    # the same on a root_squash export: refused, nothing written
+    assert _pct(tmp_path, "set", 223, "--delete", "mp1").returncode == 0
+    (ws / "models").rmdir()
+    monkeypatch.setenv("PVE_STANDIN_ROOT_SQUASH", str(ws))
+    before = conf.read_text()
+    r = _pct(tmp_path, "set", 223, "-mp1", f"{store},mp=/workspace/models,ro=1")
+    assert r.returncode == 2 and f"unable to hotplug mp1: mkdirat {ws}/models failed: Permission denied" in r.stderr
+    assert conf.read_text() == before and not (ws / "models").exists()
+    # stopped, with the mount in its config: every start fails until the directory is there
+    assert _pct(tmp_path, "stop", 223).returncode == 0
+    conf.write_text(before.replace("rootfs:", f"mp1: {store},mp=/workspace/models,ro=1\nrootfs:"))
+    r = _pct(tmp_path, "start", 223)
+    assert r.returncode == 2 and "Permission denied" in r.stderr
+    (ws / "models").mkdir()
+    os.chown(ws / "models", 100000, 100000)                       # as the NFS server's admin makes it
+    assert _pct(tmp_path, "start", 223).returncode == 0

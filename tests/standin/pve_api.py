@@ -418,6 +418,34 @@ def is_host_path(volume: str | None) -> bool:
     return bool(volume) and volume.startswith("/")
 
 
+def root_squashed(host_dir: str) -> bool:
+    """Stand-in for an NFS export with root_squash: the node's root is nobody under the directories
+    listed in PVE_STANDIN_ROOT_SQUASH (colon-separated), so it may make nothing in a directory
+    that is not writable by others."""
+    for top in filter(None, os.environ.get("PVE_STANDIN_ROOT_SQUASH", "").split(":")):
+        top = os.path.realpath(top)
+        if os.path.realpath(host_dir) == top or os.path.realpath(host_dir).startswith(top + "/"):
+            return not (os.stat(host_dir).st_mode & 0o002)
+    return False
+
+
+def make_mount_path(base: str, rel: str) -> None:
+    """pve-container's walk_tree_nofollow: the missing directories of a mount path, made with
+    mkdirat as the NODE's root (uid 0 on the node, never the CT's root), below `base` (the host
+    directory of the mount that holds the path). A refused mkdir is PVE's error."""
+    cur = base
+    for part in [x for x in rel.split("/") if x]:
+        nxt = os.path.join(cur, part)
+        if os.path.islink(nxt):
+            raise RuntimeError(f"failed to mkdir mount path {nxt}: is a symlink")
+        if not os.path.isdir(nxt):
+            if root_squashed(cur):
+                raise RuntimeError(f"mkdirat {nxt} failed: Permission denied")
+            os.mkdir(nxt, 0o755)
+            os.chown(nxt, 0, 0)
+        cur = nxt
+
+
 # --------------------------------------------------------------------------- LXC backends
 
 class Lxc:
@@ -647,6 +675,34 @@ class Node:
     def digest(self, vmid: int) -> str:
         with open(self.conf_path(vmid), "rb") as f:
             return hashlib.sha1(f.read()).hexdigest()
+
+    def host_dir_of(self, vmid: int, keys: dict, ct_path: str, before: str | None = None) -> tuple[str, str]:
+        """The node directory that holds `ct_path` in the CT, from the mounts in key order (rootfs,
+        mp0, mp1, ...; only those before key `before`): (host dir of the mount, the path below it)."""
+        best = ("", os.path.join(self.lxc.dir(vmid), "rootfs"))
+        for k in sorted((k for k in keys if re.fullmatch(r"mp\d+", k)), key=lambda k: int(k[2:])):
+            if before is not None and int(k[2:]) >= int(before[2:]):
+                break
+            vol, opts = split_opts(keys[k])
+            mp = "/" + opts.get("mp", "").strip("/")
+            if is_host_path(vol) and (ct_path == mp or ct_path.startswith(mp.rstrip("/") + "/")) \
+                    and len(mp) >= len(best[0]):
+                best = (mp, vol)
+        mp, src = best
+        return src, ct_path[len(mp):] if mp else ct_path
+
+    def make_mount_paths(self, vmid: int, keys: dict, only: str | None = None) -> None:
+        """Every host-path mount point's path, made as the node's root where it is missing (at a
+        start, and for a hot-plug of `only`), as PVE does before it mounts."""
+        for k in sorted((k for k in keys if re.fullmatch(r"mp\d+", k)), key=lambda k: int(k[2:])):
+            if only is not None and k != only:
+                continue
+            vol, opts = split_opts(keys[k])
+            if not (is_host_path(vol) and opts.get("mp")):
+                continue
+            base, rel = self.host_dir_of(vmid, keys, "/" + opts["mp"].strip("/"), before=k)
+            if os.path.isdir(base):
+                make_mount_path(base, rel)
 
     # ---- LXC config generation (what pve-container does at every start)
     def lxc_config(self, vmid: int, start: bool = False, log=None) -> str:
@@ -1028,6 +1084,13 @@ class Node:
                     pending = {k: v for k, v in pending.items() if v != ""}
                     rest = join_pending(pending, rest)
                     values = {k: v for k, v in values.items() if k not in later}    # deleted keys stay till then
+            if running:     # bind mounts are hot-plugged: the mount path first, as the node's root
+                for k, v in values.items():
+                    if re.fullmatch(r"mp\d+", k) and is_host_path(split_opts(v)[0]) and str(keys.get(k)) != str(v):
+                        try:
+                            self.make_mount_paths(vmid, {**keys, **values}, only=k)
+                        except RuntimeError as e:      # nothing is written
+                            raise ApiError(500, f"unable to hotplug {k}: {e}")
             keys.update(values)
             self.write(vmid, keys, raw, rest)
             self.lxc.write_config(vmid, self.lxc_config(vmid))   # applies at the next start
@@ -1063,6 +1126,7 @@ class Node:
             if self.lxc.state(vmid) == "running":
                 raise RuntimeError(f"CT {vmid} already running")
             self.apply_pending(vmid)
+            self.make_mount_paths(vmid, self.read(vmid)[0])
             self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
             self.lxc.start(vmid, log)
         return self.task("vzstart", vmid, user, work)
@@ -1089,6 +1153,7 @@ class Node:
             log(f"shutting down CT {vmid} (killed after {60 if timeout is None else timeout} s)")
             self.lxc.stop(vmid, 60 if timeout is None else timeout, True, log)
             self.apply_pending(vmid)
+            self.make_mount_paths(vmid, self.read(vmid)[0])
             self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
             self.lxc.start(vmid, log)
         return self.task("vzreboot", vmid, user, work)

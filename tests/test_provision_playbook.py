@@ -150,6 +150,18 @@ def test_0_check_mode_deploy_on_a_fresh_node_says_what_it_would_do_and_exits_0(n
     assert not node["conf"].exists()
 
 
+def test_0b_a_template_the_storage_does_not_have_fails_naming_the_variable_and_what_it_has(node):
+    """Issue 52 item 10: the appliance index keeps only the newest build of each template, so the
+    default name goes missing on a fresh node some day."""
+    for args in ((), ("--check",)):
+        r = play(node, *args, dflash_provision_ostemplate="local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst")
+        assert r.returncode != 0, r.text[-3000:]
+        assert "Template local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst (dflash_provision_ostemplate) is not on" \
+            f" storage local of node pve, which has {TEMPLATE}." in r.text, r.text[-3000:]
+        assert "pveam available --section system | grep debian-12-standard" in r.text
+    assert not node["conf"].exists()
+
+
 def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_nothing(node):
     r = play(node, dflash_provision_api_token_id="nosdn")
     assert r.returncode != 0

@@ -22,7 +22,7 @@ from trainer.config.options import DRAFT_LAYER_TYPES, ConfigError, TrainConfig, 
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
     """A hybrid target (Gated DeltaNet layers) on GPUs needs flash-linear-attention: without it transformers
-    runs its torch fallback, about 1.5x slower, and out of GPU memory where every hidden state is kept
+    runs its torch fallback, slower, and out of GPU memory where every hidden state is kept
     (issue 39). Cheap: the package is looked up, not imported (the target rank checks what transformers
     really resolved when it loads the model: trainer/model/target.py)."""
     text_cfg = target_config.get("text_config", target_config)

@@ -103,6 +103,20 @@ def test_a_vocabulary_without_mask_token_or_spare_row_takes_an_unused_special_to
     t = smollm2(tmp_path / "smol")
     got = identity.resolve_mask_token(t, 49152, contract=contract.contract_for(json.loads((t / "config.json").read_text())))
     assert got.token_id == 16 and "'<empty_output>'" in got.source and "no spare row" in got.source
+    # a tokenizer that lost the special flags (rebuilt from a GGUF file) still gets the same token
+    cfg = json.loads((t / "tokenizer_config.json").read_text())
+    flags = {k: dict(v) for k, v in cfg["added_tokens_decoder"].items()}
+    for v in cfg["added_tokens_decoder"].values():
+        v["special"] = False
+    (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tj = json.loads((t / "tokenizer.json").read_text())
+    for a in tj["added_tokens"]:
+        a["special"] = False
+    (t / "tokenizer.json").write_text(json.dumps(tj))
+    plain = identity.resolve_mask_token(t, 49152)
+    assert plain.token_id == 16 and "added token (not marked special) '<empty_output>'" in plain.source
+    cfg["added_tokens_decoder"] = flags
+    (t / "tokenizer_config.json").write_text(json.dumps(cfg))
     # with no such token left: the last row, and the source says so
     cfg = json.loads((t / "tokenizer_config.json").read_text())
     cfg["chat_template"] += "".join(SMOL_SPECIALS)

@@ -224,7 +224,8 @@ def resolve_mask_token(model_dir: str | os.PathLike, vocab_size: int, override: 
       4. the first embedding row past the tokenizer's tokens, where the vocabulary is larger (a row the
          tokenizer never produces: Qwen3's 151669 is that row);
       5. the highest-id added special token that is not bos/eos/pad/unk and that the chat template never
-         writes (a vocabulary with no spare row, e.g. SmolLM2's <empty_output>);
+         writes (a vocabulary with no spare row, e.g. SmolLM2's <empty_output>); else such an added token
+         not marked special;
       6. the last row.
     Read from the tokenizer's files without loading it."""
     if override is not None:
@@ -244,13 +245,16 @@ def resolve_mask_token(model_dir: str | os.PathLike, vocab_size: int, override: 
             return MaskChoice(tid, f"the tokenizer's mask token {name!r}")
     if 0 < tok.size < vocab_size:
         return MaskChoice(tok.size, f"the first row past the tokenizer's {tok.size} tokens (never produced by it)")
-    spare = [i for i, (text, special) in tok.added.items()
-             if special and i < vocab_size and i not in tok.role_ids and text not in tok.roles.values()
-             and text not in tok.chat_template]
-    if spare:
-        i = max(spare)
-        return MaskChoice(i, f"the added special token {tok.added[i][0]!r}: not bos/eos/pad/unk, never written "
-                             "by the chat template (the vocabulary has no mask token and no spare row)")
+    unused = {i: special for i, (text, special) in tok.added.items()
+              if i < vocab_size and i not in tok.role_ids and text not in tok.roles.values()
+              and text not in tok.chat_template}
+    # a special one first; a tokenizer rebuilt from GGUF may have lost the flag on its code markers
+    for want, kind in ((True, "added special token"), (False, "added token (not marked special)")):
+        spare = [i for i, special in unused.items() if special == want]
+        if spare:
+            i = max(spare)
+            return MaskChoice(i, f"the {kind} {tok.added[i][0]!r}: not bos/eos/pad/unk, never written by the chat "
+                                 "template (the vocabulary has no mask token and no spare row)")
     return MaskChoice(vocab_size - 1, "the last row (no mask token, spare row or unused special token"
                       + (")" if tok.ids else "; no tokenizer files)"))
 

@@ -75,3 +75,79 @@ def test_node_0_vanishing_ends_the_other_nodes_ranks():
 
 def test_the_bound_is_the_dist_timeout_plus_a_margin():
     assert 600 < heartbeat_bound(600) <= 600 + 60
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every descendant."""
+    from pathlib import Path
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(p.name))
+    out, todo = [pid], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a_margin(tiny_small_dir, tmp_path):
+    """Two supervisors on loopback, 3 ranks each. While the leader holds a checkpoint (fault injection), node 1
+    vanishes: SIGSTOP to its supervisor and ranks, which closes no connection, as a host that loses power or
+    its network. Node 0's ranks wait for it in gloo host phases whose timeout is 3 h (the checkpoint's
+    barrier); the heartbeats end node 0 within --dist-timeout (10 s) plus the margin."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import tiny_args
+    port = free_port()
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               DFLASH_FAULT_SLOW_CHECKPOINT="240")
+    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--save-interval", "2", "--stop-timeout", "60"),
+            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "10"]
+    node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
+                              "--status-file", str(tmp_path / "node1" / "status.json"),
+                              "--log-dir", str(tmp_path / "node1")],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    frozen: list[int] = []
+    try:
+        gone = None
+        deadline = time.time() + 400
+        while node0.poll() is None and time.time() < deadline:
+            if gone is None and any("before its rename" in f.read_text(errors="replace")
+                                    for f in (out / "logs").glob("*.log")):
+                frozen = _tree(node1.pid)
+                for p in frozen:
+                    os.kill(p, signal.SIGSTOP)
+                gone = time.time()
+            if gone is not None and time.time() - gone > 120:
+                break
+            time.sleep(0.2)
+        assert gone is not None, "the leader never held its checkpoint"
+        assert node0.poll() is not None, f"node 0 still running {time.time() - gone:.0f}s after node 1 vanished"
+        took = time.time() - gone
+        journal = node0.stdout.read()
+        assert node0.returncode != 0
+        assert took < heartbeat_bound(10) + 30, took
+        assert "silent for" in journal and "heartbeat through the store" in journal, journal[-3000:]
+    finally:
+        for p in frozen:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()

@@ -76,9 +76,13 @@ def test_export_warm_start_train_export_loads_in_the_reference(published, tiny_s
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert theirs.target_layer_ids == a["dflash_config"]["target_layer_ids"]
     assert not torch.equal(weights(dst)["fc.weight"], weights(published)["fc.weight"])   # it trained
+    # a checkpoint in --output-dir wins over --init-drafter: the run resumes its own drafter
+    args[args.index("--max-steps") + 1] = "21"
+    assert train_main(args) == 0
+    assert f"--init-drafter {published}: not used, the run resumes its own checkpoint" in run_log(out)
 
 
-def test_dflash2_warm_start_round_trip(tiny_small_dir, tmp_path):
+def test_dflash2_warm_start_round_trip(tiny_small_dir, tmp_path, capfd):
     """A DFlash2 drafter: --arch comes from it, and the export loads in the reference DFlash2 class."""
     hard = ("--no-use-soft-labels", "--loss", "ce+dpace", "--arch", "dflash2")
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "run", "--max-steps", "1", *hard)) == 0
@@ -89,6 +93,15 @@ def test_dflash2_warm_start_round_trip(tiny_small_dir, tmp_path):
     assert "arch dflash2: --init-drafter" in run_log(out)
     dst = export_drafter(out, tmp_path / "export")
     assert json.loads((dst / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    # a DFlash2 drafter of other selector or convolution sizes than this trainer builds: refused
+    other = tmp_path / "other"
+    shutil.copytree(first, other)
+    c = json.loads((other / "config.json").read_text())
+    c["dflash_config"]["selector_rank"] = 8
+    (other / "config.json").write_text(json.dumps(c))
+    assert train_main(tiny_args(tiny_small_dir, tmp_path / "o", "--no-use-soft-labels", "--init-drafter", str(other),
+                                "--check-config")) == 2
+    assert "--init-drafter: selector_rank: this run's 256, the drafter's 8" in capfd.readouterr().err
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 requests = pytest.importorskip("requests")
 
@@ -665,3 +666,28 @@ def test_the_stand_in_drops_raw_keys_pve_does_not_allow(tmp_path):
     assert [k for k, _ in raw] == ["lxc.cgroup2.devices.allow", "lxc.prlimit.memlock", "lxc.hook.pre-start"]
     assert warnings == ["lxc.rootfs.path: lxc.rootfs.path is auto generated from rootfs",
                         "unable to parse config: lxc.bogus.key: 1"]
+
+
+def _walk_tasks(tasks, base: Path, whens: tuple = ()):
+    """Every task under `tasks` (blocks and include/import_tasks followed), with the `when`s above it."""
+    for task in tasks or []:
+        own = task.get("when")
+        w = whens + tuple(own if isinstance(own, list) else [own] if own else [])
+        inc = task.get("ansible.builtin.include_tasks") or task.get("ansible.builtin.import_tasks")
+        if "block" in task:
+            yield from _walk_tasks(task["block"] + (task.get("rescue") or []) + (task.get("always") or []), base, w)
+        elif inc:
+            yield from _walk_tasks(yaml.safe_load((base / str(inc)).read_text()), base, w)
+        else:
+            yield task, w
+
+
+def test_the_lxc_prestart_hook_is_installed_whether_or_not_the_boot_units_are():
+    """Issue 52 item 5: lxc mode writes the hook line into the CT config; with
+    dflash_node_nvidia_boot_units: false the hook itself was never installed, and every start failed."""
+    base = REPO / "roles/dflash_node/tasks"
+    hooks = [w for t, w in _walk_tasks(yaml.safe_load((base / "main.yml").read_text()), base)
+             if (t.get("ansible.builtin.copy") or {}).get("src") == "dflash-nvidia-prestart"]
+    assert hooks, "no task installs the pre-start hook"
+    for whens in hooks:
+        assert not [w for w in whens if "nvidia_boot_units" in str(w)], whens

@@ -609,6 +609,20 @@ def test_eight_gpus_then_four_leaves_exactly_the_wanted_dev_keys():
     assert node_filters.dflash_stale_dev_keys({"dev0": "path=/dev/nvidia0"}, {}) == ["dev0"]
 
 
+def test_the_roles_dev_entries_go_around_an_operators_own():
+    """Issue 52 item 5: the numbering started at dev0, so an operator's own dev7 was overwritten."""
+    want = {**node_filters.dflash_nvidia_dev_entries(range(8)), "mp0": "/srv/ws,mp=/workspace"}
+    current = {"dev7": "/dev/fuse,mode=0666", "dev2": "/dev/nvidia1"}
+    placed = node_filters.dflash_place_dev_entries(want, current)
+    assert sorted(v for k, v in placed.items() if k.startswith("dev")) == sorted(
+        v for k, v in want.items() if k.startswith("dev"))
+    assert "dev7" not in placed and placed["mp0"] == want["mp0"]
+    assert node_filters.dflash_place_dev_entries(want, {}) == want                 # nothing in the way: as before
+    after = {**current, **placed}
+    assert after["dev7"] == "/dev/fuse,mode=0666"
+    assert node_filters.dflash_stale_dev_keys(after, placed) == []
+
+
 def _pct(tmp_path, *args):
     env = {**os.environ, "PVE_STANDIN_ETC": str(tmp_path / "etc"), "PVE_STANDIN_LXCPATH": str(tmp_path / "lxc"),
            "PVE_STANDIN_FAKE_LXC": "1"}

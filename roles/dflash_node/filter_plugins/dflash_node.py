@@ -91,6 +91,27 @@ def dflash_stale_dev_keys(current_keys: dict, want_keys: dict) -> list:
     return sorted(out, key=lambda k: int(k[3:]))
 
 
+def dflash_place_dev_entries(want_keys: dict, current_keys: dict) -> dict:
+    """`want_keys` with its devN entries renumbered around the devN keys of the config that pass
+    through a device this role does not own (an operator's own dev7: /dev/fuse): the role's entries
+    take the lowest free numbers in order, and never overwrite another's. Other keys are unchanged."""
+    foreign = {int(k[3:]) for k, v in (current_keys or {}).items()
+               if re.fullmatch(r"dev\d+", k) and not OWNED_DEV.search(_dev_path(v))}
+    out = {k: v for k, v in (want_keys or {}).items() if not re.fullmatch(r"dev\d+", k)}
+    n = 0
+    for key in sorted((k for k in (want_keys or {}) if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
+        while n in foreign:
+            n += 1
+        out["dev%d" % n] = want_keys[key]
+        n += 1
+    return out
+
+
+def _dev_path(value) -> str:
+    head = str(value).split(",")[0]
+    return head[len("path="):] if head.startswith("path=") else head
+
+
 def dflash_stale_lines(current_raw, desired, majors=None, own_cpuset=False) -> list:
     """Raw lines this role manages (GPU mount entries, /dev/shm, cgroup allows for the nvidia
     majors; the cpuset line when the role sets one) that are in the config but no longer wanted."""
@@ -216,6 +237,7 @@ class FilterModule:
             "dflash_workspace_owner": dflash_workspace_owner,
             "dflash_stale_lines": dflash_stale_lines,
             "dflash_stale_dev_keys": dflash_stale_dev_keys,
+            "dflash_place_dev_entries": dflash_place_dev_entries,
             "dflash_same_opts": dflash_same_opts,
             "dflash_conf_edit": dflash_conf_edit,
             "dflash_proc_limit": dflash_proc_limit,

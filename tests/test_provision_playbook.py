@@ -272,6 +272,16 @@ def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_before_it_is_started(node):
     assert "running" in status
 
 
+def test_5e_a_ct_made_the_other_way_privileged_or_not_fails_naming_the_variable(node):
+    """Issue 52 item 5: `unprivileged` is fixed at creation and the module does not compare it."""
+    before = node["conf"].read_text()
+    r = play(node, "--check", dflash_provision_unprivileged=False)
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 250 exists and is unprivileged, and dflash_provision_unprivileged is false: that is fixed at" \
+        " creation. Set dflash_provision_unprivileged: true" in r.text, r.text[-3000:]
+    assert node["conf"].read_text() == before
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)

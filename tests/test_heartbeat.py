@@ -78,22 +78,14 @@ def test_the_bound_is_the_dist_timeout_plus_a_margin():
 
 
 def _tree(pid: int) -> list[int]:
-    """`pid` and every descendant."""
+    """`pid` and every descendant (the GPU smoke script's own walk of /proc)."""
+    import importlib.util
     from pathlib import Path
-    kids: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(p.name))
-    out, todo = [pid], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    script = Path(__file__).parent / "gpu" / "first_multi_gpu_run.py"
+    spec = importlib.util.spec_from_file_location("first_multi_gpu_run", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [pid, *mod.children(pid)]
 
 
 def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a_margin(tiny_small_dir, tmp_path):

@@ -107,7 +107,8 @@ def node(tmp_path_factory):
             "dflash_node_pct_command": [py, str(PVE_API), "pct"], "dflash_node_pve_conf_dir": str(etc / "lxc"),
             "dflash_node_models_host_path": str(tmp / "models"),
             "dflash_node_workspace_host_path": str(tmp / "workspace"), "dflash_node_shm_size_mib": 256,
-            "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10}}}}}
+            "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10,
+            "dflash_node_network_check": False}}}}}
     (tmp / "hosts.yml").write_text(json.dumps(inventory))
     yield {"tmp": tmp, "env": env, "conf": etc / "lxc" / f"{VMID}.conf", "pct_log": tmp / "pct.log",
            "api": f"https://127.0.0.1:{port}/api2/json", "ca": str(state / "pve-ssl.pem")}
@@ -282,6 +283,18 @@ def test_5e_a_ct_made_the_other_way_privileged_or_not_fails_naming_the_variable(
     assert node["conf"].read_text() == before
 
 
+def test_5f_a_ct_without_an_address_fails_before_staging_naming_the_netif_variable(node):
+    """Issue 52 item 12: net0 is ip=dhcp; a rack with static addresses has no DHCP on vmbr0, and apt
+    and pip inside the CT failed only after the weights were staged. The node role checks from inside
+    the started CT (the stand-in's CTs have no network, as such a CT has none)."""
+    r = play(node, dflash_node_network_check=True)
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 250 has no IPv4 address" in r.text and "apt and pip inside it would fail after the weights are" \
+        " staged. Its network: name=eth0,bridge=vmbr0,ip=dhcp" in r.text, r.text[-3000:]
+    assert "With ip=dhcp it needs a DHCP server on that bridge; in a rack with static addresses set" \
+        " dflash_provision_netif" in r.text
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)
@@ -448,7 +461,8 @@ def two_nodes(tmp_path_factory):
               "dflash_service_timeout_stop_s": 120, "dflash_node_pct_command": [py, str(PVE_API), "pct"],
               "dflash_node_models_host_path": str(tmp / "models"),
               "dflash_node_workspace_host_path": str(tmp / "workspace"), "dflash_node_shm_size_mib": 256,
-              "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10}
+              "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10,
+              "dflash_node_network_check": False}
 
     def ct(vmid, name):
         n = nodes[name]

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from trainer.data.dataset import INDEX_NAME, DataError, _SHARD_RE, write_shards
+from trainer.data.dataset import _SHARD_RE, INDEX_NAME, DataError, write_shards
 
 PROG = "dflash-prepare"
 END_TOKEN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")

@@ -50,9 +50,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from trainer.data.dataset import DEFAULT_SHARD_SIZE, INDEX_NAME, SHARD_PATTERN, DataError, load_dataset, read_index, sha256_file, write_index, write_shard
-from trainer.fsutil import atomic_write_text
 from trainer.config.options import ConfigError, check_ranges, opt, parse_options
+from trainer.data.dataset import (
+    DEFAULT_SHARD_SIZE,
+    INDEX_NAME,
+    SHARD_PATTERN,
+    DataError,
+    load_dataset,
+    read_index,
+    sha256_file,
+    write_index,
+    write_shard,
+)
+from trainer.fsutil import atomic_write_text
 
 PROG = "dflash-regenerate"
 MANIFEST_NAME = "regenerate.json"
@@ -126,8 +136,8 @@ class TargetGenerator:
                  decode_attention: str = "sdpa", kv_fp8: bool = False):
         import torch
 
-        from trainer.serving.evaluate import stop_token_ids
         from trainer.model.target import load_target
+        from trainer.serving.evaluate import stop_token_ids
 
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -147,8 +157,8 @@ class TargetGenerator:
         if decoder not in DECODERS:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
         if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
-            from trainer.serving.captured_decoder import hybrid_unsupported
             from trainer.model.hybrid import check_hybrid_transformers
+            from trainer.serving.captured_decoder import hybrid_unsupported
             check_hybrid_transformers(self.model)   # a transformers too old for it: no fallback, one line
             from trainer.model.target import decoder as decoder_stack
             why = hybrid_unsupported(decoder_stack(self.model))

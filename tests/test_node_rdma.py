@@ -64,9 +64,11 @@ def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_ref
     # no GPUs on the stand-in node: the RDMA devices are dev0 and dev1
     assert f"dev0: {want[0]}\n" in conf and f"dev1: {want[1]}\n" in conf, conf
     lxc_conf = (node["tmp"] / "lxc" / str(VMID) / "config").read_text()
-    for name, (major, minor) in devs.items():          # what PVE renders for lxc: the node and its cgroup allow
-        assert f"lxc.mount.entry = {ib / name} {str(ib / name).lstrip('/')} none bind,create=file" in lxc_conf
-        assert f"devices.allow = c {major}:{minor} rwm" in lxc_conf
+    passthrough = node["tmp"] / "lxc" / str(VMID) / "passthrough"
+    for name, (major, minor) in devs.items():          # what PVE renders for lxc: a node made for the CT, allowed rw
+        assert f"lxc.mount.entry = {passthrough}{ib / name} {str(ib / name).lstrip('/')} none bind,create=file" \
+            in lxc_conf
+        assert f"devices.allow = c {major}:{minor} rw\n" in lxc_conf
 
     r = play(node, dflash_node_rdma_devices=want)          # a second run changes nothing
     assert r.returncode == 0 and "changed=0" in r.text, r.text[-3000:]

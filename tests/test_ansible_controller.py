@@ -13,7 +13,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from test_ansible_render import rendered, unit_settings  # noqa: F401  (the production unit, rendered by Ansible)
 
 REPO = Path(__file__).resolve().parents[1]

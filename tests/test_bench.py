@@ -196,6 +196,7 @@ def _old_drafter_count(plan, dcfg, soft):
 @pytest.mark.parametrize("flex", [False, True])
 def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
     import numpy as np
+
     from trainer.model.drafter import DFlashConfig
     from trainer.ops.plan import plan_micro_batch
     dcfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -235,6 +236,7 @@ def test_dflash2_drafter_flops_add_its_projections_and_the_selector_on_the_loss_
     weights per block row, and on the rows with a loss the K candidates' head rows 2x (frozen) and the
     selector's projection and pair scores 3x; parameter counts read off the real module."""
     import numpy as np
+
     from trainer.model.dflash2 import as_dflash2
     from trainer.model.drafter import DFlashConfig, DFlashDrafter
     from trainer.ops.plan import plan_micro_batch

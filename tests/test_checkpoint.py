@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.engine.train_state import capture_rng_state, restore_rng_state
 from trainer.model import checkpoint_format as ck
 from trainer.model.checkpoint_format import CheckpointError, CheckpointManager, load
-from trainer.engine.train_state import capture_rng_state, restore_rng_state
 
 CONFIG = {"architectures": ["DFlashDraftModel"], "hidden_size": 8, "block_size": 4,
           "target_layer_ids": [1, 3], "mask_token_id": 5}

@@ -12,12 +12,13 @@ from trainer.data.dataset import (
     BatchPlanner,
     DataError,
     Dataset,
+    _overall_hash,
     check_data_dir,
     collate,
     load_dataset,
+    sha256_file,
     write_shards,
 )
-from trainer.data.dataset import _overall_hash, sha256_file
 
 
 def make_records(n=50, seed=0, lo=1, hi=120, vocab=1000):

@@ -122,8 +122,8 @@ def target(tiny_small_dir):
 
 def test_the_captured_decoder_with_the_split_kv_attention_writes_the_same_tokens(target, tiny_small_dir):
     from trainer.data.dataset import load_dataset
-    from trainer.serving.evaluate import heldout_prompts
     from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.evaluate import heldout_prompts
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 5)   # mixed lengths: left padding
     kw = dict(batch_size=6, max_new_tokens=20, temperature=0.0, stop_ids=[], pad_id=0, view_step=16)
@@ -153,8 +153,8 @@ def test_a_prefill_trimmed_to_each_row_chunks_width_writes_the_same_tokens(targe
     """prefill_trim: a prefill chunk of short prompts runs at its own width (the batch's left padding of those
     rows is not computed; their cache positions before it stay masked): the same tokens."""
     from trainer.data.dataset import load_dataset
-    from trainer.serving.evaluate import heldout_prompts
     from trainer.serving.captured_decoder import PAD_TO, GraphDecoder
+    from trainer.serving.evaluate import heldout_prompts
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
     prompts = sorted(prompts, key=len, reverse=True)
@@ -189,8 +189,8 @@ def test_the_captured_decoder_with_an_fp8_cache(target, tiny_small_dir, tmp_path
     """kv_fp8: the decoder runs with its cache in e4m3 (the first token comes from the unrounded prefill, so
     it is the same); it needs the triton attention, and dflash-regenerate refuses it otherwise."""
     from trainer.data.dataset import load_dataset
-    from trainer.serving.evaluate import heldout_prompts
     from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.evaluate import heldout_prompts
     from trainer.serving.regenerate import main
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)

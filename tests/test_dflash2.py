@@ -191,6 +191,7 @@ def _tiny_dflash2(seed=0):
     """A DFlash2 drafter for a tiny Qwen3 target (config only: the drafter ships no embedding or head),
     every weight random, the convolutions' too (a fresh one is the identity, which would hide them)."""
     from transformers import Qwen3Config
+
     from trainer.model.dflash2 import as_dflash2
     from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
     target = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
@@ -209,10 +210,12 @@ def _tiny_dflash2(seed=0):
 
 def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_equal_ours(tmp_path):
     import json
+
     import safetensors.torch
+
     from trainer.model.checkpoint_format import CheckpointManager
-    from trainer.serving.export import export_drafter, read_checkpoint
     from trainer.model.drafter import DFlashDrafter, PackedMeta
+    from trainer.serving.export import export_drafter, read_checkpoint
 
     cfg, model = _tiny_dflash2()
     ckpt = CheckpointManager(tmp_path / "run").save(3, model.state_dict(), cfg.to_dict(), {"step": 3})
@@ -266,7 +269,9 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     reference class with no missing or unexpected keys."""
     import sys
     from pathlib import Path
+
     import safetensors.torch
+
     from trainer.__main__ import main as train_main
     from trainer.model.checkpoint_format import CheckpointManager
     from trainer.serving.export import export_drafter
@@ -289,8 +294,8 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     base = w["layers.0.attention_conv.base_kernel"].float()
     assert not torch.equal(base[:, 1:], torch.zeros_like(base[:, 1:]))           # moved off the identity
     assert w["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0
-    from trainer.serving.export import read_checkpoint
     from trainer.model.drafter import DFlashDrafter, init_drafter_weights
+    from trainer.serving.export import read_checkpoint
     fresh = DFlashDrafter(read_checkpoint(dst)[0])
     init_drafter_weights(fresh, seed=0)                       # the run's init (--seed 0)
     for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
@@ -313,6 +318,7 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
 
 def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_accepted():
     import numpy as np
+
     from trainer.config.options import parse_args, validate_flags
     from trainer.ops.plan import plan_micro_batch
     ids = np.arange(100, 130)[None]
@@ -356,17 +362,17 @@ def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small
     import sys
     from pathlib import Path
 
-    from trainer.model.checkpoint_format import CheckpointManager
     from trainer.data.dataset import load_dataset
+    from trainer.model.checkpoint_format import CheckpointManager
     from trainer.model.dflash2 import as_dflash2
+    from trainer.model.drafter import DFlashDrafter
     from trainer.serving.dflash2_eval import dflash2_generate
     from trainer.serving.evaluate import heldout_prompts, load_target
     from trainer.serving.export import export_drafter, read_checkpoint
-    from trainer.model.drafter import DFlashDrafter
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_eval_specgen import train_drafter
-
     import time
+
+    from test_eval_specgen import train_drafter
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)   # its stats' clock synchronises CUDA
     torch.set_num_threads(1)
     target = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)

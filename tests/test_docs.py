@@ -15,9 +15,9 @@ in the current docs and in trainer/'s docstrings and comments, resolve in today'
 import ast
 import io
 import re
-import tokenize
 import subprocess
 import sys
+import tokenize
 from functools import lru_cache
 from pathlib import Path
 

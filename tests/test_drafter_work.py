@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.__main__ import main as train_main
 from trainer.ops.loss import dflash_loss, lm_head_chunk
 from trainer.ops.plan import FLEX_BLOCK, flex_block_sparsity, loss_layout, plan_micro_batch
-from trainer.__main__ import main as train_main
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import losses, records, tiny_args  # noqa: E402

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model.checkpoint_format import CheckpointManager
 from trainer.data.dataset import load_dataset
-from trainer.serving.evaluate import (evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target,
-                              main as eval_main)
-from trainer.ops.loss import dflash_loss
+from trainer.model.checkpoint_format import CheckpointManager
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 from trainer.model.modeling_dflash import dflash_generate, verify_block
+from trainer.ops.loss import dflash_loss
+from trainer.serving.evaluate import evaluate, evaluate_checkpoint, heldout_prompts, hf_drafter, load_target
+from trainer.serving.evaluate import main as eval_main
 
 BLOCK = 4
 MAX_NEW = 40

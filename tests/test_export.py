@@ -14,8 +14,9 @@ import safetensors.torch
 import torch
 
 from trainer.model.checkpoint_format import CheckpointManager
-from trainer.serving.export import ExportError, export_drafter, main as export_main
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from trainer.serving.export import ExportError, export_drafter
+from trainer.serving.export import main as export_main
 
 REFERENCE_SNAPSHOT = Path("/work/.mirror/z-lab+dflash/repo")  # `fetch github:z-lab/dflash`; never committed
 
@@ -128,6 +129,7 @@ def test_automodel_builds_the_drafter_and_its_forward_equals_the_trainers(export
 def test_incremental_context_cache_equals_full_recompute(exported):
     """The generation loop feeds only new context rows and keeps the rest in a cache."""
     from transformers import AutoModel, DynamicCache
+
     from trainer.model.modeling_dflash import crop_cache
     hf = AutoModel.from_pretrained(exported, trust_remote_code=True, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)

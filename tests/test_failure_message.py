@@ -6,7 +6,6 @@ rank 0: <why>` (the supervisor, trainer/distributed/launch.py, joined the two), 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from trainer.__main__ import main as train_main
 

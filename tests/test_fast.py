@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
+from trainer.engine.metrics import HeadTailLog, MetricsFile, Profiler
 from trainer.ops import compiling as fast
 from trainer.ops.loss import dflash_loss, lm_head_chunk
-from trainer.engine.metrics import HeadTailLog, MetricsFile, Profiler
 
 
 @pytest.fixture(autouse=True)
@@ -219,9 +219,10 @@ def test_compiled_warmup_brings_every_chunk_kind_a_step_can(budget, max_len, chu
     materializes the whole score matrix: the 27B-width OOM). Dynamo specializes sizes 0 and 1, so the
     warmup must plan chunks with one sequence, full chunks with several, and a partial tail chunk."""
     import numpy as np
+
     from trainer.config.options import parse_args
-    from trainer.ops.plan import plan_micro_batch
     from trainer.engine.compile_warmup import warmup_batches
+    from trainer.ops.plan import plan_micro_batch
     base = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", str(budget),
             "--max-seq-len", str(max_len), "--block-size", "16", "--max-anchors", "512",
             "--drafter-chunk-rows", str(chunk)]
@@ -292,8 +293,8 @@ def test_a_rank_runs_every_module_forward_on_its_main_thread(tiny_small_dir, tmp
     the async pipeline on): every module call is on the main thread, while the prefetch thread does run."""
     import signal
 
-    from trainer.__main__ import main as train_main
     from tests.test_trainer import tiny_args
+    from trainer.__main__ import main as train_main
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -32,8 +32,24 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))
-from faultlib import (DATA, ENV_FILE, OUT, RUN_SH, SCRATCH, STAGE_UNIT, STAGED, UNIT, UNIT_FILE,  # noqa: E402
-                      WATCHDOG_S, WEIGHTS_SOURCE, Standin, ckpt_step, parse_systemd_seconds, split_runs, wait)
+from faultlib import (  # noqa: E402
+    DATA,
+    ENV_FILE,
+    OUT,
+    RUN_SH,
+    SCRATCH,
+    STAGE_UNIT,
+    STAGED,
+    UNIT,
+    UNIT_FILE,
+    WATCHDOG_S,
+    WEIGHTS_SOURCE,
+    Standin,
+    ckpt_step,
+    parse_systemd_seconds,
+    split_runs,
+    wait,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.standin, pytest.mark.slow]
 

@@ -85,8 +85,8 @@ def test_fp8_leaves_dflash2s_own_linears_in_the_compute_dtype():
     reaches every parameter through the FP8 layers."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from trainer.model.dflash2 import as_dflash2, selector_loss
     from trainer.engine.drafter_stage import to_float8
+    from trainer.model.dflash2 import as_dflash2, selector_loss
     dcfg, _ = _drafter()
     m = DFlashDrafter(as_dflash2(dcfg))
     init_drafter_weights(m, seed=0)

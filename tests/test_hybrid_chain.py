@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.model import identity
 from trainer.__main__ import main as train_main
+from trainer.model import identity
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed import THREE_RANKS, _final_weights, _status  # noqa: E402

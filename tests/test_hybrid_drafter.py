@@ -16,9 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model.drafter import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, _flex_mask_mod, block_attention,
-                           ctx_attention_dense, ctx_attention_flex, dense_mask, flex_tile_lists, init_drafter_weights,
-                           merge_attention)
+from trainer.model.drafter import (
+    BlockMerge,
+    DFlashConfig,
+    DFlashDrafter,
+    PackedMeta,
+    _flex_mask_mod,
+    block_attention,
+    ctx_attention_dense,
+    ctx_attention_flex,
+    dense_mask,
+    flex_tile_lists,
+    init_drafter_weights,
+    merge_attention,
+)
 from trainer.ops.plan import plan_micro_batch
 
 W = 24   # shorter than the sequences, longer than a block: the window cuts the context, not the block
@@ -271,8 +282,8 @@ def test_exported_model_and_the_reference_class_compute_the_trainers_windowed_fo
     its own forward passes one mask to every layer) agrees on an all-sliding stack."""
     from transformers import AutoModel, DynamicCache
 
-    from trainer.serving.export import drafter_config_from_json
     from trainer.model.modeling_dflash import crop_cache
+    from trainer.serving.export import drafter_config_from_json
     dst, cfg = sliding_export
     hf = AutoModel.from_pretrained(dst, trust_remote_code=True, dtype=torch.float32).eval()
     assert [layer.self_attn.sliding_window for layer in hf.layers] == [6, 6, None]

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from trainer.data.dataset import load_dataset
-from trainer.serving.evaluate import heldout_prompts, hf_drafter, load_target
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
+from trainer.serving.evaluate import heldout_prompts, hf_drafter, load_target
 
 BLOCK = 4
 NEW = 24
@@ -103,8 +103,8 @@ class Proposals:
 def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_greedy_decode(case):
     """Fails before the fix on the hybrid: the single loop's DynamicCache() had no layer for the recurrent
     state (IndexError), the batched loop's cache no get_recurrent_state (AttributeError)."""
-    from trainer.serving.captured_decoder import BatchedSpecDecoder
     from trainer.model.modeling_dflash import dflash_generate
+    from trainer.serving.captured_decoder import BatchedSpecDecoder
 
     _, target, prompts = case
     cfg, model = untrained(target)
@@ -145,7 +145,8 @@ def test_single_loop_frees_the_recorded_states_after_each_rollback(hybrid, tiny_
 def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid, tiny_hybrid_dir, tmp_path,
                                                                          capsys):
     from trainer.model.checkpoint_format import CheckpointManager
-    from trainer.serving.evaluate import evaluate_state, main as eval_main
+    from trainer.serving.evaluate import evaluate_state
+    from trainer.serving.evaluate import main as eval_main
 
     cfg, model = untrained(hybrid)
     CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
@@ -367,8 +368,8 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
     loop's drafter cache (a buffer written at each position, the block rows after its view) must show each
     sliding layer the same keys as the single loop's DynamicCache. Every draft of every step is compared
     (an untrained drafter: its drafts depend on the whole context the window shows)."""
-    from trainer.serving.captured_decoder import BatchedSpecDecoder
     from trainer.model.modeling_dflash import dflash_generate
+    from trainer.serving.captured_decoder import BatchedSpecDecoder
 
     cfg = DFlashConfig.from_target(hybrid.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3,
                                    layer_types="auto", sliding_window=8)

@@ -17,9 +17,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.model.target import (TargetStage, decoder, describe_kernels, layer_kernels, load_target, missing_fast_kernels,
-                            vision_params)
 from trainer.distributed.transport import unpack
+from trainer.model.target import (
+    TargetStage,
+    decoder,
+    describe_kernels,
+    layer_kernels,
+    load_target,
+    missing_fast_kernels,
+    vision_params,
+)
 
 
 @pytest.fixture(scope="module")

@@ -76,10 +76,10 @@ def test_the_clis_exit_2_with_one_line_on_a_hybrid_and_run_a_dense_target(old, t
 
 
 def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybrid_dir, tiny_small_dir):
-    from trainer.serving.evaluate import generate_each
-    from trainer.serving.captured_decoder import BatchedSpecDecoder, GraphDecoder
-    from trainer.serving.regenerate import TargetGenerator
     from trainer.model.target import load_target
+    from trainer.serving.captured_decoder import BatchedSpecDecoder, GraphDecoder
+    from trainer.serving.evaluate import generate_each
+    from trainer.serving.regenerate import TargetGenerator
 
     torch.set_num_threads(1)
     model = load_target(str(tiny_hybrid_dir / "target"), torch.device("cpu"), torch.float32)

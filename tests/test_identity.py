@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.model import identity
 from trainer.__main__ import main as train_main
 from trainer.config.options import ConfigError, parse_args
 from trainer.config.preflight import validate
+from trainer.model import identity
 
 
 def tiny_args(tiny: Path, out: Path, *extra: str, target: Path | None = None) -> list[str]:

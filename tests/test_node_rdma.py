@@ -42,7 +42,7 @@ from test_provision_playbook import VMID, node, play  # noqa: E402,F401  (node: 
 
 @pytest.mark.provision
 @pytest.mark.slow
-def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_refused(node, tmp_path):
+def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_refused(node, tmp_path):  # noqa: F811
     if os.geteuid() != 0:
         pytest.skip("makes character device nodes (mknod)")
     ib = node["tmp"] / "infiniband"              # the node's /dev/infiniband, made here

@@ -104,8 +104,8 @@ def test_the_controller_refuses_a_bad_measurement_flag_in_one_line():
 def test_dflash_eval_and_regenerate_are_generated_from_their_config_dataclasses():
     """dflash-eval's EvalConfig and dflash-regenerate's RegenerateConfig go through the trainer's parser
     builder: the same --x/--no-x switches, ranges named in the help, and the flags and defaults they had."""
-    from trainer.serving.evaluate import EvalConfig
     from trainer.config.options import build_parser, parse_options
+    from trainer.serving.evaluate import EvalConfig
     from trainer.serving.regenerate import RegenerateConfig
     eval_help = build_parser("dflash-eval", EvalConfig).format_help()
     for text in ("--no-block-accuracy", "--untrained", "--allow-target-change", "--json", "[>= 1]", "--loop"):

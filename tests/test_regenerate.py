@@ -238,7 +238,6 @@ def human_answers(tiny: Path, dest: Path) -> Path:
 @pytest.mark.slow
 def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_dir, target, tmp_path):
     from test_eval_specgen import train_drafter
-
     from trainer.model.checkpoint_format import CheckpointManager
     from trainer.serving.evaluate import evaluate_checkpoint
 

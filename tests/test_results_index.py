@@ -75,6 +75,7 @@ def test_a_benchmark_records_the_commit_it_ran_at(monkeypatch):
     """bench's metadata (and results_file's, which the tests/gpu scripts use) carries `git rev-parse HEAD`,
     or $DFLASH_GIT_COMMIT where the tree was copied without its .git."""
     import subprocess
+
     from trainer.tools import bench
     monkeypatch.delenv("DFLASH_GIT_COMMIT", raising=False)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -22,8 +22,19 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model.drafter import (BlockMerge, DFlashConfig, DFlashDrafter, PackedMeta, block_attention, ctx_attention_dense,
-                           ctx_attention_flex, ctx_flex_lists, dense_mask, init_drafter_weights, merge_attention)
+from trainer.model.drafter import (
+    BlockMerge,
+    DFlashConfig,
+    DFlashDrafter,
+    PackedMeta,
+    block_attention,
+    ctx_attention_dense,
+    ctx_attention_flex,
+    ctx_flex_lists,
+    dense_mask,
+    init_drafter_weights,
+    merge_attention,
+)
 from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
 
 
@@ -61,7 +72,7 @@ def test_cut_lists_cover_exactly_the_visible_context(lens, block, anchors):
     plan = _plan(lens, block, anchors)
     for c in plan.chunks:
         meta = _meta(c, block)
-        tc, tq = len(c.ctx_seq), len(c.q_seq)
+        tc = len(c.ctx_seq)
         assert tc % FLEX_BLOCK == 0
         ctx_ok = dense_mask(meta)[:, :tc].numpy()
         num, idx = ctx_flex_lists(meta.kv_num_blocks, meta.kv_indices, tc)
@@ -207,6 +218,7 @@ def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus
     float64), so the flag check refuses that combination before anything runs, naming the flag; the drafter
     build refuses it too (BadInput: exit 2, no restart loop)."""
     import dataclasses
+
     from trainer.config.options import ConfigError, TrainConfig, validate_flags
     from trainer.engine.drafter_stage import build_drafter
     from trainer.errors import BadInput
@@ -223,9 +235,10 @@ def test_split2_is_refused_where_its_gradients_are_wrong(opts, compile_opt, gpus
 
 
 def test_split_needs_one_shared_context():
-    from trainer.errors import TrainingFailed
-    from trainer.engine.drafter_stage import build_drafter
     from types import SimpleNamespace
+
+    from trainer.engine.drafter_stage import build_drafter
+    from trainer.errors import TrainingFailed
     cfg = SimpleNamespace(split_fc=False, seed=0, fp8="off", flex_kernel_options="SPLIT_BLOCKS=true",
                           flex_ctx_group=16, compile="off")
     with pytest.raises(TrainingFailed, match="flex-ctx-group 0"):   # BadInput, a TrainingFailed that exits 2

@@ -215,8 +215,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from trainer.tools import opreplay  # noqa: E402
 from trainer.distributed.streamcheck import load_programs, window  # noqa: E402
+from trainer.tools import opreplay  # noqa: E402
 from trainer.tools.streamcheck_cli import run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -439,8 +439,9 @@ def _eval_rank(rank: int, store_path: str, out: str) -> None:
     eval owner on `control`, the owner broadcasts the result), recorded."""
     import torch
     import torch.distributed as dist
-    from trainer.engine import evaltrain
+
     from trainer.distributed import oprecord
+    from trainer.engine import evaltrain
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     rec = oprecord.install(rank, f"rank {rank}", {}, {"WORLD": [0, 1]}, out)
     oprecord.label("control")
@@ -459,6 +460,7 @@ def test_an_in_training_eval_is_recorded_whole(tmp_path):
     """Every blocking and object call of an eval is in the recording, with its size, and matches at both
     ends; a receive of another size would be a mismatch."""
     import torch.multiprocessing as mp
+
     from trainer.distributed.streamcheck import load_programs
     mp.spawn(_eval_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     progs = load_programs(sorted(tmp_path.glob("ops-rank*.json")))

@@ -17,12 +17,21 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.engine import checkpoint
-from trainer.model import checkpoint_format as ckpt_format
-from trainer.engine.checkpoint import Checkpointer
 from trainer.data.dataset import DataPosition
-from trainer.engine.train_state import (FILE_KEYS, DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo,
-                                 ScheduleState, TrainState, capture_rng_state)
+from trainer.engine.checkpoint import Checkpointer
+from trainer.engine.train_state import (
+    FILE_KEYS,
+    DataFeedState,
+    DrafterState,
+    LoopState,
+    NanSkips,
+    RNGState,
+    RunInfo,
+    ScheduleState,
+    TrainState,
+    capture_rng_state,
+)
+from trainer.model import checkpoint_format as ckpt_format
 
 BATCHES_PER_STEP, PER_EPOCH = 3, 10
 CFG = {"lr": 6e-4, "target_model": None, "max_steps": 8}

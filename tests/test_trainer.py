@@ -17,8 +17,8 @@ import torch
 from trainer.__main__ import main as train_main
 from trainer.config.options import parse_args
 from trainer.config.preflight import validate
-from trainer.ops.loss import dflash_loss
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
+from trainer.ops.loss import dflash_loss
 from trainer.ops.plan import plan_micro_batch
 
 ORIGINAL = ("--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "
@@ -309,9 +309,9 @@ def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys
 @pytest.mark.slow
 def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_path):
     from trainer.data.dataset import load_dataset
-    from trainer.serving.evaluate import evaluate, load_drafter
-    from trainer.model.drafter import init_drafter_weights
     from trainer.engine.train import load_target
+    from trainer.model.drafter import init_drafter_weights
+    from trainer.serving.evaluate import evaluate, load_drafter
     out = tmp_path / "learn"
     # hard labels: the data are the target's own greedy outputs (soft labels, the default, chase the tiny
     # random target's high-entropy distribution, whose loss cannot fall by a whole nat)

@@ -43,9 +43,10 @@ def test_warmup_brings_a_one_query_tile_chunk():
     """A micro-batch's tail chunk can hold a single 128-row query tile: a size-1 dimension of the FlexAttention
     tile lists, which dynamo specializes even in a dynamic graph. The warmup brings one."""
     import numpy as np
+
     from trainer.config.options import parse_args
-    from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
     from trainer.engine.compile_warmup import warmup_batches
+    from trainer.ops.plan import FLEX_BLOCK, plan_micro_batch
     for bs in (16, 32):
         cfg = parse_args(["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z", "--token-budget", "4096",
                           "--max-seq-len", "512", "--block-size", str(bs), "--max-anchors", "64", "--compile", "all"])
@@ -130,6 +131,7 @@ def test_a_planned_row_count_the_warmup_does_not_cover_is_found_before_the_run(m
     """check_target_coverage reads the planner's batches (host-side) and names a row count the compiled
     target's warmup misses; the Trainer turns it into bad input (exit 2) before the warmup."""
     import numpy as np
+
     from trainer.data.dataset import BatchPlanner
     from trainer.engine import compile_warmup as cw
     cfg = _cfg("--compile", "target", "--token-budget", "1024", "--max-seq-len", "512", "--max-batch-size", "8")

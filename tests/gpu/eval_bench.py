@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
-from trainer.serving.evaluate import hf_drafter  # noqa: E402
-from trainer.serving.captured_decoder import BatchedSpecDecoder  # noqa: E402
-from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
-from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.engine.runlog import format_table  # noqa: E402
+from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
+from trainer.serving.captured_decoder import BatchedSpecDecoder  # noqa: E402
+from trainer.serving.evaluate import hf_drafter  # noqa: E402
+from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from regenerate_bench import HYBRID_SHAPES, make_hybrid_target  # noqa: E402  (the hybrid shapes: one table)

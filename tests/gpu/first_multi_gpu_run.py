@@ -418,7 +418,7 @@ def main() -> int:
     la, lb = losses(resumed), losses(straight)
     common = sorted(set(la) & set(lb))
     worst = max((abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12) for s in common), default=None)
-    from trainer.tools.bench import git_commit      # $DFLASH_GIT_COMMIT where the tree travelled without .git
+    from trainer.tools.bench import git_commit  # $DFLASH_GIT_COMMIT where the tree travelled without .git
     result = {**git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "p2p": mode, "nccl_smoke": smoke_result, "recipe": recipe_name,
               "layout": {"target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus},

@@ -40,10 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
+from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.serving.regenerate import TargetGenerator  # noqa: E402
-from trainer.engine.runlog import format_table  # noqa: E402
+from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 
 
 def prompts_of(rng, n, lo, hi, vocab):
@@ -221,7 +221,7 @@ def attention_check(a, res, save, dev, dims) -> None:
     ms = graph_ms(lambda: y.copy_(x), reps=5)
     out["copy_tb_s"] = round(2 * x.numel() / ms / 1e9, 3)   # read + write
     print(f"attention: copy rate {out['copy_tb_s']} TB/s (read + write of {x.numel() >> 20} MiB)", flush=True)
-    del x, y
+    x = y = None   # frees them (a del would unbind the names the lambdas read)
 
     def inputs(b, L, seed=0):
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -341,7 +341,7 @@ def attention_check(a, res, save, dev, dims) -> None:
             del kq, vq
         out["cases"].append(row)
         print("attention case:", json.dumps(row), flush=True)
-        del q, k, v, mask, ref, o_s, o_t, o_f
+        q = k = v = mask = ref = o_s = o_t = o_f = None   # frees them, as above
         torch.cuda.empty_cache()
         save()
 
@@ -470,7 +470,7 @@ def step_variants(a, res, save, target, dev, rng, vocab, batches, cuda) -> int:
     """ms per captured decode step for each variant and batch (same prompts per batch), a kernel-class
     profile of one eager decode step per variant at the first batch, then the mixed workload with the
     fastest variant at --headline-batch."""
-    L, new = a.ratio_prompt_len, a.step_new_tokens
+    new = a.step_new_tokens
     res["steps"], res["profiles"] = [], {}
     names = a.step_variants.split(",")
 

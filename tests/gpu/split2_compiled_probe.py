@@ -32,6 +32,7 @@ def main() -> int:
     a = p.parse_args()
     import torch
     import torch._dynamo
+
     from trainer.model import drafter as M
     from trainer.ops.compiling import compile_layers
     from trainer.tools.bench import flex_check_case

@@ -26,6 +26,7 @@ def block_merge_bf16(dev) -> dict:
     output and gradients of q, k, v, oc and lc against the float64 math of block_attention + merge_attention
     (relative errors; bf16 rounding is about 4e-3)."""
     import torch
+
     from trainer.model.drafter import BlockMerge, block_attention, merge_attention
     g = torch.Generator().manual_seed(0)
     tq, nh, nkv, hd, bs = 4096, 40, 8, 128, 16
@@ -73,6 +74,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import torch
+
     from trainer.tools.bench import check_flex_on_gpu
     dev = torch.device("cuda", 0)
     from trainer.tools.bench import git_commit

@@ -18,7 +18,16 @@ import os
 import struct
 from pathlib import Path
 
-from trainer.config.options import DRAFT_LAYER_TYPES, ConfigError, TrainConfig, draft_attention, draft_layer_types, slow_linear_attention_message, validate_flags
+from trainer.config.options import (
+    DRAFT_LAYER_TYPES,
+    ConfigError,
+    TrainConfig,
+    draft_attention,
+    draft_layer_types,
+    slow_linear_attention_message,
+    validate_flags,
+)
+
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
     """A hybrid target (Gated DeltaNet layers) on GPUs needs flash-linear-attention: without it transformers
@@ -206,6 +215,7 @@ def check_resume_target(cfg: TrainConfig, target) -> list[str]:
     target) and returned. Imports torch only here, where checkpoints exist (trainer/engine/checkpoint.py owns
     what a complete checkpoint is)."""
     import logging
+
     from trainer.model import identity
     from trainer.model.checkpoint_format import CheckpointManager
     latest = CheckpointManager(cfg.output_dir).latest()

@@ -90,6 +90,7 @@ def new_group(name: str, ranks: list[int] | None, world: int, backend: str | Non
     synchronization, so the ranks outside it make no split of the world communicator (Groups). The op
     recorder, when on, names the group and logs its creation."""
     import torch.distributed as dist
+
     from trainer.distributed import oprecord
     members = range(world) if ranks is None else ranks
     host_side = backend not in (None, "nccl")
@@ -155,11 +156,11 @@ def abort_groups() -> None:
 def init_rank(cfg) -> tuple[Topology, Groups]:
     """Join the job: process group, device, roles of every rank, groups. Raises ValueError on a
     flag that does not fit the launch (e.g. --nproc-per-node disagrees with the GPU lists)."""
-    import torch
-    import torch.distributed as dist
-
     import faulthandler
     import signal
+
+    import torch
+    import torch.distributed as dist
     # SIGUSR1: every thread's stack into this rank's stderr (the journal), without stopping it; the
     # supervisor sends it before it ends a stalled start-up, the first-run script before it stops a job
     faulthandler.register(signal.SIGUSR1, all_threads=True)

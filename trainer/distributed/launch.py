@@ -26,8 +26,8 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     the relay lets the start-up go without progress."""
     import uuid
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainer.status import Notifier, read_status, record_failure

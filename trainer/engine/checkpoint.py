@@ -17,11 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import safetensors.torch
+import torch
 
-from trainer.model.checkpoint_format import MODEL_FILE, CheckpointError, CheckpointManager, load_train_state, step_dir_name
 from trainer.engine.train_state import TrainState
+from trainer.model.checkpoint_format import (
+    MODEL_FILE,
+    CheckpointError,
+    CheckpointManager,
+    load_train_state,
+    step_dir_name,
+)
 
 log = logging.getLogger("trainer.checkpoint")   # the name it has always logged under
 

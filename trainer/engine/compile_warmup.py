@@ -16,8 +16,8 @@ import torch
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Batch
 from trainer.distributed.startup import StartupBounds
-from trainer.ops.compiling import begin_warmup, end_warmup, resolve_compile, wants
 from trainer.engine.feed import Feed, make_item
+from trainer.ops.compiling import begin_warmup, end_warmup, resolve_compile, wants
 from trainer.ops.plan import FLEX_BLOCK
 
 log = logging.getLogger("trainer")

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from trainer.config.options import ConfigError, parse_kernel_options, split_blocks
-from trainer.errors import BadInput, TrainingFailed
-from trainer.ops.compiling import compile_layers, wants
-from trainer.model.dflash2 import selector_loss
-from trainer.ops.loss import dflash_loss
-from trainer.engine.metrics import StepLayout
-from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
 from trainer.distributed import oprecord
 from trainer.distributed.transport import device_ctx, new_event, new_stream, stream_ctx
+from trainer.engine.metrics import StepLayout
+from trainer.errors import BadInput, TrainingFailed
+from trainer.model.dflash2 import selector_loss
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights
+from trainer.ops.compiling import compile_layers, wants
+from trainer.ops.loss import dflash_loss
 
 log = logging.getLogger("trainer.drafter")
 

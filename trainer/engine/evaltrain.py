@@ -105,8 +105,8 @@ class InTrainingEval:
         return box[0]
 
     def _evaluate(self, step: int, state: dict, target_stage, dcfg, final: bool) -> dict:
-        from trainer.serving.evaluate import evaluate_state
         from trainer.ops.compiling import no_new_graphs, sdpa_context
+        from trainer.serving.evaluate import evaluate_state
         cfg, dev = self.cfg, self.device
         log.info("eval at step %d on rank %d: speculative generation on up to %d held-out prompt(s), "
                  "%d new tokens each%s", step, self.topo.rank, cfg.eval_prompts, cfg.eval_max_new_tokens,

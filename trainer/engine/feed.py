@@ -22,8 +22,8 @@ from trainer.config.options import TrainConfig
 from trainer.data.dataset import BatchPlanner, DataError, collate, load_dataset
 from trainer.distributed.dispatch import DispatchPlan
 from trainer.distributed.topology import Topology
-from trainer.errors import BadInput, TrainingFailed
 from trainer.engine.metrics import Profiler
+from trainer.errors import BadInput, TrainingFailed
 from trainer.ops.plan import MicroPlan, plan_micro_batch
 
 log = logging.getLogger("trainer")

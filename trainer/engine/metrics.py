@@ -16,7 +16,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from trainer.engine.runlog import format_table

@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.model.checkpoint_format import step_dir_name
 from trainer.config.options import TrainConfig
 from trainer.distributed.groups import StopVote
 from trainer.distributed.topology import Topology
-from trainer.errors import TrainingFailed
 from trainer.engine.evaltrain import eval_scalars, eval_status
 from trainer.engine.feed import Feed
-from trainer.fsutil import atomic_write_text
 from trainer.engine.metrics import HeadTailLog, MetricsFile, Profiler, StepMetrics
 from trainer.engine.metrics_sinks import open_tensorboard, open_wandb
 from trainer.engine.runlog import Progress, format_table
+from trainer.errors import TrainingFailed
+from trainer.fsutil import atomic_write_text
+from trainer.model.checkpoint_format import step_dir_name
 from trainer.status import Notifier, StatusWriter
 
 log = logging.getLogger("trainer")

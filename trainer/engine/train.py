@@ -34,33 +34,42 @@ from pathlib import Path
 import torch
 
 from trainer import __version__
-from trainer.distributed import oprecord
-from trainer.engine.checkpoint import Checkpointer, consolidated_state
-from trainer.model.checkpoint_format import CheckpointError
 from trainer.config.options import TrainConfig
 from trainer.config.preflight import validate
 from trainer.data.dataset import DataError
+from trainer.distributed import oprecord
 from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_together, init_rank
 from trainer.distributed.startup import Startup
+from trainer.distributed.topology import Topology
+from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
+from trainer.engine.checkpoint import Checkpointer, consolidated_state
+from trainer.engine.compile_warmup import check_target_coverage, hybrid_target, startup_bounds, warmup
 from trainer.engine.drafter_stage import DrafterStage, build_stage, target_embed_head
-from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
 from trainer.engine.evaltrain import InTrainingEval, eval_record
 from trainer.engine.faults import Faults
-from trainer.ops.compiling import compile_layers, compile_reason, note_new_graphs, resolve_compile, wants
 from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
-from trainer.model.dflash2 import as_dflash2
-from trainer.model import identity
-from trainer.model.drafter import DFlashConfig
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
 from trainer.engine.runlog import setup_logging
-from trainer.status import beating
+from trainer.engine.train_state import (
+    DataFeedState,
+    DrafterState,
+    LoopState,
+    NanSkips,
+    RNGState,
+    RunInfo,
+    ScheduleState,
+    TrainState,
+)
+from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
+from trainer.model import identity
+from trainer.model.checkpoint_format import CheckpointError
+from trainer.model.dflash2 import as_dflash2
+from trainer.model.drafter import DFlashConfig
 from trainer.model.target import TargetStage, decoder, load_target
-from trainer.distributed.topology import Topology
-from trainer.engine.train_state import DataFeedState, DrafterState, LoopState, NanSkips, RNGState, RunInfo, ScheduleState, TrainState
-from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
-from trainer.engine.compile_warmup import check_target_coverage, hybrid_target, startup_bounds, warmup
+from trainer.ops.compiling import compile_layers, compile_reason, note_new_graphs, resolve_compile, wants
+from trainer.status import beating
 
 log = logging.getLogger("trainer")
 

@@ -37,12 +37,13 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 import safetensors.torch
+import torch
 
 from trainer.fsutil import fsync_dir, fsync_path
+from trainer.model.identity import RECORD_KEY
+from trainer.model.identity import for_checkpoint as identity_for_checkpoint
 from trainer.status import pid_alive
-from trainer.model.identity import RECORD_KEY, for_checkpoint as identity_for_checkpoint
 
 # the name the journal has always shown for these lines (docs/reliability.md quotes one)
 log = logging.getLogger("trainer.checkpoint")

@@ -30,10 +30,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from trainer.model.identity import tap_layers   # the rule lives with the target identity (torch-free)
-from trainer.ops.plan import ATTENTION_ARRAYS, FLEX_BLOCK
 from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv
-
+from trainer.model.identity import tap_layers  # the rule lives with the target identity (torch-free)
+from trainer.ops.plan import ATTENTION_ARRAYS, FLEX_BLOCK
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 

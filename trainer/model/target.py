@@ -13,9 +13,18 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.ops.compiling import sdpa_context
 from trainer.distributed import oprecord
-from trainer.distributed.transport import Sender, Slot, device_ctx, new_event, new_stream, packed_numel, stream_ctx, unpack
+from trainer.distributed.transport import (
+    Sender,
+    Slot,
+    device_ctx,
+    new_event,
+    new_stream,
+    packed_numel,
+    stream_ctx,
+    unpack,
+)
+from trainer.ops.compiling import sdpa_context
 
 log = logging.getLogger("trainer.target")
 
@@ -144,6 +153,7 @@ def layer_kernels(model, device_type: str) -> dict[str, dict[str, str]]:
     {"Qwen3_5Attention": {"attention": "sdpa"}, "Qwen3_5GatedDeltaNet": {"chunk_gated_delta_rule": "fla"
     | "torch (flash-linear-attention ...)", ...}}. Read from what transformers resolved at import."""
     import sys
+
     from trainer.ops.compiling import layer_mixer
     out: dict[str, dict[str, str]] = {}
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"

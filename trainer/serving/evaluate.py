@@ -46,9 +46,9 @@ import numpy as np
 import torch
 
 from trainer.config.options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS, ConfigError, check_ranges, opt, parse_options
-from trainer.serving.export import ExportError, hf_config_dict, read_checkpoint
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta
 from trainer.model.modeling_dflash import DFlashDraftModel, dflash_generate
+from trainer.serving.export import ExportError, hf_config_dict, read_checkpoint
 
 log = logging.getLogger("trainer.evaluate")
 
@@ -56,8 +56,8 @@ log = logging.getLogger("trainer.evaluate")
 # ------------------------------------------------------------------------------- loading
 
 
-from trainer.ops.plan import anchor_candidates  # noqa: E402
 from trainer.model.target import load_target  # noqa: E402  (the one loader; target.py imports no trainer loop)
+from trainer.ops.plan import anchor_candidates  # noqa: E402
 
 
 def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:
@@ -135,8 +135,8 @@ def runnable_loop(target, loop: str) -> str:
     whose linear-attention layers captured_decoder does not know how to roll back: captured_decoder.hybrid_unsupported)."""
     if loop != "batched":
         return loop
-    from trainer.serving.captured_decoder import hybrid_unsupported
     from trainer.model.target import decoder
+    from trainer.serving.captured_decoder import hybrid_unsupported
     why = hybrid_unsupported(decoder(target), speculative=True)
     if why:
         log.warning("dflash-eval: the batched loop cannot run this target (%s); using the single loop", why)
@@ -405,9 +405,9 @@ def main(argv=None) -> int:
         print(f"dflash-eval: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from trainer.model import identity
     from trainer.config.preflight import check_model_dir
     from trainer.data.dataset import DataError, load_dataset, read_index
+    from trainer.model import identity
     from trainer.model.hybrid import check_hybrid_transformers
     src = a.checkpoint or a.output_dir
     try:

@@ -30,8 +30,8 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
 import safetensors.torch
+import torch
 
 from trainer.model import modeling_dflash
 from trainer.model.checkpoint_format import CONFIG_FILE, MODEL_FILE, STEP_DIR_RE, CheckpointManager

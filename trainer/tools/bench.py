@@ -31,9 +31,9 @@ import torch
 
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Dataset
-from trainer.ops.compiling import compile_counters
-from trainer.model.target import decoder
 from trainer.engine.runlog import format_table, setup_console
+from trainer.model.target import decoder
+from trainer.ops.compiling import compile_counters
 
 log = logging.getLogger("trainer.bench")
 
@@ -457,6 +457,7 @@ def make_cfg(ctx: Ctx, **over) -> TrainConfig:
 def _new_trainer(ctx: Ctx, **over):
     """A world-size-1 trainer in this process (target and drafter roles on one device)."""
     import shutil
+
     from trainer.distributed.groups import init_single
     from trainer.engine.train import Trainer
     shutil.rmtree(Path(ctx.args.work) / "run", ignore_errors=True)
@@ -735,8 +736,9 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
     kernel can evict pages of the mapped libraries and fault them back in, which moves VmRSS."""
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
-    from trainer.ops.compiling import sdpa_context
+
     from trainer.model.target import decoder as _decoder
+    from trainer.ops.compiling import sdpa_context
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except OSError:
@@ -789,7 +791,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
 
     with ThreadPoolExecutor(1, thread_name_prefix="shape-cache-probe") as pool:
         pool.submit(body).result()  # re-raises the thread's error here
-    del model, decoder
+    model = decoder = None   # frees them (a del would unbind the name run_pass reads)
     gc.collect()
     return rows
 
@@ -954,8 +956,8 @@ def bench_serving(shape: str, device: torch.device, factory, prompts: int, promp
     loop, one prompt at a time as serving verifies it) in verify steps/s, and regeneration
     (dflash-regenerate's batched greedy `generate`) in generated tokens/s per batch size. Random weights:
     acceptance is about 1 token per verify step, so verify steps/s is the loop's cost per step."""
-    from trainer.serving.evaluate import hf_drafter, speculative_eval
     from trainer.model.drafter import DFlashConfig, DFlashDrafter
+    from trainer.serving.evaluate import hf_drafter, speculative_eval
     from trainer.serving.regenerate import TargetGenerator
     target = factory(device)
     dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,

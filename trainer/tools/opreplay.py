@@ -23,11 +23,10 @@ import logging
 import queue
 import shutil
 import tempfile
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from trainer.distributed import oprecord
@@ -200,8 +199,8 @@ def emulated_guarded_step(model, opt, lr, clip, loss):
 
 
 def _replay_drafter_class():
-    from trainer.engine.drafter_stage import DrafterStage
     from trainer.distributed.transport import device_ctx, new_event, stream_ctx
+    from trainer.engine.drafter_stage import DrafterStage
 
     class ReplayDrafter(DrafterStage):
         """The real DrafterStage's step protocol (begin_step, _final_backward, counters) on EmulatedFSDP,
@@ -237,10 +236,10 @@ def rank_program(cfg, topo, dataset, steps: int, net_hosts: bool) -> Program:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.engine import train as train_mod
     from trainer.distributed.groups import Groups, connect
-    from trainer.engine.train import Trainer
     from trainer.distributed.transport import Receiver, Sender
+    from trainer.engine import train as train_mod
+    from trainer.engine.train import Trainer
 
     dist.init_process_group("fake", store=FakeStore(), rank=topo.rank, world_size=topo.world)
     rec = None
@@ -309,8 +308,8 @@ def _role(topo) -> str:
 def replay_config(setting: str, **over):
     """The trainer config of a bench setting ("orig": the seed recipe, "b16"), CPU ranks, no checkpoints; its
     output_dir is a scratch directory of its own, which the caller removes."""
-    from trainer.tools.bench import SETTINGS
     from trainer.config.options import TrainConfig
+    from trainer.tools.bench import SETTINGS
     out = tempfile.mkdtemp(prefix="dflash-replay-")
     base = dict(SETTINGS[setting])
     base.update(target_model="replay", data_dir="replay", output_dir=out, status_file=f"{out}/status.json",

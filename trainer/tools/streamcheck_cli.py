@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.tools.opreplay import plan_programs
 from trainer.distributed.streamcheck import Program, Result, load_programs, simulate, timing, with_p2p
+from trainer.tools.opreplay import plan_programs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,7 +229,6 @@ def simulate(programs: list[Program], groups: dict[str, list[int]] | None = None
         for g, members in p.groups.items():
             groups.setdefault(g, members)
     by_rank = {p.rank: p for p in programs}
-    R = len(programs)
     # global op ids: (rank, local id)
     complete: dict[tuple, float] = {}          # op -> end time
     ready_at: dict[tuple, float] = {}          # comm op -> time it reached the front with deps done
@@ -488,7 +487,6 @@ def _find_cycle(by_rank, complete, issued, prev_on_queue, issued_parts, pc, grou
     starts = [("host", r) for r in by_rank if pc[r] < len(by_rank[r].actions)]
     starts += [g for g in issued if g not in complete]
     color: dict = {}
-    stack_path: list = []
 
     def dfs(start):
         stack = [(start, iter(edges(start)))]

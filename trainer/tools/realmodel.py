@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -46,6 +45,8 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.data.dataset import sha256_file
 
 PROG = "dflash-real"
 MODEL_DIR = "smollm2-135m-instruct"
@@ -84,14 +85,6 @@ class RealError(Exception):
 
 def default_cache() -> Path:
     return Path(os.environ.get("DFLASH_REAL_CACHE") or Path.home() / ".cache" / "dflash-real")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def wheel_name(src: Source) -> str:

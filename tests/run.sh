@@ -8,6 +8,7 @@
 # of their time waiting (boots, apt, pip, systemd restarts, watchdog and RestartSec windows, health
 # polls) while the trainer tests want a core:
 #   lanes B1 B2 P     -m "not standin"   everything without a container, in three pytests (below);
+#   lane R            -m real            the chain on a real pretrained model (dflash-real), its own pytest;
 #   lane A            the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
 #                     tiny model) built once, then every container test in a pytest of its own, all at
 #                     once: each molecule scenario (-m "standin and not faults", one process per test)
@@ -135,11 +136,15 @@ done
 # behind them (their tests' time bounds are on detection and exits, measured from the event).
 lane P -m "provision and not standin"
 if (( ${#HEAVY[@]} )); then
-    LANE_NICE=10 lane B1 -m "not standin and not provision" "${HEAVY[@]}"
-    LANE_NICE=10 lane B2 -m "not standin and not provision" "${HEAVY[@]/#/--ignore=}"
+    LANE_NICE=10 lane B1 -m "not standin and not provision and not real" "${HEAVY[@]}"
+    LANE_NICE=10 lane B2 -m "not standin and not provision and not real" "${HEAVY[@]/#/--ignore=}"
 else
-    LANE_NICE=10 lane B2 -m "not standin and not provision"
+    LANE_NICE=10 lane B2 -m "not standin and not provision and not real"
 fi
+# Lane R: the real pretrained model (tests/test_real_model.py): dflash-real builds it once per machine into
+# $DFLASH_REAL_CACHE (default /var/lib/dflash-real, kept like the stand-in's caches), then the README's chain
+# on it, niced like the B lanes
+LANE_NICE=10 lane R -m real
 
 # Lane A's test ids, collected while the caches build (collection imports every test module).
 "$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" > "$work/collect.txt" 2>&1 &

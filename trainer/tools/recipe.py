@@ -37,12 +37,6 @@ VARIANTS = {
 BASE = ["--block-size", "16", "--gamma", "7", "--seed", "0", "--save-interval", "100000", "--keep-checkpoints", "1"]
 
 
-def commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[2])
-    return r.stdout.strip() or "unknown"
-
-
 def run_variant(name: str, a, work: Path, log) -> dict:
     out = work / name
     data = a.raw_data_dir if name == "raw" else a.data_dir
@@ -142,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"{PROG}: {msg}", flush=True)  # noqa: E731
     rows = [run_variant(n, a, work, log) for n in names]
-    doc = {"commit": commit(), "target_model": a.target_model, "steps": a.steps, "eval_prompts": a.eval_prompts,
+    from trainer.tools.bench import git_commit  # the one commit record results/INDEX.md reads
+    doc = {**git_commit(), "target_model": a.target_model, "steps": a.steps, "eval_prompts": a.eval_prompts,
            "eval_tokens": a.eval_tokens, "device": "cpu" if a.gpu is None else f"cuda:{a.gpu}",
            "set": a.set, "base_flags": BASE, "rows": rows}
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -263,7 +263,8 @@ def test_our_taps_are_the_reference_packages_numbering_on_the_dense_target(tiny_
     import torch
     ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
     from trainer.distributed.transport import unpack
-    from trainer.model.target import TargetStage, load_target
+    from trainer.engine.target_stage import TargetStage
+    from trainer.model.target import load_target
     model = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(8, 500, (1, 29), generator=g)

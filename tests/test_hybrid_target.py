@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from trainer.distributed.transport import unpack
+from trainer.engine.target_stage import TargetStage
 from trainer.model.target import (
-    TargetStage,
     decoder,
     describe_kernels,
     layer_kernels,

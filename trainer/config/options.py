@@ -539,28 +539,14 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
                               "(pip install 'dflash-trainer[tensorboard]' or pip install tensorboard)")
 
 
-DRAFT_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
-
-
 def draft_layer_types(text: str, num_layers: int, target_config: dict | None) -> list[str] | None:
-    """--draft-layer-types -> the drafter's layer_types (Hugging Face names: full_attention,
-    sliding_attention), or None for all full attention. 'auto': sliding on every layer but the last
-    for a hybrid target (text config layer_types with linear_attention: Qwen3.5/3.6), as
-    z-lab/Qwen3.6-27B-DFlash ships ([S, S, S, S, F], window 2048); full otherwise (z-lab's dense-target
-    drafters). target_config None: check the syntax only. ConfigError names the flag."""
-    if text == "auto":
-        if target_config is None:
-            return None
-        text_cfg = target_config.get("text_config", target_config)
-        hybrid = "linear_attention" in (text_cfg.get("layer_types") or ())
-        return ["sliding_attention"] * (num_layers - 1) + ["full_attention"] if hybrid and num_layers > 1 else None
-    kinds = [t.strip() for t in text.split(",")]
-    bad = [t for t in kinds if t not in DRAFT_LAYER_TYPES]
-    if bad or len(kinds) != num_layers:
-        raise ConfigError(f"--draft-layer-types: expected auto or {num_layers} comma-separated "
-                          f"{'|'.join(DRAFT_LAYER_TYPES)} (one per --num-draft-layers), got {text!r}")
-    types = [DRAFT_LAYER_TYPES[t] for t in kinds]
-    return types if "sliding_attention" in types else None
+    """--draft-layer-types checked and resolved by the model's rule (contract.layer_types_for); ConfigError
+    names the flag."""
+    from trainer.model.contract import layer_types_for
+    try:
+        return layer_types_for(text, num_layers, target_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def draft_attention(cfg, target_config: dict) -> tuple[int, int, int]:
@@ -571,14 +557,6 @@ def draft_attention(cfg, target_config: dict) -> tuple[int, int, int]:
     own = (heads, t.get("num_key_value_heads") or heads,
            t.get("head_dim") or (t.get("hidden_size") or heads) // heads)
     return tuple(x or o for x, o in zip((cfg.draft_heads, cfg.draft_kv_heads, cfg.draft_head_dim), own))
-
-
-def slow_linear_attention_message(path: str, missing: list[str]) -> str:
-    """The one line that refuses a hybrid target whose fast kernels are missing on a GPU."""
-    return (f"--target-model: {path} has Gated DeltaNet (linear-attention) layers and {', '.join(missing)} is not "
-            f"installed: transformers' torch fallback is slower and runs out of GPU memory where every "
-            f"hidden state is kept (pip install {' '.join(missing)}; or --allow-slow-linear-attention to run it "
-            f"anyway)")
 
 
 def parse_kernel_options(text: str) -> dict:

@@ -19,14 +19,14 @@ import struct
 from pathlib import Path
 
 from trainer.config.options import (
-    DRAFT_LAYER_TYPES,
     ConfigError,
     TrainConfig,
     draft_attention,
     draft_layer_types,
-    slow_linear_attention_message,
     validate_flags,
 )
+from trainer.model.contract import DRAFT_LAYER_TYPES
+from trainer.model.hybrid import slow_linear_attention_message
 
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:

@@ -1,5 +1,5 @@
 """The training loop of one rank, top to bottom, and its wiring. The components beside it own their
-state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target.py and
+state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target_stage.py and
 drafter_stage.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
 compile_warmup.py, optim.py,
 train_state.py (what a checkpoint holds: one typed state whose parts their owners declare),
@@ -52,6 +52,7 @@ from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
 from trainer.engine.runlog import setup_logging
+from trainer.engine.target_stage import TargetStage
 from trainer.engine.train_state import (
     DataFeedState,
     DrafterState,
@@ -67,7 +68,7 @@ from trainer.model import identity
 from trainer.model.checkpoint_format import CheckpointError
 from trainer.model.dflash2 import as_dflash2
 from trainer.model.drafter import DFlashConfig
-from trainer.model.target import TargetStage, decoder, load_target
+from trainer.model.target import decoder, load_target
 from trainer.ops.compiling import compile_layers, compile_reason, note_new_graphs, resolve_compile, wants
 from trainer.status import beating
 

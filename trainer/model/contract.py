@@ -25,9 +25,33 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from trainer.model.hybrid import is_hybrid
+
 log = logging.getLogger("trainer.contract")
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# --draft-layer-types' short names -> the drafter config's layer_types (Hugging Face names)
+DRAFT_LAYER_TYPES = {"full": FULL, "sliding": SLIDING}
+
+
+def layer_types_for(text: str, num_layers: int, target_config: dict | None) -> list[str] | None:
+    """--draft-layer-types' text -> the drafter's layer_types (Hugging Face names: full_attention,
+    sliding_attention), or None for all full attention. 'auto': sliding on every layer but the last
+    for a hybrid target (text config layer_types with linear_attention: Qwen3.5/3.6), as
+    z-lab/Qwen3.6-27B-DFlash ships ([S, S, S, S, F], window 2048); full otherwise (z-lab's dense-target
+    drafters). target_config None: check the syntax only. ValueError names the flag (the config wing's
+    options.draft_layer_types turns it into a ConfigError)."""
+    if text == "auto":
+        if target_config is None:
+            return None
+        return [SLIDING] * (num_layers - 1) + [FULL] if is_hybrid(target_config) and num_layers > 1 else None
+    kinds = [t.strip() for t in text.split(",")]
+    bad = [t for t in kinds if t not in DRAFT_LAYER_TYPES]
+    if bad or len(kinds) != num_layers:
+        raise ValueError(f"--draft-layer-types: expected auto or {num_layers} comma-separated "
+                         f"{'|'.join(DRAFT_LAYER_TYPES)} (one per --num-draft-layers), got {text!r}")
+    types = [DRAFT_LAYER_TYPES[t] for t in kinds]
+    return types if SLIDING in types else None
 
 
 @dataclass(frozen=True)
@@ -159,11 +183,10 @@ def resolve_run(cfg, target_config: dict, defaults: dict | None = None,
                  own_why)
     cfg.draft_heads, cfg.draft_kv_heads, cfg.draft_head_dim = (int(x) for x in heads)
 
-    from trainer.config.options import DRAFT_LAYER_TYPES, draft_layer_types
     n = cfg.num_draft_layers
     names = {v: k for k, v in DRAFT_LAYER_TYPES.items()}
     types_given = _flag_given(cfg, "draft_layer_types") and cfg.draft_layer_types != "auto"
-    own_types = draft_layer_types(cfg.draft_layer_types, n, target_config)
+    own_types = layer_types_for(cfg.draft_layer_types, n, target_config)
     want = contract.draft_layer_types(n) if contract and contract.layer_types else None
     if contract and not contract.layer_types:
         want = [FULL] * n   # the contract says: all full

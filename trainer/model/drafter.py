@@ -73,13 +73,13 @@ class DFlashConfig:
                     sliding_window: int = 2048, num_heads: int = 0, num_kv_heads: int = 0,
                     head_dim: int = 0) -> "DFlashConfig":
         """layer_types: --draft-layer-types' text (auto | full,sliding,...), resolved against the target
-        (config.draft_layer_types); "full" (the default here): every layer full attention. num_heads,
+        (contract.layer_types_for); "full" (the default here): every layer full attention. num_heads,
         num_kv_heads, head_dim: the draft layers' attention (--draft-heads ...; 0: the target's)."""
-        from trainer.config.options import draft_layer_types
+        from trainer.model.contract import layer_types_for
         t = getattr(target_cfg, "text_config", None) or target_cfg
         whole = target_cfg.to_dict() if hasattr(target_cfg, "to_dict") else dict(target_cfg)
         types = (None if layer_types == "full" else
-                 draft_layer_types(layer_types, num_draft_layers, whole))
+                 layer_types_for(layer_types, num_draft_layers, whole))
         heads = num_heads or t.num_attention_heads
         kv_heads = num_kv_heads or getattr(t, "num_key_value_heads", t.num_attention_heads)
         head_dim = head_dim or getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads

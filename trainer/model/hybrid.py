@@ -10,7 +10,9 @@ mid-generation with an AttributeError. `check_hybrid_transformers` stops first, 
 generation path calls it: dflash-eval (both loops) and the in-training eval (--eval-data-dir, at
 validation), dflash-regenerate's captured decoder (with or without graphs), captured_decoder's decoders and
 evaluate.generate_each (so tests/gpu/regenerate_bench.py and eval_bench.py too). A dense target passes
-on any release. Torch-free and cheap: transformers' version is read only for a hybrid.
+on any release. Torch-free and cheap: transformers' version is read only for a hybrid. Here too the one
+line that refuses a hybrid whose fast linear-attention kernels are missing on a GPU
+(`slow_linear_attention_message`: preflight's cheap check and target.check_fast_kernels both say it).
 """
 
 from __future__ import annotations
@@ -64,3 +66,11 @@ def check_hybrid_transformers(target, what: str = "the target") -> None:
             f"{what} is a hybrid (Gated DeltaNet linear-attention layers): its generation here needs "
             f"transformers >= {HYBRID_TRANSFORMERS}, installed {have} "
             f"(pip install 'transformers>={HYBRID_TRANSFORMERS}')")
+
+
+def slow_linear_attention_message(path: str, missing: list[str]) -> str:
+    """The one line that refuses a hybrid target whose fast kernels are missing on a GPU."""
+    return (f"--target-model: {path} has Gated DeltaNet (linear-attention) layers and {', '.join(missing)} is not "
+            f"installed: transformers' torch fallback is slower and runs out of GPU memory where every "
+            f"hidden state is kept (pip install {' '.join(missing)}; or --allow-slow-linear-attention to run it "
+            f"anyway)")

@@ -165,7 +165,7 @@ def check(pub: Published, cfg, target_config: dict) -> list[str]:
     the drafter's own where no flag was given). Raises PublishedError, one line naming the flag and both
     values, for what its weights cannot survive; returns what a flag given on purpose changed where the
     weights still fit (the caller logs them)."""
-    from trainer.config.options import DRAFT_LAYER_TYPES
+    from trainer.model.contract import DRAFT_LAYER_TYPES
     text = target_config.get("text_config") or target_config
     L = text.get("num_hidden_layers")
     where = f"{pub.path}"

@@ -96,7 +96,7 @@ class ReplayTarget:
         self.k, self.hidden = 1, 0
 
     def next_slot(self):
-        from trainer.model.target import TargetStage
+        from trainer.engine.target_stage import TargetStage
         return TargetStage.next_slot(self)
 
     def forward_pack(self, item: ReplayItem, slot) -> dict:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trainer.tools import bench
+from trainer.tools import bench, bench_flops, bench_shapes
 
 
 @pytest.mark.slow
@@ -85,7 +85,7 @@ def test_shape_cache_probe_sees_a_per_shape_leak_and_only_in_the_first_pass(tmp_
 
 def test_flop_counts_scale_as_expected():
     import numpy as np
-    eight = bench.model_flops_target(np.array([4096]), "8b", 36)
+    eight = bench_flops.model_flops_target(np.array([4096]), "8b", 36)
     # ~2 x 6.95B non-embedding parameters per token plus causal attention
     assert 2 * 6.9e9 * 4096 < eight < 2 * 7.0e9 * 4096 * 1.2
 
@@ -97,15 +97,15 @@ def test_hybrid_flops_are_twice_the_parameters_of_qwen36_27b():
     import numpy as np
     import torch
     from transformers import Qwen3_5ForCausalLM
-    cfg = bench.qwen3_config("qwen3.6-27b")
+    cfg = bench_shapes.qwen3_config("qwen3.6-27b")
     assert cfg.layer_types.count("full_attention") == 16 and cfg.layer_types[3] == "full_attention"
     with torch.device("meta"):
         m = Qwen3_5ForCausalLM(cfg)
     params = sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     assert 24.0e9 < params < 24.7e9            # 24.35B: "27B" less 2 x 1.27B of embedding and head, less the tower
-    f = bench.model_flops_target(np.array([1.0] * 1000), "qwen3.6-27b", 64)
+    f = bench_flops.model_flops_target(np.array([1.0] * 1000), "qwen3.6-27b", 64)
     assert 2 * params * 1000 < f < 2 * params * 1000 * 1.02
-    assert bench.SHAPES["qwen3.6-27b"][2:] == (24, 4, 256, 17408, 248320) and "27b" in bench.SHAPES
+    assert bench_shapes.SHAPES["qwen3.6-27b"][2:] == (24, 4, 256, 17408, 248320) and "27b" in bench_shapes.SHAPES
 
 
 @pytest.mark.slow
@@ -220,14 +220,14 @@ def test_drafter_flops_count_useful_work_and_report_executed_work(flex):
     uniq = len(new.final_gather)
     assert valid < rows and uniq < valid / 3  # blocks overlap: many rows per position
     before = _old_drafter_count(new, dcfg, True)
-    assert bench.model_flops_drafter_before(new, dcfg, True) == pytest.approx(before, rel=1e-12)
-    useful = bench.model_flops_drafter(new, dcfg, True)
+    assert bench_flops.model_flops_drafter_before(new, dcfg, True) == pytest.approx(before, rel=1e-12)
+    useful = bench_flops.model_flops_drafter(new, dcfg, True)
     # useful = before - fc once - the head on zero-weight rows (2x) - the soft logits per row + per position
     want = (before - ctx * 2 * 3 * h * h - 2 * 2 * h * vocab * (rows - valid) - 2 * h * vocab * (rows - uniq))
     assert useful == pytest.approx(want, rel=1e-12)
-    assert bench.model_flops_drafter(old, dcfg, True) == pytest.approx(useful, rel=1e-12)  # same useful work
-    ex_new = bench.model_flops_drafter(new, dcfg, True, executed=True)
-    ex_old = bench.model_flops_drafter(old, dcfg, True, executed=True)
+    assert bench_flops.model_flops_drafter(old, dcfg, True) == pytest.approx(useful, rel=1e-12)  # same useful work
+    ex_new = bench_flops.model_flops_drafter(new, dcfg, True, executed=True)
+    ex_old = bench_flops.model_flops_drafter(old, dcfg, True, executed=True)
     assert useful <= ex_new < ex_old
 
 
@@ -259,7 +259,7 @@ def test_dflash2_drafter_flops_add_its_projections_and_the_selector_on_the_loss_
     valid = sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
     k, r = d2.selector_top_k, d2.selector_rank
     extra = 3 * 2 * proj * rows + valid * (2 * 2 * 64 * k + 3 * (2 * sel_proj + 2 * r * k))
-    assert bench.model_flops_drafter(plan, d2, False) - bench.model_flops_drafter(plan, dcfg, False) == extra
+    assert bench_flops.model_flops_drafter(plan, d2, False) - bench_flops.model_flops_drafter(plan, dcfg, False) == extra
 
 
 @pytest.mark.slow   # about 8 CPU-s
@@ -303,7 +303,7 @@ def test_profile_classes_tell_a_librarys_triton_kernels_from_eager_ones():
     """The H200 regeneration profile of Qwen3.6-27B (results/h200-qwen3.6-27b-regenerate-steps.json) put FLA's
     fused recurrent kernel, 13.1 ms of a 38.4 ms step, under "elementwise/reduce (eager)", and a page read it
     as eager conv and gating. A library's Triton kernel (a plain function name) is its own class now."""
-    from trainer.tools.bench import KERNEL_CLASSES, _kernel_class
+    from trainer.tools.bench_profile import KERNEL_CLASSES, _kernel_class
 
     named = {
         "fused_recurrent_gated_delta_rule_fwd_kernel": "triton (libraries)",

@@ -122,7 +122,7 @@ def target(tiny_small_dir):
 
 def test_the_captured_decoder_with_the_split_kv_attention_writes_the_same_tokens(target, tiny_small_dir):
     from trainer.data.dataset import load_dataset
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
     from trainer.serving.evaluate import heldout_prompts
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 5)   # mixed lengths: left padding
@@ -153,7 +153,8 @@ def test_a_prefill_trimmed_to_each_row_chunks_width_writes_the_same_tokens(targe
     """prefill_trim: a prefill chunk of short prompts runs at its own width (the batch's left padding of those
     rows is not computed; their cache positions before it stay masked): the same tokens."""
     from trainer.data.dataset import load_dataset
-    from trainer.serving.captured_decoder import PAD_TO, GraphDecoder
+    from trainer.serving.captured.kv_cache import PAD_TO
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
     from trainer.serving.evaluate import heldout_prompts
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
@@ -189,7 +190,7 @@ def test_the_captured_decoder_with_an_fp8_cache(target, tiny_small_dir, tmp_path
     """kv_fp8: the decoder runs with its cache in e4m3 (the first token comes from the unrounded prefill, so
     it is the same); it needs the triton attention, and dflash-regenerate refuses it otherwise."""
     from trainer.data.dataset import load_dataset
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
     from trainer.serving.evaluate import heldout_prompts
     from trainer.serving.regenerate import main
 

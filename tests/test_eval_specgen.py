@@ -300,7 +300,7 @@ def test_the_batched_loop_gives_each_prompts_accept_lengths_and_tokens_of_the_si
         target, quick_trained, all_prompts, batch_size):
     """Prompts of different lengths share a step, each row at its own position; with stop tokens some rows
     end early (frozen in the batch); a short last batch (8 = 3 + 3 + 2) repeats a finished row."""
-    from trainer.serving.captured_decoder import BatchedSpecDecoder
+    from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
     cfg, model = quick_trained
     hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
     max_new = 48

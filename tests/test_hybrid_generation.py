@@ -104,7 +104,7 @@ def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_gre
     """Fails before the fix on the hybrid: the single loop's DynamicCache() had no layer for the recurrent
     state (IndexError), the batched loop's cache no get_recurrent_state (AttributeError)."""
     from trainer.model.modeling_dflash import dflash_generate
-    from trainer.serving.captured_decoder import BatchedSpecDecoder
+    from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
 
     _, target, prompts = case
     cfg, model = untrained(target)
@@ -184,7 +184,7 @@ def test_the_captured_decoder_on_a_hybrid_writes_the_bytes_of_generate(tiny_hybr
 
 
 def test_the_captured_decoder_holds_only_the_attention_layers_kv_and_each_linear_layers_state(hybrid):
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
 
     dec = GraphDecoder(hybrid, "cpu", 2, 4, 0.0, [], 0)
     dec.generate([np.arange(5, 20), np.arange(7, 10)], range(2))
@@ -203,11 +203,11 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     dflash-regenerate says so in one line and runs generate."""
     import logging
 
-    from trainer.serving import captured_decoder
+    from trainer.serving.captured import linear_states
     from trainer.serving.evaluate import speculative_eval
     from trainer.serving.regenerate import TargetGenerator
 
-    monkeypatch.setattr(captured_decoder, "CHUNK_FN", "chunk_some_other_rule")
+    monkeypatch.setattr(linear_states, "CHUNK_FN", "chunk_some_other_rule")
     cfg, model = untrained(hybrid)
     hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
@@ -217,7 +217,7 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "batched loop cannot run this target" in lines[0] and "chunk_some_other_rule" in lines[0]
     assert TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured").decoder == "captured"   # needs no rollback
-    monkeypatch.setattr(captured_decoder, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
+    monkeypatch.setattr(linear_states, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured")
     err = capsys.readouterr().err.strip().splitlines()
     assert gen.decoder == "generate" and len(err) == 1
@@ -231,7 +231,7 @@ def test_compiled_small_ops_recognise_a_hybrids_norms(hybrid):
     weight times silu(gate); a two-input norm of another formula is left alone."""
     import copy
 
-    from trainer.serving.captured_decoder import NORMS, norm_kind
+    from trainer.serving.captured.fused_ops import NORMS, norm_kind
 
     layer = hybrid.model.layers[0]
     norm = copy.deepcopy(layer.input_layernorm)
@@ -264,7 +264,7 @@ def test_the_compiled_conv_step_is_transformers_conv_update(hybrid):
     positions) reach the original; outside `fused_small_ops` the original is back."""
     import sys
 
-    from trainer.serving.captured_decoder import fused_small_ops
+    from trainer.serving.captured.fused_ops import fused_small_ops
 
     la = hybrid.model.layers[0].linear_attn
     mod = sys.modules[type(la).__module__]
@@ -296,7 +296,7 @@ def test_the_compiled_conv_step_is_transformers_conv_update(hybrid):
 def test_the_captured_decoder_with_compiled_small_ops_on_a_hybrid_gives_generates_tokens(hybrid, tiny_hybrid_dir):
     """fuse=True (the GPU default) on a hybrid; before the fix: TypeError from the gated norm (16 s of
     inductor compiles on the CPU)."""
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
     from trainer.serving.regenerate import TargetGenerator
 
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 4)
@@ -314,12 +314,12 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
     import sys
     import types
 
-    from trainer.serving import captured_decoder
+    from trainer.serving.captured import linear_states, regenerate_decoder
     from trainer.serving.regenerate import TargetGenerator
 
     mod = sys.modules[type(hybrid.model.layers[0].linear_attn).__module__]
-    torch_recurrent = mod.__dict__[captured_decoder.RECURRENT_FN]
-    fake = types.ModuleType(captured_decoder.FLA_RECURRENT)
+    torch_recurrent = mod.__dict__[linear_states.RECURRENT_FN]
+    fake = types.ModuleType(linear_states.FLA_RECURRENT)
     launches = []
 
     class Kernel:
@@ -341,23 +341,23 @@ def test_the_decode_step_can_write_each_recurrent_state_in_place(hybrid, tiny_hy
                                                                args=(query, key, value, g, beta, kw), out=out)
         return out["o"], ht
 
-    monkeypatch.setitem(sys.modules, captured_decoder.FLA_RECURRENT, fake)
-    monkeypatch.setattr(mod, captured_decoder.RECURRENT_FN, recurrent)
+    monkeypatch.setitem(sys.modules, linear_states.FLA_RECURRENT, fake)
+    monkeypatch.setattr(mod, linear_states.RECURRENT_FN, recurrent)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 3)
     gen = TargetGenerator(hybrid, "cpu", 8, 0.0, 3)
     ref = gen._batch(prompts)            # generate through the stand-in: a new state each step
     assert launches and not any(launches)
     launches.clear()
-    dec = captured_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True)
+    dec = regenerate_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True)
     got = dec.generate(prompts, range(3))
     assert [list(a) for a in ref] == [list(b) for b in got]
     assert len(launches) == 7 * len(dec.linear_ids) and all(launches)   # every decode step's, aliased
-    assert mod.__dict__[captured_decoder.RECURRENT_FN] is recurrent              # put back after each step
+    assert mod.__dict__[linear_states.RECURRENT_FN] is recurrent              # put back after each step
     assert isinstance(fake.fused_recurrent_gated_delta_rule_fwd_kernel, Kernel)
     # bf16 states (state_dtype): the kernel stores its fp32 result into the bf16 buffer it read
     launches.clear()
-    dec16 = captured_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
-                                 state_dtype=torch.bfloat16)
+    dec16 = regenerate_decoder.GraphDecoder(hybrid, "cpu", 3, 8, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
+                                            state_dtype=torch.bfloat16)
     assert [len(c) for c in dec16.generate(prompts, range(3))] == [len(c) for c in ref]
     assert all(t.dtype == torch.bfloat16 for t in dec16.cache.linear.rec.values())
     assert len(launches) == 7 * len(dec.linear_ids) and all(launches)
@@ -369,7 +369,7 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
     sliding layer the same keys as the single loop's DynamicCache. Every draft of every step is compared
     (an untrained drafter: its drafts depend on the whole context the window shows)."""
     from trainer.model.modeling_dflash import dflash_generate
-    from trainer.serving.captured_decoder import BatchedSpecDecoder
+    from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
 
     cfg = DFlashConfig.from_target(hybrid.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3,
                                    layer_types="auto", sliding_window=8)
@@ -452,7 +452,7 @@ def test_the_recurrent_kernel_can_run_with_a_wider_state_tile(V, tile):
     """GraphDecoder(recurrent_tile=): FLA's recurrent kernel launched with (BV, num_warps) = tile in place of
     FLA's (8, 1), its grid rescaled so that every K x BV tile of every head's state is one program's: the
     output and the new state (written over h0) equal FLA's own launch."""
-    from trainer.serving.captured_decoder import _AliasFinalState
+    from trainer.serving.captured.linear_states import _AliasFinalState
 
     torch.manual_seed(0)
     N, H, HV, K = 3, 2, 4, 16
@@ -483,7 +483,7 @@ def test_the_recurrent_kernel_can_run_with_a_wider_state_tile(V, tile):
 
 def test_a_launch_not_of_flas_form_is_not_retiled():
     """A grid that is not FLA 0.6's one-dimensional (NV * N * HV,) (another FLA): launched as it came."""
-    from trainer.serving.captured_decoder import _AliasFinalState
+    from trainer.serving.captured.linear_states import _AliasFinalState
 
     alias = _AliasFinalState(None, (32, 4))
     kw = {"V": 128, "BV": 8, "num_warps": 1}
@@ -495,7 +495,7 @@ def test_a_launch_not_of_flas_form_is_not_retiled():
 
 def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_hybrid_dir, monkeypatch):
     """recurrent_tile reaches the kernel's alias on each in-place decode step (and only with state_inplace)."""
-    from trainer.serving import captured_decoder
+    from trainer.serving.captured import regenerate_decoder
     from trainer.serving.regenerate import TargetGenerator
 
     seen = []
@@ -504,17 +504,17 @@ def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_
         seen.append(tile)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(captured_decoder, "inplace_recurrent_state", spy)
+    monkeypatch.setattr(regenerate_decoder, "inplace_recurrent_state", spy)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2)
     ref = gen._batch(prompts)
-    dec = captured_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
-                                        recurrent_tile=(32, 4))
+    dec = regenerate_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id, state_inplace=True,
+                                          recurrent_tile=(32, 4))
     assert [list(a) for a in dec.generate(prompts, range(2))] == [list(b) for b in ref]
     assert seen and set(seen) == {(32, 4)}
     seen.clear()
-    captured_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id,
-                                  recurrent_tile=(32, 4)).generate(prompts, range(2))
+    regenerate_decoder.GraphDecoder(hybrid, "cpu", 2, 4, 0.0, gen.stop_ids, gen.pad_id,
+                                    recurrent_tile=(32, 4)).generate(prompts, range(2))
     assert seen == []
 
 
@@ -523,7 +523,8 @@ def test_a_timed_prefill_records_each_row_chunks_shape_and_seconds(hybrid):
     own trimmed width, the seconds summing to the prefill's less its tail; untimed (dflash-regenerate), no
     record and no synchronisation. The record is what separates a first call of a shape in FLA's shape-keyed
     kernels from the prefill's own rate on the GPU (docs/serving.md, "Hybrid targets")."""
-    from trainer.serving.captured_decoder import PAD_TO, GraphDecoder
+    from trainer.serving.captured.kv_cache import PAD_TO
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
 
     lens = [150, 140, 20, 10, 70]            # two chunks of 2 rows and one of 1 (prefill_tokens // 192 = 2)
     prompts = [np.arange(3, 3 + n) % 500 for n in lens]

@@ -7,7 +7,7 @@ generation path now checks the release first (the installed version is monkeypat
 - dflash-eval and dflash-regenerate (captured decoder) exit 2 with one line naming the installed release
   and the needed one, before reading the checkpoint or loading the target;
 - dflash-train with --eval-data-dir (the in-training and final tau) exits 2 at validation;
-- the library's entry points (captured_decoder's two decoders, evaluate.generate_each, regenerate.TargetGenerator)
+- the library's entry points (the two captured decoders, evaluate.generate_each, regenerate.TargetGenerator)
   raise HybridTransformersTooOld, a ValueError;
 - the GPU scripts stop before building their target;
 - dense targets, and transformers' own generate (dflash-regenerate --decoder generate), run on any release.
@@ -77,7 +77,8 @@ def test_the_clis_exit_2_with_one_line_on_a_hybrid_and_run_a_dense_target(old, t
 
 def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybrid_dir, tiny_small_dir):
     from trainer.model.target import load_target
-    from trainer.serving.captured_decoder import BatchedSpecDecoder, GraphDecoder
+    from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
     from trainer.serving.evaluate import generate_each
     from trainer.serving.regenerate import TargetGenerator
 

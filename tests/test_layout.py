@@ -136,10 +136,14 @@ def test_the_model_wing_stands_on_ops_and_the_top_floor_alone():
 
 def test_the_package_build_ships_every_wing():
     """pyproject's package discovery finds every subpackage (`packages = ["trainer"]` shipped the top floor
-    alone, and the role's install of the trainer in the container would have lost the wings)."""
+    alone, and the role's install of the trainer in the container would have lost the wings), a package
+    inside a wing too."""
     import tomllib
 
     from setuptools import find_packages
     cfg = tomllib.loads((TRAINER.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     found = set(find_packages(where=str(TRAINER.parent), include=cfg["include"]))
-    assert found == {"trainer"} | {f"trainer.{w}" for w in WINGS}, found
+    assert {"trainer"} | {f"trainer.{w}" for w in WINGS} <= found, found
+    # and every room inside a wing that is a package of its own (serving/captured/)
+    on_disk = {".".join(p.parent.relative_to(TRAINER.parent).parts) for p in TRAINER.rglob("__init__.py")}
+    assert found == on_disk, sorted(on_disk ^ found)

@@ -263,7 +263,7 @@ def test_a_drafter_trained_on_regenerated_data_reaches_a_higher_tau(tiny_small_d
 
 
 def test_the_captured_decoder_writes_the_same_shards_as_generate(tiny_small_dir, tmp_path):
-    """--decoder captured (trainer/serving/captured_decoder.py: one preallocated KV cache, grouped-query decode attention,
+    """--decoder captured (trainer/serving/captured/regenerate_decoder.py: one preallocated KV cache, grouped-query decode attention,
     CUDA graphs on GPUs; the same loop eagerly on the CPU) writes the bytes of transformers' generate,
     greedy, with a short last batch and rows stopping at EOS; the decoder is part of the configuration."""
     common = dict(max_new_tokens=24, shard_size=16, max_records=40, **QUIET)
@@ -283,7 +283,7 @@ def test_the_captured_decoder_writes_the_same_shards_as_generate(tiny_small_dir,
 def test_captured_sampling_does_not_depend_on_the_batch(tiny_small_dir, target):
     """Sampling noise is keyed by (seed, prompt index, step): a prompt's sample is the same whatever batch
     it runs in, and it follows softmax(logits / T) (tokens differ from greedy, different keys differ)."""
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
 
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 6)
     stops = stop_token_ids(target)
@@ -299,7 +299,7 @@ def test_captured_sampling_does_not_depend_on_the_batch(tiny_small_dir, target):
 
 
 def test_hash_uniforms_are_uniform():
-    from trainer.serving.captured_decoder import _hash_uniform
+    from trainer.serving.captured.regenerate_decoder import _hash_uniform
 
     u = _hash_uniform(torch.arange(64), 4096)
     assert u.shape == (64, 4096) and 0 < float(u.min()) and float(u.max()) < 1
@@ -325,7 +325,7 @@ def test_fused_small_ops_give_the_same_tokens(target, tiny_small_dir):
     eager loop's tokens (fp32), and the target's classes are restored afterwards."""
     import transformers.models.qwen3.modeling_qwen3 as mq
 
-    from trainer.serving.captured_decoder import GraphDecoder
+    from trainer.serving.captured.regenerate_decoder import GraphDecoder
 
     before = (mq.Qwen3RMSNorm.forward, mq.apply_rotary_pos_emb, mq.Qwen3MLP.forward)
     prompts = heldout_prompts(load_dataset(tiny_small_dir / "data"), 4)

@@ -309,8 +309,8 @@ def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys
 @pytest.mark.slow
 def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_path):
     from trainer.data.dataset import load_dataset
-    from trainer.engine.train import load_target
     from trainer.model.drafter import init_drafter_weights
+    from trainer.model.target import load_target
     from trainer.serving.evaluate import evaluate, load_drafter
     out = tmp_path / "learn"
     # hard labels: the data are the target's own greedy outputs (soft labels, the default, chase the tiny

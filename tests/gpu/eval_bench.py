@@ -9,7 +9,7 @@ about one token per verify step, so verify steps/s is the loop's cost per step, 
 Each variant is warmed on prompts of the same shapes first (the captures happen there), then timed:
 
     single            evaluate.generate_each(loop="single"): dflash_generate, one prompt at a time (today)
-    batched-eager-B   captured_decoder.BatchedSpecDecoder at batch B, no graphs
+    batched-eager-B   eval_decoder.BatchedSpecDecoder at batch B, no graphs
     batched-B         the same with the step captured as CUDA graphs (dflash-eval's default on GPUs)
 
 Parity: per prompt, the accept lengths and tokens of `single` and `batched-16` on the timed prompts (bf16:
@@ -34,7 +34,7 @@ from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
-from trainer.serving.captured_decoder import BatchedSpecDecoder  # noqa: E402
+from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
 from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
 

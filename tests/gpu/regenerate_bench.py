@@ -83,7 +83,7 @@ def fast_breakdown(gen) -> dict:
 
 
 VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), "matmul": ("matmul", True, False),
-            "fused": ("sdpa", True, True),   # fused: norms, rotary, SiLU gate compiled (captured_decoder.fused_small_ops)
+            "fused": ("sdpa", True, True),   # fused: norms, rotary, SiLU gate compiled (fused_ops.fused_small_ops)
             "triton": ("triton", True, False),   # triton: the split-KV decode attention (trainer/ops/decode_attn.py)
             "fused-triton": ("triton", True, True),
             "fused-trim": ("sdpa", True, True, True),   # trim: each prefill row chunk at its own width

@@ -35,7 +35,7 @@ def main() -> int:
 
     from trainer.model import drafter as M
     from trainer.ops.compiling import compile_layers
-    from trainer.tools.bench import flex_check_case
+    from trainer.tools.bench_checks import flex_check_case
 
     base, c, taps, emb, proj = flex_check_case(kv_heads=2, ctx_group=0, supervised_from=0)
 

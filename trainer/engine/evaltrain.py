@@ -30,8 +30,13 @@ counted in tokens/s.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+
+from trainer.distributed.transport import Sender
+from trainer.engine.checkpoint import consolidated_state
+from trainer.status import beating
 
 log = logging.getLogger("trainer.evaltrain")
 
@@ -88,6 +93,29 @@ class InTrainingEval:
     def due(self, step: int, last: bool) -> bool:
         return eval_due(step, self.cfg.eval_every, last)
 
+    def at_boundary(self, step: int, final: bool, report, last_ckpt: str | None, drafter, target, receiver,
+                    dcfg) -> float:
+        """Every rank, at an eval step's boundary (the module docstring's steps 1-5): tau of the current
+        weights, measured by the owner, recorded by the leader in `report`. `drafter`, `target` and `receiver`
+        are this rank's stages and receive buffers (None where it has none). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.topo.is_drafter:
+            report.drain(last_ckpt, block=True)   # step records first: W&B drops a step below the last logged
+        # status.json says eval and keeps moving (systemd's watchdog is petted while rank 0 waits)
+        with beating(report.status, phase="eval", step=step):
+            quiesce(step, target, receiver, self.device)
+            state = consolidated_state(drafter.model, self.device, self.topo.leader) if self.topo.is_drafter \
+                else None
+            res = self.run(step, state, target, dcfg, final)
+            del state
+        secs = time.perf_counter() - t0
+        if self.topo.leader:
+            if "error" in res:
+                log.warning("eval at step %d failed on rank %d: %s (training goes on)", step, self.owner, res["error"])
+            else:
+                report.record_eval(eval_record(step, res, final), secs)
+        return secs
+
     def run(self, step: int, state: dict | None, target_stage, dcfg, final: bool) -> dict:
         """Steps 3-5 on every rank; `state` is the consolidated drafter on the leader (None elsewhere),
         `target_stage` the owner's TargetStage. Returns the result on every rank."""
@@ -126,6 +154,18 @@ class InTrainingEval:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()   # the drafter copy and KV caches: give the memory back to training
+
+
+def quiesce(step: int, target, receiver, device: torch.device) -> None:
+    """Step 1: nothing of this rank's pipeline in flight: the step's sends complete, the device idle. (No
+    receive is posted across a step boundary: Feed.post_receives.)"""
+    if target is not None:
+        for slot in target.slots:
+            Sender.reclaim(slot)
+    if receiver is not None and receiver.posted:
+        raise RuntimeError(f"eval at step {step}: receives still posted across the step boundary")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_eval_data(eval_data_dir: str, target_model: str) -> None:

@@ -26,8 +26,9 @@ from trainer.distributed.transport import (
     stream_ctx,
     unpack,
 )
-from trainer.model.target import decoder
-from trainer.ops.compiling import sdpa_context
+from trainer.errors import BadInput, TrainingFailed
+from trainer.model.target import decoder, load_target
+from trainer.ops.compiling import compile_layers, sdpa_context, wants
 
 log = logging.getLogger("trainer.target")
 
@@ -135,3 +136,37 @@ class TargetStage:
             if self.stream is not None:
                 self.stream.synchronize()
             log.info("warmup: target %s shape %dx%d in %.2fs", self.device, bsz, seqlen, time.perf_counter() - t0)
+
+
+def load_for_run(cfg, device: torch.device, dtype: torch.dtype):
+    """The target of --target-model on this rank's device (model.target.load_target). BadInput (exit 2) for
+    what a restart will not fix: a hybrid without its fast kernels on a GPU, or a truncated or corrupt shard
+    (named); TrainingFailed for any other failure to load."""
+    t0 = time.perf_counter()
+    try:
+        model = load_target(cfg.target_model, device, dtype, cfg.allow_slow_linear_attention)
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001  a truncated or corrupt shard: name it, exit 2
+        from trainer.config.options import ConfigError
+        from trainer.config.preflight import check_target_shards
+        try:
+            check_target_shards(cfg.target_model)
+        except ConfigError as bad:
+            raise BadInput(str(bad)) from None
+        raise TrainingFailed(f"--target-model: {cfg.target_model} failed to load: {e}") from e
+    log.info("loaded the target on %s in %.1fs", device, time.perf_counter() - t0)
+    return model
+
+
+def build_target_stage(cfg, model, device: torch.device, dtype: torch.dtype, tap_ids: list[int], rows: int,
+                       link) -> tuple[TargetStage, Sender]:
+    """This target rank's stage around `model` (its slots sized for `rows` packed rows) and the sender of its
+    slots on `link`; with --compile target or all, the target's layers compiled (regional; the compile
+    happens during warmup)."""
+    stage = TargetStage(model, device, tap_ids, cfg.use_soft_labels, rows, cfg.slots_per_worker, dtype,
+                        sdpa_backend=cfg.sdpa_backend)
+    if wants(cfg.compile, "target"):
+        n = compile_layers(decoder(model).layers)
+        log.info("--compile %s: %d target layers compiled (regional; compiles during warmup)", cfg.compile, n)
+    return stage, Sender(device, link)

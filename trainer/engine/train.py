@@ -42,17 +42,17 @@ from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_toge
 from trainer.distributed.startup import Startup
 from trainer.distributed.topology import Topology
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
-from trainer.engine.checkpoint import Checkpointer, consolidated_state
+from trainer.engine.checkpoint import Checkpointer
 from trainer.engine.compile_warmup import check_target_coverage, hybrid_target, startup_bounds, warmup
 from trainer.engine.drafter_stage import DrafterStage, build_stage, target_embed_head
-from trainer.engine.evaltrain import InTrainingEval, eval_record
+from trainer.engine.evaltrain import InTrainingEval
 from trainer.engine.faults import Faults
 from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
 from trainer.engine.runlog import setup_logging
-from trainer.engine.target_stage import TargetStage
+from trainer.engine.target_stage import TargetStage, build_target_stage, load_for_run
 from trainer.engine.train_state import (
     DataFeedState,
     DrafterState,
@@ -68,9 +68,7 @@ from trainer.model import identity
 from trainer.model.checkpoint_format import CheckpointError
 from trainer.model.dflash2 import as_dflash2
 from trainer.model.drafter import DFlashConfig
-from trainer.model.target import decoder, load_target
-from trainer.ops.compiling import compile_layers, compile_reason, note_new_graphs, resolve_compile, wants
-from trainer.status import beating
+from trainer.ops.compiling import compile_reason, note_new_graphs, resolve_compile
 
 log = logging.getLogger("trainer")
 
@@ -112,30 +110,6 @@ class Trainer:
         self.wait_s: float = 0.0     # seconds the main thread waited for received hidden states
         self.items_done: int = 0     # micro-batches this rank worked on (as target, drafter or both)
 
-    @property
-    def step(self) -> int:
-        return self.loop.step
-
-    @step.setter
-    def step(self, value: int):
-        self.loop.step = value
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.loop.tokens_seen
-
-    @tokens_seen.setter
-    def tokens_seen(self, value: int):
-        self.loop.tokens_seen = value
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.schedule.warmup_steps
-
-    @warmup_steps.setter
-    def warmup_steps(self, value: int):
-        self.schedule.warmup_steps = value
-
     # ------------------------------------------------------------------------------------- setup
     def setup(self) -> dict:
         cfg, topo = self.cfg, self.topo
@@ -167,14 +141,13 @@ class Trainer:
                 self.evaluator = InTrainingEval(cfg, topo, self.groups, self.device, self.dtype)
             except (DataError, ValueError) as e:
                 raise BadInput(f"--eval-data-dir: {e}") from None
-        self.report.open(self.step if self.ckpt.resumed_from else None)
+        self.report.open(self.loop.step if self.ckpt.resumed_from else None)
         return facts
 
     def _build_stages(self):
         cfg, topo, dev = self.cfg, self.topo, self.device
         self.report.status.update(phase="loading", force=True)
         self.startup.note("loading", "the target" if topo.is_target else "the target's config, embedding and head")
-        t0 = time.perf_counter()
         model = None
         if self.target_factory is not None:
             model = self.target_factory(dev)
@@ -183,19 +156,7 @@ class Trainer:
             from transformers import AutoConfig
             tc = AutoConfig.from_pretrained(cfg.target_model, local_files_only=True)
             if topo.is_target:
-                try:
-                    model = load_target(cfg.target_model, dev, self.dtype, cfg.allow_slow_linear_attention)
-                except BadInput:   # e.g. a hybrid target without its fast kernels on a GPU: one line, exit 2
-                    raise
-                except Exception as e:  # noqa: BLE001  a truncated or corrupt shard: name it, exit 2
-                    from trainer.config.options import ConfigError
-                    from trainer.config.preflight import check_target_shards
-                    try:
-                        check_target_shards(cfg.target_model)
-                    except ConfigError as bad:
-                        raise BadInput(str(bad)) from None
-                    raise TrainingFailed(f"--target-model: {cfg.target_model} failed to load: {e}") from e
-                log.info("loaded the target on %s in %.1fs", dev, time.perf_counter() - t0)
+                model = load_for_run(cfg, dev, self.dtype)
         tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         # preflight filled the open choices in and logged their sources (trainer/model/contract.py); a run
         # without preflight (an injected target) takes the same MASK rule here
@@ -216,12 +177,8 @@ class Trainer:
                  self.dcfg.target_layer_ids, cfg.block_size, mask_token)
         rows, k, hidden = self.feed.rows, len(self.dcfg.target_layer_ids), self.dcfg.hidden_size
         if topo.is_target:
-            self.target = TargetStage(model, dev, self.dcfg.target_layer_ids, cfg.use_soft_labels, rows,
-                                      cfg.slots_per_worker, self.dtype, sdpa_backend=cfg.sdpa_backend)
-            self.sender = Sender(dev, self.groups.link)
-            if wants(cfg.compile, "target"):
-                n = compile_layers(decoder(self.target.model).layers)
-                log.info("--compile %s: %d target layers compiled (regional; compiles during warmup)", cfg.compile, n)
+            self.target, self.sender = build_target_stage(cfg, model, dev, self.dtype, self.dcfg.target_layer_ids, rows,
+                                                          self.groups.link)
         if topo.is_drafter:
             embed, head = target_embed_head(model, cfg.target_model, dev, self.dtype)
             self.drafter, self.opt = build_stage(self.dcfg, cfg, dev, self.dtype, self.groups.drafters, embed, head,
@@ -240,7 +197,7 @@ class Trainer:
         if self.total_steps < 1:
             raise TrainingFailed(f"--data-dir: {per_epoch} batches/epoch x {cfg.epochs} epochs is less than one "
                                  f"optimizer step ({self.batches_per_step} batches)")
-        self.warmup_steps = warmup_steps(cfg.warmup_ratio, self.total_steps)
+        self.schedule.warmup_steps = warmup_steps(cfg.warmup_ratio, self.total_steps)
 
     # ------------------------------------------------------------------------------ checkpointing
     def _build_state(self):
@@ -258,80 +215,32 @@ class Trainer:
     def _resume(self):
         path = self.ckpt.resume(self.state, self.cfg.resume)
         if path is not None:
-            log.info("resumed from %s: step %d of %d (warmup %d steps)", path, self.step, self.total_steps,
-                     self.warmup_steps)
+            log.info("resumed from %s: step %d of %d (warmup %d steps)", path, self.loop.step, self.total_steps,
+                     self.schedule.warmup_steps)
             if self.cfg.init_drafter:
                 log.info("--init-drafter %s: not used, the run resumes its own checkpoint", self.cfg.init_drafter)
-        elif self.cfg.init_drafter:
-            self._warm_start()
-
-    def _warm_start(self):
-        """--init-drafter: the published drafter's weights (preflight checked its contract) into this rank's
-        shard; AdamW's moments and the schedule start fresh."""
-        from trainer.model import published
-        if self.state.drafter is not None:
-            try:
-                pub = published.read(self.cfg.init_drafter)
-                shapes = {n: tuple(p.shape) for n, p in self.drafter.model.named_parameters()}
-                weights = published.load_weights(pub, shapes)
-            except published.PublishedError as e:
-                raise BadInput(str(e)) from None
-            self.state.drafter.load_full_weights(weights)
-            del weights
+        elif self.cfg.init_drafter and self.state.drafter is not None:   # AdamW and the schedule start fresh
+            pub, n = self.state.drafter.warm_start(self.cfg.init_drafter)
             if self.topo.leader:
                 log.info("warm start from %s (%s): %d tensors; AdamW moments start fresh, the schedule at step 0 "
-                         "(warmup %d of %d steps, peak lr %g)", pub.source, pub.arch, len(shapes), self.warmup_steps,
+                         "(warmup %d of %d steps, peak lr %g)", pub.source, pub.arch, n, self.schedule.warmup_steps,
                          self.total_steps, self.cfg.lr)
 
     def save_checkpoint(self, reason: str):
         """Drafter ranks, together (checkpoint.py has the protocol)."""
-        self.report.status.update(phase="checkpointing", step=self.step, force=True)
+        self.report.status.update(phase="checkpointing", step=self.loop.step, force=True)
         path = self.ckpt.save(self.state, reason, self.device)
         self.report.status.update(phase="training", last_checkpoint=path, force=True)
 
-    # ------------------------------------------------------------------------------ tau eval
-    def _quiesce(self):
-        """Nothing of this rank's pipeline in flight: the step's sends complete, the device idle. (No
-        receive is posted across a step boundary: Feed.post_receives.)"""
-        if self.target is not None:
-            for slot in self.target.slots:
-                Sender.reclaim(slot)
-        if self.receiver is not None and self.receiver.posted:
-            raise RuntimeError(f"eval at step {self.step}: receives still posted across the step boundary")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def evaluate_now(self, final: bool) -> float:
-        """Every rank, at an eval step's boundary (evaltrain.py has the message flow): tau of the current
-        weights, measured by the eval owner, recorded by the leader. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        if self.topo.is_drafter:
-            self._drain_metrics(block=True)   # step records first: W&B drops a step below the last logged
-        # status.json says eval and keeps moving (systemd's watchdog is petted while rank 0 waits)
-        with beating(self.report.status, phase="eval", step=self.step):
-            self._quiesce()
-            state = consolidated_state(self.drafter.model, self.device, self.topo.leader) if self.topo.is_drafter \
-                else None
-            res = self.evaluator.run(self.step, state, self.target, self.dcfg, final)
-            del state
-        secs = time.perf_counter() - t0
-        if self.topo.leader:
-            if "error" in res:
-                log.warning("eval at step %d failed on rank %d: %s (training goes on)", self.step,
-                            self.evaluator.owner, res["error"])
-            else:
-                self.report.record_eval(eval_record(self.step, res, final), secs)
-        return secs
-
     # ----------------------------------------------------------------------------------- the step
     def _noise(self) -> float:
-        prog = min(1.0, self.step / max(1, self.total_steps - 1))
+        prog = min(1.0, self.loop.step / max(1, self.total_steps - 1))
         return self.cfg.noise_start + (self.cfg.noise_end - self.cfg.noise_start) * prog
 
     def train_step(self):
         """This rank's share of one optimizer step."""
         topo = self.topo
-        work = self.feed.mine(self.step)
+        work = self.feed.mine(self.loop.step)
         di = topo.drafter_index if topo.is_drafter else -1
         ti = topo.target_index if topo.is_target else -1
         mine_d = [a.seq for a in work if a.drafter == di]
@@ -340,7 +249,7 @@ class Trainer:
             self.drafter.begin_step()
         for a in work:
             if a.drafter == di and a.target != ti:
-                self.feed.post_receives(self.receiver, self.drafter.stream, self.step)
+                self.feed.post_receives(self.receiver, self.drafter.stream, self.loop.step)
             item = self.feed.next(a.seq)
             slot = None
             if a.target == ti:
@@ -369,7 +278,7 @@ class Trainer:
                     slot.work = e1          # the target reuses this slot only after the drafter read it
                 else:
                     self.receiver.release(buf)
-                    self.feed.post_receives(self.receiver, self.drafter.stream, self.step)
+                    self.feed.post_receives(self.receiver, self.drafter.stream, self.loop.step)
             self.items_done += 1
         if topo.is_drafter:
             self.optimizer_step()
@@ -383,7 +292,7 @@ class Trainer:
             vec = d.step_vector()   # metrics.StepLayout: [w * CE, tokens, w, correct per slot, rows per slot]
             dist.all_reduce(vec, group=self.groups.drafters)
             loss = vec[0]
-            lr = lr_at(self.step, cfg.lr, self.warmup_steps, self.total_steps)
+            lr = lr_at(self.loop.step, cfg.lr, self.schedule.warmup_steps, self.total_steps)
             gnorm, bad = guarded_step(d.model, self.opt, lr, cfg.grad_clip, loss)
             out = d.layout.host(vec, bad, gnorm)
             host = torch.empty(out.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
@@ -392,12 +301,9 @@ class Trainer:
             ev.record()
             e1.record()
             self.profiler.add_events("optimizer", e0, e1)
-        self.report.step_events.append((self.step + 1, e1))   # GPU timestamps of step ends (rates over many steps)
+        self.report.step_events.append((self.loop.step + 1, e1))   # GPU timestamps of step ends (rates over many steps)
         d.reset_counters()
-        self.report.pending.append(StepMetrics(self.step + 1, host, ev, lr, d.layout))
-
-    def _drain_metrics(self, block: bool = False):
-        self.report.drain(self.ckpt.last, block)
+        self.report.pending.append(StepMetrics(self.loop.step + 1, host, ev, lr, d.layout))
 
     # --------------------------------------------------------------------------------------- run
     def warmup(self):
@@ -415,55 +321,56 @@ class Trainer:
     def run(self) -> int:
         cfg, topo, report = self.cfg, self.topo, self.report
         self.warmup()
-        if self.step >= self.total_steps:
-            log.info("nothing to do: step %d of %d", self.step, self.total_steps)
-            report.status.update(phase="done", step=self.step, force=True)
+        if self.loop.step >= self.total_steps:
+            log.info("nothing to do: step %d of %d", self.loop.step, self.total_steps)
+            report.status.update(phase="done", step=self.loop.step, force=True)
             return 0
         self.startup.barrier(self.groups)   # bounded by the config's worst-case warmup
-        self.feed.start(self.step, self.total_steps)
-        report.begin(self.step, self.total_steps, self.ckpt.resumed_from, self.ckpt.last)
+        self.feed.start(self.loop.step, self.total_steps)
+        report.begin(self.loop.step, self.total_steps, self.ckpt.resumed_from, self.ckpt.last)
         try:
-            while self.step < self.total_steps:
-                self.faults.before_step(self.step, self.drafter)
-                oprecord.mark(f"step {self.step}")   # streamcheck's step boundary (no-op unless recording)
-                epoch, _ = self.feed.position(self.step * self.batches_per_step)
+            while self.loop.step < self.total_steps:
+                self.faults.before_step(self.loop.step, self.drafter)
+                oprecord.mark(f"step {self.loop.step}")   # streamcheck's step boundary (no-op unless recording)
+                epoch, _ = self.feed.position(self.loop.step * self.batches_per_step)
                 self.train_step()
-                note_new_graphs(self.step)
-                self.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.step))  # known on every rank
-                self.step += 1
+                note_new_graphs(self.loop.step)
+                self.loop.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.loop.step))  # known on every rank
+                self.loop.step += 1
                 counters = {"items": self.items_done,
                             "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
                             "wait_s": self.wait_s,
                             "peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                             else 0}
-                self.vote.post(self.step, self.stop_requested.is_set(), counters)
-                stop = self.vote.verdict(self.step)
+                self.vote.post(self.loop.step, self.stop_requested.is_set(), counters)
+                stop = self.vote.verdict(self.loop.step)
                 if topo.is_drafter:
-                    self._drain_metrics()
-                report.after_step(self.step, epoch, self.tokens_seen)
-                last = self.step == self.total_steps
-                if self.evaluator is not None and not stop and self.evaluator.due(self.step, last):
+                    report.drain(self.ckpt.last)
+                report.after_step(self.loop.step, epoch, self.loop.tokens_seen)
+                last = self.loop.step == self.total_steps
+                if self.evaluator is not None and not stop and self.evaluator.due(self.loop.step, last):
                     # before the step's checkpoint: a run killed between the two re-evaluates this step
                     # after the resume (metrics.jsonl is cut back to the checkpoint), so each eval is once
-                    report.paused_s += self.evaluate_now(final=last)
+                    report.paused_s += self.evaluator.at_boundary(self.loop.step, last, report, self.ckpt.last,
+                                                                  self.drafter, self.target, self.receiver, self.dcfg)
                 final = last and cfg.save_final
-                checkpoint_due = self.step % cfg.save_interval == 0 or final or stop   # known on every rank
+                checkpoint_due = self.loop.step % cfg.save_interval == 0 or final or stop   # known on every rank
                 if topo.is_drafter and checkpoint_due:
-                    self._drain_metrics(block=True)
-                    if report.nan_streak == 0 and not (self.ckpt.last or "").endswith(f"{self.step:08d}"):
+                    report.drain(self.ckpt.last, block=True)
+                    if report.nan_streak == 0 and not (self.ckpt.last or "").endswith(f"{self.loop.step:08d}"):
                         self.save_checkpoint("SIGTERM" if stop else ("interval" if not final else "final"))
                 if checkpoint_due:
                     hold_together(self.topo, self.groups, "the checkpoint")
                 if stop:
-                    log.info("stop requested: stopped cleanly at step %d", self.step)
-                    report.status.update(phase="done", step=self.step, error=None, force=True)
+                    log.info("stop requested: stopped cleanly at step %d", self.loop.step)
+                    report.status.update(phase="done", step=self.loop.step, error=None, force=True)
                     return 0
             if topo.is_drafter:
-                self._drain_metrics(block=True)
-            log.info("training complete: %d steps, %d tokens in %.1fs%s", self.step, self.tokens_seen,
+                report.drain(self.ckpt.last, block=True)
+            log.info("training complete: %d steps, %d tokens in %.1fs%s", self.loop.step, self.loop.tokens_seen,
                      report.elapsed(), f" (+ {report.paused_s:.1f}s of tau evals)" if report.paused_s else "")
             report.write_eval_json(self.ckpt.last)
-            report.status.update(phase="done", step=self.step, force=True)
+            report.status.update(phase="done", step=self.loop.step, force=True)
             return 0
         finally:
             report.end()
@@ -509,7 +416,7 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
     except BadInput as e:
         record(e)
         log.error("bad input: %s", e, extra={"console": False})
-        status.update(phase="failed", error=str(e), step=trainer.step, force=True)
+        status.update(phase="failed", error=str(e), step=trainer.loop.step, force=True)
         if not os.environ.get("DFLASH_SUPERVISED"):
             print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
         rc = 2
@@ -517,7 +424,7 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
     except (TrainingFailed, CheckpointError) as e:
         record(e)
         log.error("training failed: rank %d: %s", topo.rank, e)
-        status.update(phase="failed", error=f"rank {topo.rank}: {e}", step=trainer.step,
+        status.update(phase="failed", error=f"rank {topo.rank}: {e}", step=trainer.loop.step,
                       nan_skips=trainer.report.nan_skips, nan_streak=trainer.report.nan_streak, force=True)
         return 1
     except (Exception, CheckpointErrorBase) as e:

@@ -52,7 +52,7 @@ FILE_KEYS = ("step", "seq_next", "batches_per_step", "warmup_steps", "data_posit
 @dataclass
 class LoopState(Stateful):
     """The step loop's: optimizer steps done and the real tokens they trained on (live: the loop counts
-    here, Trainer.step and Trainer.tokens_seen are this)."""
+    here; the Trainer reads them as Trainer.loop)."""
     step: int = 0
     tokens_seen: int = 0
 
@@ -248,6 +248,21 @@ class DrafterState(Stateful):
         """The whole model's weights (model.safetensors), each rank taking its shard; AdamW untouched."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(self.model, dict(full), options=StateDictOptions(full_state_dict=True))
+
+    def warm_start(self, path: str) -> tuple[Any, int]:
+        """--init-drafter: the published drafter's weights at `path` (preflight checked its contract) into
+        this rank's shard; AdamW untouched. Returns (published.Published, how many tensors); BadInput (exit
+        2) for a drafter whose weights do not load."""
+        from trainer.errors import BadInput
+        from trainer.model import published
+        try:
+            pub = published.read(path)
+            shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+            weights = published.load_weights(pub, shapes)
+        except published.PublishedError as e:
+            raise BadInput(str(e)) from None
+        self.load_full_weights(weights)
+        return pub, len(shapes)
 
 
 # ------------------------------------------------------------------------------- the whole

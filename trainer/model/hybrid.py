@@ -2,13 +2,13 @@
 
 A hybrid target (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside full attention) runs
 transformers' own layers inside our loops, and those layers ask the cache for their conv and recurrent
-states. Our caches answer the API of transformers >= HYBRID_TRANSFORMERS (trainer/serving/captured_decoder.py's hybrid
+states. Our caches answer the API of transformers >= HYBRID_TRANSFORMERS (trainer/serving/captured/linear_states.py's hybrid
 state store: get_/update_conv_state, get_/update_recurrent_state, get_recurrent_states_to_keep;
 modeling_dflash.target_cache: DynamicCache.activate_past_recording(recurrent_states_to_keep=)).
 Older releases ask another one (5.17: cache.has_previous_state(...), layers[i].conv_states[0]) and fail
 mid-generation with an AttributeError. `check_hybrid_transformers` stops first, in one line; every hybrid
 generation path calls it: dflash-eval (both loops) and the in-training eval (--eval-data-dir, at
-validation), dflash-regenerate's captured decoder (with or without graphs), captured_decoder's decoders and
+validation), dflash-regenerate's captured decoder (with or without graphs), the captured decoders (trainer/serving/captured/) and
 evaluate.generate_each (so tests/gpu/regenerate_bench.py and eval_bench.py too). A dense target passes
 on any release. Torch-free and cheap: transformers' version is read only for a hybrid. Here too the one
 line that refuses a hybrid whose fast linear-attention kernels are missing on a GPU

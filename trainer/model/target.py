@@ -104,7 +104,7 @@ LINEAR_KERNEL_PACKAGES = {
 }
 
 
-def _kernel_choice(fn, device_type: str) -> tuple[str, str, str] | None:
+def kernel_choice(fn, device_type: str) -> tuple[str, str, str] | None:
     """(kernel name, package, 'package' | 'missing' | 'device') for one of transformers' kernel-with-fallback
     functions, read from the wrapper transformers built at import: whether it will run the package's kernel
     on `device_type`, or the torch fallback because the package did not import or does not run on that
@@ -150,7 +150,7 @@ def layer_kernels(model, device_type: str) -> dict[str, dict[str, str]]:
         mod = sys.modules.get(type(mixer).__module__) if linear else None
         found = {}
         for attr in dir(mod) if mod is not None else ():
-            choice = _kernel_choice(getattr(mod, attr), device_type)
+            choice = kernel_choice(getattr(mod, attr), device_type)
             if choice is None or choice[1] not in LINEAR_KERNEL_PACKAGES:
                 continue
             fname, pkg, how = choice

@@ -19,7 +19,7 @@ against the selector's q at temperature > 0 (trainer/serving/dflash2_eval.py), o
                 [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
                 [--loop auto|batched|single] [--batch-size 16]
 
-The batched loop (greedy; trainer/serving/captured_decoder.py BatchedSpecDecoder) verifies --batch-size prompts per step,
+The batched loop (greedy; trainer/serving/captured/eval_decoder.py BatchedSpecDecoder) verifies --batch-size prompts per step,
 each row at its own position, with the step captured as CUDA graphs on GPUs; the single loop runs one
 prompt at a time. Both give the same accept lengths (tests/test_eval_specgen.py). On a hybrid target
 (Qwen3.5/3.6: Gated DeltaNet layers) both roll the linear layers' states back to the accepted tokens after
@@ -132,11 +132,11 @@ def resolve_loop(loop: str, temperature: float) -> str:
 
 def runnable_loop(target, loop: str) -> str:
     """`loop`, or "single" with one warning line where the batched loop cannot run this target (a hybrid
-    whose linear-attention layers captured_decoder does not know how to roll back: captured_decoder.hybrid_unsupported)."""
+    whose linear-attention layers the captured loops do not know how to roll back: linear_states.hybrid_unsupported)."""
     if loop != "batched":
         return loop
     from trainer.model.target import decoder
-    from trainer.serving.captured_decoder import hybrid_unsupported
+    from trainer.serving.captured.linear_states import hybrid_unsupported
     why = hybrid_unsupported(decoder(target), speculative=True)
     if why:
         log.warning("dflash-eval: the batched loop cannot run this target (%s); using the single loop", why)
@@ -150,7 +150,7 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
                   batch_size: int = EVAL_BATCH, graphs: bool | None = False) -> list[tuple[list[int], int]]:
     """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
     loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
-    (captured_decoder.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
+    (eval_decoder.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
     A hybrid target on a transformers older than trainer/model/hybrid.py's floor: HybridTransformersTooOld first."""
     from trainer.model.hybrid import check_hybrid_transformers
     check_hybrid_transformers(target)
@@ -165,7 +165,7 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
                                            max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
     loop = runnable_loop(target, resolve_loop(loop, temperature))
     if loop == "batched":
-        from trainer.serving.captured_decoder import BatchedSpecDecoder
+        from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
         dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
                                  graphs=graphs)
         return [(lengths, len(toks)) for i in range(0, len(prompts), dec.batch)

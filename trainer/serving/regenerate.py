@@ -17,7 +17,7 @@ The target generates each prompt's completion with transformers' `generate` (lef
 mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or
 top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
 of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
-decode loop instead (trainer/serving/captured_decoder.py: one preallocated KV cache, the decode step captured as CUDA
+decode loop instead (trainer/serving/captured/regenerate_decoder.py: one preallocated KV cache, the decode step captured as CUDA
 graphs, its small ops compiled with --fuse, its attention a split-KV Triton kernel with
 --decode-attention (auto: on GPUs with Triton); use a large --batch-size there, e.g. 256 on an 8B target, 128
 on a 27B one); --devices runs one worker process per
@@ -152,13 +152,13 @@ class TargetGenerator:
         # static KV cache: transformers compiles the decode step on GPUs (fixed shapes, CUDA graphs);
         # prompt widths are padded to a multiple of STATIC_PAD so a run sees few cache shapes
         self.static_cache = static_cache
-        # decoder "captured": dflash's own loop (trainer/serving/captured_decoder.py: one preallocated KV cache, the decode
+        # decoder "captured": dflash's own loop (trainer/serving/captured/regenerate_decoder.py: one preallocated KV cache, the decode
         # step captured as CUDA graphs on GPUs); "generate": transformers' generate, as before
         if decoder not in DECODERS:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
         if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
             from trainer.model.hybrid import check_hybrid_transformers
-            from trainer.serving.captured_decoder import hybrid_unsupported
+            from trainer.serving.captured.linear_states import hybrid_unsupported
             check_hybrid_transformers(self.model)   # a transformers too old for it: no fallback, one line
             from trainer.model.target import decoder as decoder_stack
             why = hybrid_unsupported(decoder_stack(self.model))
@@ -166,7 +166,7 @@ class TargetGenerator:
                 _log_stderr(f"{PROG}: the captured decoder cannot run this target ({why}); using --decoder generate")
                 decoder, fuse = "generate", False
         self.decoder = decoder
-        # fuse: the captured decode step's norms, rotary and SiLU gate compiled (captured_decoder.fused_small_ops)
+        # fuse: the captured decode step's norms, rotary and SiLU gate compiled (fused_ops.fused_small_ops)
         self.fuse = bool(fuse)
         # decode_attention: the captured decode step's attention, "sdpa" or "triton" (trainer/ops/decode_attn.py)
         if decode_attention not in DECODE_ATTENTIONS:
@@ -179,7 +179,7 @@ class TargetGenerator:
         self._fast = None
 
     def _fast_decoder(self):
-        from trainer.serving.captured_decoder import GraphDecoder
+        from trainer.serving.captured.regenerate_decoder import GraphDecoder
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
@@ -444,7 +444,7 @@ def regenerate(
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
     The ``auto`` switches are resolved by :func:`resolve_switches`:
     static_cache auto: on when every device is a GPU (docs/performance-archive.md measures it).
-    decoder auto: "captured" (trainer/serving/captured_decoder.py, CUDA graphs) when every device is a GPU, else "generate".
+    decoder auto: "captured" (trainer/serving/captured/regenerate_decoder.py, CUDA graphs) when every device is a GPU, else "generate".
     fuse auto: the captured decoder's small ops compiled when every device is a GPU (a faster decode step:
     results/INDEX.md, h200-8b-regenerate-fused.json); it changes no token's choice beyond bf16 rounding and is
     not recorded.

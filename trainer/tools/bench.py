@@ -9,6 +9,11 @@ attention layers), as the trainer loads it from the VL checkpoint. Data is synth
 with a length mix up to --max-seq-len. Throughput is target context tokens per second. MFU is model
 FLOPs (counted as in docs/performance-archive.md, "The benchmark") over wall time and the datasheet dense bf16 peak.
 Prints a table last and writes everything to JSON.
+
+Here: the settings and variants, the stage and pipeline timings, the serving figures, the results file and
+the command line. Beside it: bench_shapes.py (the random-init targets by shape, the synthetic data),
+bench_flops.py (the model FLOPs and the peak), bench_profile.py (memory, kernel classes, compiles) and
+bench_checks.py (the shape-cache probe, FlexAttention's parity on the GPU).
 """
 
 from __future__ import annotations
@@ -17,8 +22,6 @@ import argparse
 import gc
 import json
 import logging
-import platform
-import re
 import sys
 import threading
 import time
@@ -34,29 +37,22 @@ from trainer.data.dataset import Dataset
 from trainer.engine.runlog import format_table, setup_console
 from trainer.model.target import decoder
 from trainer.ops.compiling import compile_counters
+from trainer.tools.bench_checks import check_flex_on_gpu, probe_shape_cache
+from trainer.tools.bench_flops import model_flops_drafter, model_flops_drafter_before, model_flops_target, peak_flops
+from trainer.tools.bench_profile import (
+    KERNEL_CLASSES,
+    compiles_since,
+    gpu_name,
+    kernel_profile,
+    mem_snapshot,
+    memory_flatness,
+    reset_peaks,
+    sync_all,
+)
+from trainer.tools.bench_shapes import HYBRID, SHAPES, make_target_factory, synthetic_dataset
 
 log = logging.getLogger("trainer.bench")
 
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16, datasheet
-
-SHAPES = {
-    # name: (hidden, layers, heads, kv heads, head dim, mlp, vocab)
-    "tiny": (64, 8, 4, 2, 16, 128, 512),
-    "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
-    "8b": (4096, 36, 32, 8, 128, 12288, 151936),
-    "27b": (5120, 64, 40, 8, 128, 21504, 151936),
-    # hybrids (HYBRID below): the full-attention layers' dims here; the drafter takes these too
-    "tiny-hybrid": (64, 8, 4, 2, 32, 128, 512),
-    "qwen3.6-27b": (5120, 64, 24, 4, 256, 17408, 248320),
-}
-# the hybrid shapes' Gated DeltaNet layers (every 4th layer is full attention) and rope (Qwen3.6-27B's
-# config.json; tiny-hybrid is dflash-tiny --arch qwen3_5's)
-HYBRID = {
-    "tiny-hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
-    "qwen3.6-27b": dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
-}
 SETTINGS = {
     # block, anchors, token budget, max seq, grad accum, soft labels
     "orig": dict(block_size=32, max_anchors=1024, token_budget=49152, max_seq_len=8192, grad_accum=4,
@@ -134,166 +130,6 @@ def variant_options(name: str) -> dict:
     return out
 
 
-def qwen3_config(shape: str):
-    """The target's config: Qwen3Config, or for a hybrid shape Qwen3_5TextConfig (the language model of
-    the VL checkpoint, partial interleaved mRoPE, theta 1e7)."""
-    from transformers import Qwen3Config
-    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
-    if shape in HYBRID:
-        from transformers import Qwen3_5TextConfig
-        lin = dict(HYBRID[shape])
-        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                "mrope_section": lin.pop("mrope_section"), "mrope_interleaved": True}
-        return Qwen3_5TextConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh,
-                                 num_key_value_heads=nkv, head_dim=hd, intermediate_size=mlp, vocab_size=vocab,
-                                 max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                 rope_parameters=rope, **lin)
-    return Qwen3Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh, num_key_value_heads=nkv,
-                       head_dim=hd, intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=32768,
-                       tie_word_embeddings=False, rms_norm_eps=1e-6)
-
-
-def make_target_factory(shape: str, dtype, layers: int | None = None):
-    """device -> a frozen random-init Qwen3 of `shape` (its first `layers` layers only, if given); a hybrid
-    shape gives Qwen3_5ForCausalLM. Logs the kernels each layer class runs there (trainer/model/target.py)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
-
-    from trainer.model.target import describe_kernels, layer_kernels
-    cfg = qwen3_config(shape)
-    if layers is not None:
-        cfg.num_hidden_layers = layers
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[:layers]
-    cls = Qwen3_5ForCausalLM if shape in HYBRID else Qwen3ForCausalLM
-
-    def factory(device):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                torch.manual_seed(0)
-                m = cls(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        cfg._attn_implementation = "sdpa"
-        log.info("bench target %s on %s: kernels %s", shape, device,
-                 describe_kernels(layer_kernels(m, torch.device(device).type)))
-        return m.eval().requires_grad_(False)
-    return factory
-
-
-def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float, seed: int = 0,
-                      mean_len: int = 2048, min_len: int = 64) -> Dataset:
-    """Log-normal lengths (median ~mean_len/1.3) clipped to [min_len, max_len]; the last `supervised`
-    share of each sequence is the completion (loss mask)."""
-    rng = np.random.default_rng(seed)
-    recs, total = [], 0
-    while total < n_tokens:
-        n = int(np.clip(rng.lognormal(np.log(mean_len / 1.3), 0.8), min_len, max_len))
-        ids = rng.integers(0, min(vocab, 150000), n)
-        mask = np.zeros(n, np.int8)
-        mask[int(n * (1 - supervised)):] = 1
-        recs.append((ids, mask))
-        total += n
-    return Dataset.from_records(recs)
-
-
-def model_flops_target(lengths, shape: str, layers_run: int) -> float:
-    """Forward FLOPs of the first `layers_run` layers over sequences of `lengths`. Hybrid shapes: every 4th
-    layer is gated full attention (q_proj also makes the output gate: 2 x heads x head_dim); the others are
-    Gated DeltaNet: its projections (qkv, z, a, b, out), the 4-tap conv, and the chunked delta rule counted
-    as 6 dk dv + 2 C (dk + dv) per token and value head (C = 64: state read, update and the in-chunk part)."""
-    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
-    lengths = np.asarray(lengths, np.float64)
-    if shape not in HYBRID:
-        per_layer = 2 * (h * nh * hd * 2 + h * nkv * hd * 2) + 2 * 3 * h * mlp
-        return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
-    lin = HYBRID[shape]
-    nk, nv = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
-    dk, dv, conv = lin["linear_key_head_dim"], lin["linear_value_head_dim"], lin["linear_conv_kernel_dim"]
-    full = sum(1 for i in range(layers_run) if (i + 1) % 4 == 0)
-    linear = layers_run - full
-    mlp_f = 2 * 3 * h * mlp
-    full_f = 2 * h * (3 * nh * hd + 2 * nkv * hd) + mlp_f
-    lin_f = (2 * h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + 2 * nv * dv * h + 2 * conv * (2 * nk * dk + nv * dv)
-             + nv * (6 * dk * dv + 2 * 64 * (dk + dv)) + mlp_f)
-    return float((full * full_f + linear * lin_f) * lengths.sum() + full * 2 * nh * hd * (lengths ** 2).sum())
-
-
-def model_flops_drafter_before(plan, dcfg, soft: bool) -> float:
-    """The count the results before issue 15 used (for comparison only): fc 3x, the LM head on every
-    block row 2x, the soft-label logits once per block row."""
-    h, vocab, k = dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids)
-    rows = sum(len(c.q_seq) for c in plan.chunks)
-    ctx = sum(c.c1 - c.c0 for c in plan.chunks)
-    soft_useful = (2 * h * vocab * len(plan.final_gather)) if soft and plan.final_gather is not None else 0
-    useful = model_flops_drafter(plan, dcfg, soft)
-    head_useful = 2 * 2 * h * vocab * sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
-    return (useful - soft_useful - head_useful + ctx * 2 * k * h * h     # fc 3x
-            + 2 * 2 * h * vocab * rows + (2 * h * vocab * rows if soft else 0))
-
-
-def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float:
-    """Training FLOPs of one micro-batch.
-
-    Useful work (executed=False, what MFU counts): 3x forward for the trainable layers; 2x for fc (its
-    input, the tapped hidden states, needs no gradient: forward + weight gradient); 2x for the frozen LM
-    head on the rows that carry a loss (forward + grad w.r.t. its input); 1x for the soft-label target
-    logits once per unique position of the micro-batch (len(plan.final_gather)); attention over the
-    visible (query, key) pairs only. DFlash2 (dcfg.is_dflash2) adds per layer its two convolutions' kernel
-    projections (H -> 2 x 2KG on every block row: the input side's and the output side's kernels of the
-    attention and the MLP convolution) and, on the rows with a loss, the selector: the K candidates' unary
-    scores 2x (frozen head rows; forward + grad w.r.t. the hidden state), its rank-r projection and pair
-    scores 3x; the convolutions' and top-K's elementwise work is not counted.
-    executed=True: what the code runs. The LM head on plan.loss_rows (all block rows with --no-loss-dedup),
-    the soft-label logits on each loss chunk's soft rows (plan.soft_unique: unique per loss chunk, or one
-    per row with --no-loss-dedup), attention over the listed FlexAttention tiles (or every pair, SDPA's
-    dense mask)."""
-    h, nh, nkv, hd, inter, vocab = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                                    dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
-    k = len(dcfg.target_layer_ids)
-    rows = sum(len(c.q_seq) for c in plan.chunks)
-    ctx = sum(c.c1 - c.c0 for c in plan.chunks)
-    windows = [dcfg.window(i) for i in range(dcfg.num_hidden_layers)]   # sliding layers see fewer pairs
-    if executed:
-        pairs = sum(_executed_pairs(c, dcfg.block_size, w) for w in windows for c in plan.chunks)
-        head_rows = sum(len(c.loss_rows) if c.loss_rows is not None else len(c.q_seq) for c in plan.chunks)
-        soft_rows = sum(len(c.soft_unique) if c.soft_unique is not None else len(c.q_seq) for c in plan.chunks)
-    else:
-        pairs = sum(_visible_pairs(c, dcfg.block_size, w) for w in windows for c in plan.chunks)
-        head_rows = sum(int((c.row_weight > 0).sum()) for c in plan.chunks)
-        soft_rows = len(plan.final_gather) if plan.final_gather is not None else 0
-    layers = (dcfg.num_hidden_layers * (rows * (2 * h * nh * hd * 2 + 2 * 3 * h * inter)
-                                        + (rows + ctx) * 2 * h * nkv * hd * 2) + 4 * nh * hd * pairs)
-    fc = ctx * 2 * k * h * h
-    head = 2 * h * vocab
-    selector = 0
-    if dcfg.is_dflash2:
-        kg = 2 * dcfg.conv_kernel_size * (h // dcfg.conv_group_size)
-        layers += dcfg.num_hidden_layers * 2 * rows * 2 * h * kg
-        top, r = dcfg.selector_top_k, dcfg.selector_rank
-        selector = head_rows * (2 * 2 * h * top + 3 * (2 * h * r + 2 * r * top))
-    return 3 * layers + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0) + selector
-
-
-def _visible_pairs(c, block_size: int, window: int | None) -> float:
-    """(query, key) pairs a chunk's block rows attend to in one layer: the context before the anchor and the
-    whole block; a sliding layer (drafter.py): the context in (p - window, anchor) and the block up to p."""
-    if window is None:
-        return float(c.q_anchor.sum()) + len(c.q_seq) * block_size
-    p, a = c.q_pos.astype(np.float64), c.q_anchor.astype(np.float64)
-    return float(np.maximum(0.0, a - np.maximum(0.0, p - window + 1)).sum() + (p - a + 1).sum())
-
-
-def _executed_pairs(c, block_size: int, window: int | None) -> float:
-    """The pairs one layer computes: its FlexAttention tiles (model.flex_tile_lists: a sliding layer's lists
-    are cut to its window), or every pair (SDPA's dense mask)."""
-    if c.kv_num_blocks is None:
-        return float(len(c.q_seq)) * (c.c1 - c.c0 + len(c.q_seq))
-    from trainer.model.drafter import PackedMeta, flex_tile_lists
-    meta = PackedMeta.from_chunk({k: torch.from_numpy(v) for k, v in c.arrays().items()}, block_size)
-    num, _, fnum, _ = flex_tile_lists(meta, window)
-    return (int(num.sum()) + (int(fnum.sum()) if fnum is not None else 0)) * 128.0 * 128.0
 
 
 def git_commit() -> dict:
@@ -319,10 +155,6 @@ def git_commit() -> dict:
         return {"commit": None, "commit_dirty": None}
 
 
-def gpu_name() -> str:
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-
-
 def results_file(out: str | None, meta: dict, **sections):
     """A GPU measurement script's results: {"meta": the device, torch and transformers versions and the
     argv, then `meta`; then `sections`}, and a save() that writes them whole to `out` (when given), so a run
@@ -337,93 +169,6 @@ def results_file(out: str | None, meta: dict, **sections):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(res, indent=2))
     return res, save
-
-
-def peak_flops(n_gpus: int) -> float | None:
-    name = gpu_name()
-    for k, v in PEAK_BF16.items():
-        if k in name:
-            return v * n_gpus
-    return None
-
-
-def rss_bytes(field: str = "VmRSS") -> int:
-    """This process's resident memory from /proc/self/status: VmRSS (all of it), or RssAnon (the heap and
-    other anonymous pages only, without the file pages the kernel may evict and fault back in)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def mem_snapshot(devices) -> dict:
-    out = {"host_rss_bytes": rss_bytes()}
-    for d in {str(x): x for x in devices}.values():
-        if d.type == "cuda":
-            out[f"peak_{d}"] = torch.cuda.max_memory_allocated(d)
-            out[f"alloc_{d}"] = torch.cuda.memory_allocated(d)
-    return out
-
-
-def reset_peaks(devices):
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(d)
-
-
-def sync_all(devices):
-    for d in {str(x): x for x in devices}.values():
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
-KERNEL_CLASSES = ["gemm", "attention", "elementwise/reduce (eager)", "fused (triton)", "triton (libraries)",
-                  "copy/memset"]
-
-
-def _kernel_class(name: str) -> str:
-    """One of KERNEL_CLASSES for a profiler kernel name. "fused (triton)" is what inductor generated
-    (triton_poi_/_red_/_per_...); "triton (libraries)" a library's hand-written Triton kernel, whose name is
-    the plain function name (flash-linear-attention's delta-rule, cumsum and conv kernels); eager PyTorch
-    kernels carry C++ signatures (void at::native::...)."""
-    n = name.lower()
-    if any(k in n for k in ("flash", "fmha", "attention", "cudnn", "triton_tem")):
-        return "attention"
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")):
-        return "gemm"
-    if "memcpy" in n or "memset" in n:
-        return "copy/memset"
-    if n.startswith("triton_"):
-        return "fused (triton)"
-    if re.fullmatch(r"[a-z_][a-z0-9_]*", n):
-        return "triton (libraries)"
-    return "elementwise/reduce (eager)"
-
-
-def kernel_profile(fn, device, top: int = 12) -> dict:
-    """GPU time per kernel class over one call of fn (torch.profiler, CUDA activity only)."""
-    from torch.profiler import ProfilerActivity, profile
-    sync_all([device])
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync_all([device])
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            rows.append((e.key, us / 1000.0, e.count))
-    total = sum(r[1] for r in rows)
-    by = {}
-    for name, ms, _ in rows:
-        c = _kernel_class(name)
-        by[c] = by.get(c, 0.0) + ms
-    rows.sort(key=lambda r: -r[1])
-    return {"gpu_ms": total, "by_class_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
-            "by_class_share": {k: v / total for k, v in by.items()} if total else {},
-            "top": [{"kernel": n[:110], "ms": ms, "calls": c, "class": _kernel_class(n)} for n, ms, c in rows[:top]]}
 
 
 @dataclass
@@ -518,7 +263,7 @@ def bench_target(ctx: Ctx, t) -> dict:
     peak = peak_flops(1)
     return {"tok_s": tokens / wall, "tok_s_per_gpu": tokens / wall, "batches": n,
             "wall_s": wall, "tok_s_first_pass": tokens / first, "first_pass_wall_s": first, "tflops": flops / wall / 1e12, "mfu": flops / wall / peak if peak else None,
-            "memory": mem_snapshot(devices), "kernels": prof, "compiles_in_timed_window": _compiles(c0),
+            "memory": mem_snapshot(devices), "kernels": prof, "compiles_in_timed_window": compiles_since(c0),
             "layer_kernels": layer_kernels(st.model, st.device.type)}
 
 
@@ -570,7 +315,7 @@ def bench_drafter(ctx: Ctx, t) -> dict:
             "mfu_as_counted_before": (sum(model_flops_drafter_before(b[0].plan, t.dcfg, t.cfg.use_soft_labels)
                                           for b in bufs[1:]) / wall / peak) if peak else None,
             "memory": mem_snapshot(devices), "kernels": prof,
-            "compiles_in_timed_window": _compiles(c0),
+            "compiles_in_timed_window": compiles_since(c0),
             "layer_types": t.dcfg.layer_types, "sliding_window": t.dcfg.sliding_window}
 
 
@@ -696,104 +441,12 @@ def bench_pipeline(ctx: Ctx, async_: bool) -> dict:
         return {"tok_s": w["tok_s"], "steps_timed": w["steps_timed"], "wall_s": wall, "timed_with": w["timed_with"],
                 "wait_fraction": waits, "stage_busy_fraction": busy,
                 "transport": "same rank (world size 1)" if t.topo.world == 1 else "NCCL point-to-point",
-                "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": _compiles(c0), "sync_ops_timed_window_by_thread": by_thread,
+                "sync_ops_whole_run": len(caught), "compiles_whole_run_incl_warmup": compiles_since(c0), "sync_ops_timed_window_by_thread": by_thread,
                 "memory": mem_snapshot(devices),
                 "memory_flatness": memory_flatness(t.report.mem_log.entries()),
                 "memory_per_step": t.report.mem_log.entries()}  # the first and the last 100 steps
     finally:
         _dispose(t)
-
-
-def _compiles(before: dict) -> int:
-    """Graphs dynamo compiled since `before` (a recompile inside a timed window would be a stall)."""
-    now = compile_counters()
-    return now.get("unique_graphs", 0) - before.get("unique_graphs", 0)
-
-
-def memory_flatness(mem_log: list[dict], window: int = 100) -> dict:
-    """Peak of each counter over the first and the last `window` steps (halves when the run is shorter),
-    and the growth between them: the pipeline's buffers are preallocated, so growth means a leak."""
-    if len(mem_log) < 2:
-        return {}
-    n = min(window, len(mem_log) // 2)
-    first, last = mem_log[:n], mem_log[-n:]
-    keys = [k for k in mem_log[0] if k != "step"]
-    out = {"steps": len(mem_log), "window": n}
-    for k in keys:
-        a, b = max(m[k] for m in first), max(m[k] for m in last)
-        out[k] = {"first_max": a, "last_max": b, "growth_bytes": b - a}
-    return out
-
-
-def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[str], n_shapes: int,
-                      layers: int = 2, tokens: int = 16384) -> list[dict]:
-    """Host memory per new attention input shape: a `layers`-layer target of `shape` runs forward (as the
-    target worker does: inference mode, one thread of its own, one SDPA backend) over `n_shapes` batch
-    shapes [B, S] it has not seen, then over the same shapes again. Per-shape caches (cuDNN's SDPA graph
-    cache is one: per thread, keyed on exact shapes, unbounded) grow host RSS in the first pass only.
-    RSS is read again after malloc_trim(0), which separates memory that is held from free memory glibc
-    has not given back. RSS here is anonymous memory (RssAnon), what a cache holds: on a loaded host the
-    kernel can evict pages of the mapped libraries and fault them back in, which moves VmRSS."""
-    import ctypes
-    from concurrent.futures import ThreadPoolExecutor
-
-    from trainer.model.target import decoder as _decoder
-    from trainer.ops.compiling import sdpa_context
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except OSError:
-        trim = lambda _: 0
-    model = make_target_factory(shape, dtype, layers)(device)
-    vocab = model.config.vocab_size
-    decoder = _decoder(model)
-    rows: list[dict] = []
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def run_pass(backend, shapes):
-        with torch.inference_mode(), sdpa_context(backend, device.type):
-            for b, s in shapes:
-                decoder(input_ids=torch.randint(0, vocab, (b, s), device=device), use_cache=False)
-        sync()
-
-    def body():
-        for j, backend in enumerate(backends):
-            # lengths no other backend's pass used (offset j), one [B, S] per length
-            lens = [64 + 16 * i + j for i in range(n_shapes)]
-            shapes = [(max(1, tokens // s), s) for s in lens]
-            try:
-                run_pass(backend, [(1, 64 + j)])  # first call: kernels load, handles are created
-            except RuntimeError as e:  # e.g. 'efficient' has no kernel for grouped-query attention here
-                rows.append({"backend": backend, "pass": "(not run)", "shapes": 0, "seconds": 0.0,
-                             "rss_growth_bytes": 0, "rss_growth_after_trim_bytes": 0, "per_shape_bytes": 0,
-                             "error": str(e).splitlines()[0][:200]})
-                log.warning("shape-cache probe: backend %s cannot run this model: %s", backend, rows[-1]["error"])
-                continue
-            gc.collect()
-            trim(0)
-            base = rss_bytes("RssAnon")
-            for label in ("new shapes", "same shapes again"):
-                t0 = time.perf_counter()
-                run_pass(backend, shapes)
-                gc.collect()
-                rss = rss_bytes("RssAnon")
-                trim(0)
-                rss_trim = rss_bytes("RssAnon")
-                rows.append({"backend": backend, "pass": label, "shapes": len(shapes),
-                             "seconds": round(time.perf_counter() - t0, 3),
-                             "rss_growth_bytes": rss - base, "rss_growth_after_trim_bytes": rss_trim - base,
-                             "per_shape_bytes": (rss - base) / len(shapes)})
-                log.info("shape-cache probe: %s %s: RSS +%.1f MB (+%.1f MB after malloc_trim) over %d shapes",
-                         backend, label, (rss - base) / 1e6, (rss_trim - base) / 1e6, len(shapes))
-                base = rss_trim
-
-    with ThreadPoolExecutor(1, thread_name_prefix="shape-cache-probe") as pool:
-        pool.submit(body).result()  # re-raises the thread's error here
-    model = decoder = None   # frees them (a del would unbind the name run_pass reads)
-    gc.collect()
-    return rows
 
 
 def _dispose(t):
@@ -805,83 +458,6 @@ def _dispose(t):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def flex_check_case(kv_heads: int, ctx_group: int = 0, supervised_from: int = 4):
-    """The small drafter and one planned chunk that the attention parity checks run (check_flex_on_gpu,
-    tests/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
-    seeded. supervised_from 0: the loss mask starts at position 0 (blocks anchored at 0 see no context)."""
-    from trainer.model import drafter as M
-    from trainer.ops.plan import plan_micro_batch
-    cfg = M.DFlashConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6,
-                         rope_theta=1e6, max_position_embeddings=8192, block_size=16, target_layer_ids=[0, 1],
-                         mask_token_id=999, target_num_hidden_layers=4)
-    base = M.DFlashDrafter(cfg)
-    M.init_drafter_weights(base, std=0.05)
-    rng = np.random.default_rng(0)
-    lens = np.array([700, 300, 1200])
-    ids = rng.integers(0, 998, size=(len(lens), lens.max()))
-    mask = np.zeros(ids.shape, bool)
-    for b, n in enumerate(lens):
-        mask[b, n // supervised_from if supervised_from else 0:n] = True
-    plan = plan_micro_batch(ids, mask, lens, list(range(len(lens))), 0, seed=0, block_size=16,
-                            max_anchors=64, mask_token_id=999, gamma=7.0, soft_labels=False,
-                            chunk_rows=10**6, flex=True, ctx_group=ctx_group)
-    c = plan.chunks[0]
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(len(c.ctx_seq), 512, generator=g, dtype=torch.float64)
-    emb = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)
-    proj = torch.randn(len(c.q_seq), 256, generator=g, dtype=torch.float64)  # loss = <out, proj>
-    return base, c, taps, emb, proj
-
-
-def check_flex_on_gpu(device, split: bool | int = False, cases=((2, 0), (4, 0), (2, 2), (4, 1)),
-                      supervised_from: int = 4, eager: bool = True) -> dict:
-    """FlexAttention (compiled and eager, with grads) against the dense-mask SDPA path and a float64 CPU
-    reference, with and without grouped-query attention, with one shared context and with context copies
-    (--flex-ctx-group). split: the flex runs take the split path (SPLIT_BLOCKS=1 or 2). supervised_from 0: the
-    loss mask starts at position 0, so some blocks anchor at 0 and see no context."""
-    from trainer.model import drafter as M
-    out = {}
-    for kv_heads, ctx_group in cases:
-        base, c, taps, emb, proj = flex_check_case(kv_heads, ctx_group, supervised_from)
-
-        def grads(dev, dtype, backend, compiled=True, layers_compiled=False):
-            m = __import__("copy").deepcopy(base).to(device=dev, dtype=dtype)
-            for layer in m.layers:
-                layer.self_attn.split_blocks = "flex" if split and backend == "flex" else None
-                layer.self_attn.split_fused = split == 2
-            if layers_compiled:
-                from trainer.ops.compiling import compile_layers
-                compile_layers(m.layers, dynamic=True)
-            t = lambda a: torch.from_numpy(a).to(dev)
-            meta = M.PackedMeta.from_chunk({k: t(v) for k, v in c.arrays().items()}, 16)
-            saved = M._compiled_flex
-            if not compiled:
-                from torch.nn.attention.flex_attention import flex_attention
-                M._compiled_flex = flex_attention
-            try:
-                o = m(taps.to(dev, dtype), emb.to(dev, dtype), meta, backend=backend)
-                (o.double() * proj.to(dev)).sum().backward()
-            finally:
-                M._compiled_flex = saved
-            return o.detach().double().cpu(), m.fc.weight.grad.double().cpu(), m.layers[0].self_attn.q_proj.weight.grad.double().cpu()
-
-        ref = grads(torch.device("cpu"), torch.float64, "sdpa")
-        rel = lambda a, b: float((a - b).norm() / b.norm())
-        res = {}
-        for name, args in (("sdpa_gpu", ("sdpa", True)), ("flex_compiled", ("flex", True)),
-                           ("flex_eager", ("flex", False)), ("flex_in_compiled_layers", ("flex", True, True))):
-            if name == "flex_eager" and not eager:
-                continue
-            try:
-                r = grads(device, torch.float32, *args)
-                res[name] = {"out": rel(r[0], ref[0]), "grad_fc": rel(r[1], ref[1]), "grad_q": rel(r[2], ref[2])}
-            except Exception as e:
-                res[name] = {"error": repr(e)[:300]}
-        out[f"kv_heads={kv_heads},ctx_group={ctx_group}"] = res
-    return out
 
 
 def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: None, variant: str = "base") -> dict:

@@ -69,8 +69,8 @@ def topology(layout: str):
 
 
 def synthetic_lengths_dataset(n_tokens: int, max_len: int, seed: int):
-    """bench.synthetic_dataset's length and mask distribution (log-normal, completion = last 60%)."""
-    from trainer.tools.bench import synthetic_dataset
+    """bench_shapes.synthetic_dataset's length and mask distribution (log-normal, completion = last 60%)."""
+    from trainer.tools.bench_shapes import synthetic_dataset
     return synthetic_dataset(n_tokens, max_len, vocab=64, supervised=0.6, seed=seed)
 
 

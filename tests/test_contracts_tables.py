@@ -1,5 +1,5 @@
 """docs/contracts.md says what status.json reports and which flags dflash-train takes, as the code has them
-(issue 42): its generated tables are what tests/contracts_tables.py renders from trainer/status.py's
+(issue 42): its generated tables are what trainer/tools/contracts_tables.py renders from trainer/status.py's
 STATUS_SCHEMA and TrainConfig's options, and a status key written but not declared fails."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("contracts_tables", REPO / "tests" / "contracts_tables.py")
+_spec = importlib.util.spec_from_file_location("contracts_tables", REPO / "trainer" / "tools" / "contracts_tables.py")
 ct = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ct)
 
@@ -38,11 +38,12 @@ def test_the_check_command_fails_on_a_stale_table_and_names_the_fix(tmp_path, mo
 def test_the_check_runs_as_a_command_and_names_the_fix(tmp_path):
     """`--check` in a checkout whose doc is stale: exit 1 and the command that fixes it."""
     copy = tmp_path / "repo"
-    (copy / "tests").mkdir(parents=True)
+    (copy / "trainer" / "tools").mkdir(parents=True)
     (copy / "docs").mkdir()
-    (copy / "tests" / "contracts_tables.py").write_text((REPO / "tests" / "contracts_tables.py").read_text())
+    script = copy / "trainer" / "tools" / "contracts_tables.py"
+    script.write_text((REPO / "trainer" / "tools" / "contracts_tables.py").read_text())
     (copy / "docs" / "contracts.md").write_text(ct.render(ct.DOC.read_text()).replace("| `pid` | always |", "| `pid` | once |"))
-    r = subprocess.run([sys.executable, str(copy / "tests" / "contracts_tables.py"), "--check"],
+    r = subprocess.run([sys.executable, str(script), "--check"],
                        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 1 and ct.COMMAND in r.stderr, r.stdout + r.stderr
 

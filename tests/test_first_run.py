@@ -1,4 +1,4 @@
-"""tests/gpu/first_multi_gpu_run.py, the one command for a fresh GPU machine: its CPU-checkable parts."""
+"""trainer/tools/gpu/first_multi_gpu_run.py, the one command for a fresh GPU machine: its CPU-checkable parts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "gpu" / "first_multi_gpu_run.py"
+SCRIPT = REPO / "trainer" / "tools" / "gpu" / "first_multi_gpu_run.py"
 
 
 @pytest.fixture(scope="module")

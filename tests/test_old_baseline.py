@@ -1,4 +1,4 @@
-"""tests/gpu/old_drafter_baseline.py refuses what would time the wrong work: a directory without a bench,
+"""trainer/tools/gpu/old_drafter_baseline.py refuses what would time the wrong work: a directory without a bench,
 and a target cut that would hand the drafter fewer distinct taps (a narrower fc) than the full target."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "gpu" / "old_drafter_baseline.py"
+SCRIPT = REPO / "trainer" / "tools" / "gpu" / "old_drafter_baseline.py"
 
 
 def run(*args):

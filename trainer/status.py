@@ -4,7 +4,7 @@ Standard library only (importable without torch), so `dflash-status` starts fast
 
 * :data:`STATUS_SCHEMA` declares every key status.json can hold, once: its meaning, the phases that write it,
   and whether it is there from the first write. docs/contracts.md's table is rendered from it
-  (``tests/contracts_tables.py --write``).
+  (``trainer/tools/contracts_tables.py --write``).
 * :class:`StatusWriter` keeps the current status dict and writes ``status.json`` atomically
   (temp file in the same directory, flush + fsync, ``os.replace``, directory fsync). Non-finite
   floats become JSON ``null``; the file is always valid JSON.
@@ -46,7 +46,7 @@ class StatusField(NamedTuple):
 
 
 # What status.json reports, declared once. StatusWriter refuses (under pytest, or DFLASH_STATUS_STRICT=1) a key
-# not declared here; docs/contracts.md's table is rendered from it (python tests/contracts_tables.py --write);
+# not declared here; docs/contracts.md's table is rendered from it (python trainer/tools/contracts_tables.py --write);
 # tests/test_status.py checks every writer in trainer/ against it.
 STATUS_SCHEMA: tuple[StatusField, ...] = (
     StatusField("phase", "where the job is: " + "|".join(PHASES) + " (`failed` also by the supervisor for a "
@@ -228,7 +228,7 @@ class StatusWriter:
     def _undeclared(self, keys: list[str]) -> None:
         msg = (f"status.json field(s) {', '.join(keys)} not declared in trainer/status.py STATUS_SCHEMA: declare "
                f"each there (meaning, phases), then render docs/contracts.md with "
-               f"`.venv/bin/python tests/contracts_tables.py --write`")
+               f"`.venv/bin/python trainer/tools/contracts_tables.py --write`")
         if self.strict:
             raise UndeclaredStatusField(msg)
         new = [k for k in keys if k not in self._undeclared_logged]

@@ -9,7 +9,7 @@ Older releases ask another one (5.17: cache.has_previous_state(...), layers[i].c
 mid-generation with an AttributeError. `check_hybrid_transformers` stops first, in one line; every hybrid
 generation path calls it: dflash-eval (both loops) and the in-training eval (--eval-data-dir, at
 validation), dflash-regenerate's captured decoder (with or without graphs), the captured decoders (trainer/serving/captured/) and
-evaluate.generate_each (so tests/gpu/regenerate_bench.py and eval_bench.py too). A dense target passes
+evaluate.generate_each (so trainer/tools/gpu/regenerate_bench.py and eval_bench.py too). A dense target passes
 on any release. Torch-free and cheap: transformers' version is read only for a hybrid. Here too the one
 line that refuses a hybrid whose fast linear-attention kernels are missing on a GPU
 (`slow_linear_attention_message`: preflight's cheap check and target.check_fast_kernels both say it).

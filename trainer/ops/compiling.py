@@ -151,7 +151,7 @@ def end_warmup() -> str:
     and that broke forwards running in other threads in the old thread-per-replica engine
     (results/h200x2-1.7b-memory-fx-race.json), which is why the graphs used to be frozen after the warmup.
     DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze; fail_on_recompile (a diagnostic,
-    tests/gpu/warmup_recompiles.sh) turns an uncovered shape into an error that names the guard it failed.
+    trainer/tools/gpu/warmup_recompiles.sh) turns an uncovered shape into an error that names the guard it failed.
     Returns the stance set."""
     import os
     stance = os.environ.get(AFTER_WARMUP_ENV, "default")

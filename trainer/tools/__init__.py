@@ -1,1 +1,1 @@
-"""Measurement and developer tools: the benchmark, the stream-order replay and checker CLI, dflash-tiny."""
+"""Measurement and developer tools: the benchmark (bench.py and its bench_* rooms), the stream-order replay and checker CLI, dflash-tiny, the doc generators (results_index.py, contracts_tables.py), and the hand-run GPU measurements (gpu/)."""

@@ -90,7 +90,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
 
 def flex_check_case(kv_heads: int, ctx_group: int = 0, supervised_from: int = 4):
     """The small drafter and one planned chunk that the attention parity checks run (check_flex_on_gpu,
-    tests/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
+    trainer/tools/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
     seeded. supervised_from 0: the loss mask starts at position 0 (blocks anchored at 0 see no context)."""
     from trainer.model import drafter as M
     from trainer.ops.plan import plan_micro_batch

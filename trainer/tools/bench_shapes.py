@@ -1,7 +1,8 @@
 """The benchmark's targets and data: random-init Qwen3-shaped targets built in memory (no weights on disk) by
 shape name, and synthetic datasets with a length mix. The hybrid shapes (qwen3.6-27b, tiny-hybrid) are
 Qwen3.5's language model, Qwen3_5ForCausalLM (3 Gated DeltaNet : 1 gated attention layers), as the trainer
-loads it from the VL checkpoint. trainer/tools/bench.py runs them; bench_flops.py counts their work.
+loads it from the VL checkpoint. trainer/tools/bench.py runs them; bench_flops.py counts their work. The
+serving benches' hybrid targets (HYBRID_SHAPES, make_hybrid_target) are here too.
 """
 
 from __future__ import annotations
@@ -97,3 +98,48 @@ def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float
         recs.append((ids, mask))
         total += n
     return Dataset.from_records(recs)
+
+
+# The serving benches' hybrid targets (trainer/tools/gpu/regenerate_bench.py and eval_bench.py; issue 39):
+# Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random weights): 16 x (3 Gated DeltaNet + 1
+# gated full attention), full attention 24 x 256 heads over 4 KV heads, partial mRoPE; linear attention 16 QK / 48 V heads of 128, a 4-tap conv; untied 248,320-token head.
+# "qwen3.5-tiny": the same structure at the CPU smoke size. (Attention dims in SHAPES' order for the
+# attention check: hidden, full-attention layers, heads, KV heads, head dim, mlp, vocab.)
+HYBRID_SHAPES = {
+    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, vocab_size=248320,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
+    "qwen3.5-tiny": dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128, vocab_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
+}
+
+
+def hybrid_dims(name: str) -> tuple:
+    d = HYBRID_SHAPES[name]
+    return (d["hidden_size"], d["num_hidden_layers"] // 4, d["num_attention_heads"], d["num_key_value_heads"],
+            d["head_dim"], d["intermediate_size"], d["vocab_size"])
+
+
+def make_hybrid_target(name: str, dtype, device):
+    """A frozen random-init Qwen3_5ForCausalLM of HYBRID_SHAPES[name] on `device`."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    d = dict(HYBRID_SHAPES[name])
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
+    cfg = Qwen3_5TextConfig(**d, rope_parameters=rope, max_position_embeddings=32768,
+                            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                         "full_attention"] * (d["num_hidden_layers"] // 4))
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            m = Qwen3_5ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    cfg._attn_implementation = "sdpa"
+    return m.eval().requires_grad_(False)

@@ -127,7 +127,7 @@ class GraphDecoder:
             raise ValueError(f"the captured decoder cannot run this target: {why}")
         self.linear_ids = linear_layer_ids(self.cfg)
         # state_inplace: a hybrid's decode step writes each recurrent state in place (inplace_recurrent_state;
-        # FLA on GPUs only; off until measured: tests/gpu/regenerate_bench.py's `-inplace` variants)
+        # FLA on GPUs only; off until measured: trainer/tools/gpu/regenerate_bench.py's `-inplace` variants)
         self.state_inplace = state_inplace
         # state_dtype: the recurrent states' storage (fp32 as transformers keeps them; bf16 halves the bytes a
         # step moves, as serving engines store them by default, and changes the numerics; off until measured)

@@ -1,7 +1,7 @@
 """dflash-regenerate at serving speed (issue 29, goal 3): the captured decoder beside transformers' generate.
 
-    python tests/gpu/regenerate_bench.py --shape 8b --out results/h200-8b-regenerate-captured.json
-    python tests/gpu/regenerate_bench.py --shape 27b --skip-old --batches 128 --out ...
+    python trainer/tools/gpu/regenerate_bench.py --shape 8b --out results/h200-8b-regenerate-captured.json
+    python trainer/tools/gpu/regenerate_bench.py --shape 27b --skip-old --batches 128 --out ...
 
 Not part of the test suite: it needs a GPU. One process, one random-init target of the shape (real
 shapes, bf16; random weights never emit EOS, so every row generates --new-tokens), all timings on the
@@ -38,12 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.serving.regenerate import TargetGenerator  # noqa: E402
-from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
+from trainer.tools.bench import results_file  # noqa: E402
+from trainer.tools.bench_profile import kernel_profile  # noqa: E402
+from trainer.tools.bench_shapes import (  # noqa: E402
+    HYBRID_SHAPES,
+    SHAPES,
+    hybrid_dims,
+    make_hybrid_target,
+    make_target_factory,
+)
 
 
 def prompts_of(rng, n, lo, hi, vocab):
@@ -119,51 +127,6 @@ VARIANTS = {"sdpa-bool": ("sdpa", False, False), "sdpa": ("sdpa", True, False), 
                                                          True, True, True, (32, 4)),
             "fused-triton-trim-inplace-bf16state-bv64": ("triton", True, True, True, False, "bf16", False, False,
                                                          True, True, True, (64, 4))}
-
-# The seeds' hybrid target (issue 39): Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random
-# weights): 16 x (3 Gated DeltaNet + 1 gated full attention), full attention 24 x 256 heads over 4 KV heads,
-# partial mRoPE; linear attention 16 QK / 48 V heads of 128, a 4-tap conv; untied 248,320-token head.
-# "qwen3.5-tiny": the same structure at the CPU smoke size. (Attention dims in SHAPES' order for the
-# attention check: hidden, full-attention layers, heads, KV heads, head dim, mlp, vocab.)
-HYBRID_SHAPES = {
-    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, vocab_size=248320,
-                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                        linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
-    "qwen3.5-tiny": dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128, vocab_size=512,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                         linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
-}
-
-
-def hybrid_dims(name: str) -> tuple:
-    d = HYBRID_SHAPES[name]
-    return (d["hidden_size"], d["num_hidden_layers"] // 4, d["num_attention_heads"], d["num_key_value_heads"],
-            d["head_dim"], d["intermediate_size"], d["vocab_size"])
-
-
-def make_hybrid_target(name: str, dtype, device):
-    """A frozen random-init Qwen3_5ForCausalLM of HYBRID_SHAPES[name] on `device`."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    d = dict(HYBRID_SHAPES[name])
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-            "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
-    cfg = Qwen3_5TextConfig(**d, rope_parameters=rope, max_position_embeddings=32768,
-                            layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                         "full_attention"] * (d["num_hidden_layers"] // 4))
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            m = Qwen3_5ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    cfg._attn_implementation = "sdpa"
-    return m.eval().requires_grad_(False)
-
 
 def weights_fp8(name: str) -> bool:
     v = VARIANTS[name]

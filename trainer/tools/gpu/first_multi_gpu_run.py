@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The first run of a multi-GPU layout, ready to go: run as is on a machine with 1, 2, 4 or 8 GPUs.
 
-    python tests/gpu/first_multi_gpu_run.py --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 \
+    python trainer/tools/gpu/first_multi_gpu_run.py --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 \
         [--target-model DIR --data-dir DIR | --arch qwen3_5] [--steps 200] [--step-bound 900] \
         [--out results/NAME.json]
 
@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:      # the repo as is: no install needed
     sys.path.insert(0, str(REPO))
 

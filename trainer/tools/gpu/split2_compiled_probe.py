@@ -1,10 +1,10 @@
 """Where SPLIT_BLOCKS=2 loses its gradients (issue 29): results/h200-split-attention-parity.json showed relative
-errors of 1.0 for fc and q_proj when model.BlockMerge runs inside compiled drafter layers, while its output
+errors of 1.0 for fc and q_proj when drafter.BlockMerge runs inside compiled drafter layers, while its output
 was right and SPLIT_BLOCKS=1 was right. This probe varies one thing at a time on a small drafter (fp32 on the
 GPU, against a float64 CPU reference of the dense mask) and records each case's relative errors and gradient
 norms:
 
-    python tests/gpu/split2_compiled_probe.py --out results/h200-split2-compiled-probe.json
+    python trainer/tools/gpu/split2_compiled_probe.py --out results/h200-split2-compiled-probe.json
 
 - eager: no compile (the reference path of the switch);
 - layers_dynamic: compile_layers(dynamic=True), as the trainer does (the failing case);
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def main() -> int:

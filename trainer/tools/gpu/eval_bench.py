@@ -1,6 +1,6 @@
 """dflash-eval's loop (issue 29, goal 4): today's one-prompt loop beside the batched, captured one.
 
-    python tests/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
+    python trainer/tools/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
 
 Not part of the test suite: it needs a GPU. One process, a random-init bf16 target of the shape and a random
 drafter (5 layers, block 16), as `python -m trainer.tools.bench --serving` builds them (issue 12's 15.7 verify
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
@@ -36,10 +36,9 @@ from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transfor
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
-from trainer.tools.bench import SHAPES, kernel_profile, make_target_factory, results_file  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from regenerate_bench import HYBRID_SHAPES, make_hybrid_target  # noqa: E402  (the hybrid shapes: one table)
+from trainer.tools.bench import results_file  # noqa: E402
+from trainer.tools.bench_profile import kernel_profile  # noqa: E402
+from trainer.tools.bench_shapes import HYBRID_SHAPES, SHAPES, make_hybrid_target, make_target_factory  # noqa: E402
 
 
 def sync():

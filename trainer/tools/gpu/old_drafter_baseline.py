@@ -1,7 +1,7 @@
 """Re-measure an older checkout's drafter stage on one GPU, in the same device call as today's code.
 
     git archive df36c97 trainer | tar -x -C .bench_old
-    python tests/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
+    python trainer/tools/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
         --shape 27b --settings b16 --steps 2 --parts drafter --target-gpus 0 --drafter-gpus 0 ...
 
 Not part of the test suite. Issue 15's goals are ratios against figures of the code before it (the

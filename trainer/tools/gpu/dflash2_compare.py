@@ -1,10 +1,10 @@
 """DFlash vs DFlash2, CE vs CE + D-PACE (issue 43): four drafters on the same data and steps, judged by tau.
 
-    python tests/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
+    python trainer/tools/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
 
 Not part of the test suite: it needs a GPU (`--dry-run` prints the commands and checks their flags, which
 tests/test_dflash2_compare.py does on the CPU; `--gpu cpu` runs it all at a tiny size). Offline: nothing is
-downloaded. The real pipeline, end to end, as tests/gpu/fp8_parity.py runs it:
+downloaded. The real pipeline, end to end, as trainer/tools/gpu/fp8_parity.py runs it:
 
 1. dflash-tiny writes a wider random target (width 1,024: the shape of docs/performance.md's "FP8 parity",
    where DFlash's tau reached 1.85 in 640 steps) and data that target generated itself (--device cuda).
@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_parity import collect, curve_table  # noqa: E402  (the same records, the same summary)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RUNS = {  # name: the recipe's flags
     "dflash-ce": ["--arch", "dflash", "--loss", "ce"],
     "dflash-dpace": ["--arch", "dflash", "--loss", "ce+dpace"],

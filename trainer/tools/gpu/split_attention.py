@@ -1,7 +1,7 @@
 """GPU parity of the split attention path (issue 29; --flex-kernel-options SPLIT_BLOCKS=1|2, bench variants
 `split` and `split2`): FlexAttention over the context keys with its log-sum-exp, the in-block part apart, merged.
 
-    python tests/gpu/split_attention.py --out results/h200-split-attention-parity.json
+    python trainer/tools/gpu/split_attention.py --out results/h200-split-attention-parity.json
 
 The CPU has no FlexAttention backward, so tests/test_split_attention.py checks the split path's gradients
 with a dense context part; here the real one runs, with
@@ -18,11 +18,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def block_merge_bf16(dev) -> dict:
-    """model.BlockMerge in bf16 on the GPU (eager and compiled, dynamic shapes, as the layers run it):
+    """drafter.BlockMerge in bf16 on the GPU (eager and compiled, dynamic shapes, as the layers run it):
     output and gradients of q, k, v, oc and lc against the float64 math of block_attention + merge_attention
     (relative errors; bf16 rounding is about 4e-3)."""
     import torch

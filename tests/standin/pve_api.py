@@ -53,7 +53,9 @@ points are mounted in key order (rootfs, mp0, mp1, ...), so a later key hides an
 path below its own. `pct config` and GET .../config show the pending values (`--current 1`,
 current=1: the running ones). A task is read by who started it, or by the user of the token that
 did, else with Sys.Audit on /nodes/<node>: a token may not read its user's tasks. A raw lxc.* key outside is_valid_lxc_conf_key's
-list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. The generated LXC config has
+list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. A start is `systemctl start
+pve-container@<vmid>` (vm_start), so that unit's drop-ins on the node apply: RequiresMountsFor= and
+ExecStartPre= (start_unit; PVE_STANDIN_SYSTEMD_DIR, PVE_STANDIN_FAILED_MOUNTS). The generated LXC config has
 PVE's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group.
 
 State: PVE-format configs in <pve-etc>/lxc/<vmid>.conf (default /etc/pve, as on a node: the
@@ -88,6 +90,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import ssl
@@ -444,6 +447,46 @@ def make_mount_path(base: str, rel: str) -> None:
             os.mkdir(nxt, 0o755)
             os.chown(nxt, 0, 0)
         cur = nxt
+
+
+def start_unit(vmid: int, log) -> None:
+    """pve-container's vm_start runs `systemctl start pve-container@<vmid>`: the drop-ins the node has
+    for that unit (in PVE_STANDIN_SYSTEMD_DIR; unset: none) act as systemd makes them act, before LXC
+    starts. RequiresMountsFor=: the mounts holding those paths start first; one listed in
+    PVE_STANDIN_FAILED_MOUNTS (colon-separated mount points that fail to mount, e.g. an fstab NFS
+    share whose server is down) fails the start with systemd's message. ExecStartPre=: run here, on
+    the node; a failure fails the start (its stderr, which PVE sends to /run/pve/ct-<vmid>.stderr
+    and the journal, is logged to the task and quoted)."""
+    base = os.environ.get("PVE_STANDIN_SYSTEMD_DIR")
+    if not base:
+        return
+    unit = f"pve-container@{vmid}.service"
+    lines = []
+    for d in (os.path.join(base, "pve-container@.service.d"), os.path.join(base, f"{unit}.d")):
+        if os.path.isdir(d):
+            for name in sorted(os.listdir(d)):
+                if name.endswith(".conf"):
+                    with open(os.path.join(d, name)) as f:
+                        lines += [x.strip() for x in f if "=" in x and not x.lstrip().startswith(("#", ";"))]
+    failed = [os.path.realpath(m) for m in os.environ.get("PVE_STANDIN_FAILED_MOUNTS", "").split(":") if m]
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "RequiresMountsFor":
+            for path in value.replace("%%", "%").split():
+                path = os.path.realpath(path)
+                if any(path == m or path.startswith(m + "/") for m in failed):
+                    raise RuntimeError(f"A dependency job for {unit} failed. See 'journalctl -xe' for details.")
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "ExecStartPre":
+            value = value.strip().replace("%%", "%")
+            ignore = value.startswith("-")
+            r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
+            if r.returncode != 0 and not ignore:
+                for x in r.stderr.splitlines():
+                    log(f"{unit}: {x}")
+                raise RuntimeError(f"Job for {unit} failed because the control process exited with error code."
+                                   f" (journal: {r.stderr.strip()})")
 
 
 # --------------------------------------------------------------------------- LXC backends
@@ -1128,6 +1171,7 @@ class Node:
             self.apply_pending(vmid)
             self.make_mount_paths(vmid, self.read(vmid)[0])
             self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
+            start_unit(vmid, log)
             self.lxc.start(vmid, log)
         return self.task("vzstart", vmid, user, work)
 
@@ -1155,6 +1199,7 @@ class Node:
             self.apply_pending(vmid)
             self.make_mount_paths(vmid, self.read(vmid)[0])
             self.lxc.write_config(vmid, self.lxc_config(vmid, start=True, log=log))
+            start_unit(vmid, log)
             self.lxc.start(vmid, log)
         return self.task("vzreboot", vmid, user, work)
 

@@ -73,6 +73,7 @@ cgroup v1 keys otherwise).
 Usage:
   pve_api.py serve --rootfs DIR --token 'root@pam!ansible=SECRET' [--port 8006] [--node pve]
                    [--state-dir DIR] [--pve-etc /etc/pve] [--lxcpath /var/lib/lxc] [--fake-lxc]
+  pve_api.py pveum role add|user add|user token add|acl modify ...   (as README's first deploy runs them)
   pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID [...]
       The node-side subset of `pct` over the same state: `pct set VMID -mp0 ... -dev0 ...
       --delete k1,k2`, `pct config VMID` prints <pve-etc>/lxc/VMID.conf as pct does.
@@ -100,6 +101,7 @@ import threading
 import time
 import traceback
 import urllib.parse
+import uuid
 
 PVE_VERSION = {"version": "8.2.4", "release": "8.2", "repoid": "standin"}
 
@@ -669,10 +671,40 @@ class Node:
         self.version = {**PVE_VERSION, **({"version": version, "release": version.rsplit(".", 1)[0]}
                                           if version else {})}
         self.acl = acl or AccessControl(os.path.join(pve_etc, "user.cfg"))
+        self._acl_stamp = self._user_cfg_stamp()
         self.templates, self.storages = templates, storages
         self.tasks: dict = {}
         self.lock = threading.RLock()
         os.makedirs(self.conf_dir, exist_ok=True)
+
+    def _user_cfg_stamp(self):
+        try:
+            st = os.stat(self.acl.path)
+            return st.st_mtime_ns, st.st_size
+        except (OSError, TypeError):
+            return None
+
+    def refresh_acl(self, tokens) -> None:
+        """user.cfg changed on the node (`pveum`, as root there): read it again, as pmxcfs serves
+        every change at once; the tokens the server was started with stay known."""
+        stamp = self._user_cfg_stamp()
+        if stamp != self._acl_stamp:
+            acl = AccessControl(self.acl.path)
+            for ident in tokens:
+                acl.add_token(ident)
+            self.acl, self._acl_stamp = acl, stamp
+
+    def token_secret(self, tokenid: str) -> str | None:
+        """<pve-etc>/priv/token.cfg, where `pveum user token add` keeps a token's secret."""
+        try:
+            with open(os.path.join(self.pve_etc, "priv", "token.cfg")) as f:
+                for line in f:
+                    ident, _, secret = line.strip().partition(" ")
+                    if ident == tokenid:
+                        return secret.strip()
+        except OSError:
+            pass
+        return None
 
     # ---- configs
     @property
@@ -1239,7 +1271,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not m:
             raise ApiError(401, "No ticket")
         user, tokenid, secret = m.groups()
-        known = self.tokens.get(f"{user}!{tokenid}")
+        known = self.tokens.get(f"{user}!{tokenid}") or self.node.token_secret(f"{user}!{tokenid}")
         if known is None:
             raise ApiError(401, f"no such token '{tokenid}' for user '{user}'")
         if secret != known:
@@ -1264,6 +1296,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             params = self._params()
             if not path.startswith("/api2/json/"):
                 raise ApiError(501, f"Method '{method} {path}' not implemented")
+            self.node.refresh_acl(self.tokens)
             user = self._auth()
             self._reply(200, self._route(method, path[len("/api2/json"):].rstrip("/"), params, user))
         except ApiError as e:
@@ -1529,10 +1562,83 @@ def pct(a, argv: list) -> int:
     return 0
 
 
+def pveum(a, argv: list) -> int:
+    """The `pveum` subset README's first deploy runs as root on the node, on the same user.cfg the
+    API reads: `role add NAME --privs "P ..."`, `user add USERID`, `user token add USERID NAME
+    [--privsep 0|1]` (prints the secret once; kept in <pve-etc>/priv/token.cfg as PVE keeps it),
+    `acl modify PATH --roles R [--users U] [--tokens T] [--propagate 0|1]`. Errors as pveum's."""
+    path = a.user_cfg or os.path.join(a.pve_etc, "user.cfg")
+    acl = AccessControl(path)
+
+    def opts(rest, allowed):
+        out = dict(zip(rest[::2], rest[1::2]))
+        bad = sorted(set(out) - allowed) or (["?"] if len(rest) % 2 else [])
+        if bad:
+            raise ApiError(400, f"400 unable to parse option: {' '.join(rest)}")
+        return out
+
+    def append(line):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    try:
+        words = argv[:3] if argv[:2] == ["user", "token"] else argv[:2]
+        rest = argv[len(words):]
+        if words == ["role", "add"] and rest:
+            name, o = rest[0], opts(rest[1:], {"--privs"})
+            if name in acl.roles:
+                raise ApiError(400, f"role '{name}' already exists")
+            privs = o.get("--privs", "").replace(",", " ").split()
+            bad = sorted(set(privs) - PRIVILEGES)
+            if bad:
+                raise ApiError(400, f"invalid privilege '{bad[0]}'")
+            append(f"role:{name}:{','.join(privs)}:")
+        elif words == ["user", "add"] and rest:
+            opts(rest[1:], set())
+            if rest[0] in acl.users:
+                raise ApiError(400, f"user '{rest[0]}' already exists")
+            append(f"user:{rest[0]}:1:0::::::")
+        elif words == ["user", "token", "add"] and len(rest) >= 2:
+            user, name, o = rest[0], rest[1], opts(rest[2:], {"--privsep", "--comment", "--expire"})
+            if user not in acl.users:
+                raise ApiError(400, f"no such user ('{user}')")
+            if f"{user}!{name}" in acl.tokens:
+                raise ApiError(400, "Token already exists.")
+            privsep = "0" if o.get("--privsep", "1") in ("0", "false") else "1"
+            secret = str(uuid.uuid4())
+            append(f"token:{user}!{name}:{o.get('--expire', '0')}:{privsep}:{o.get('--comment', '')}:")
+            os.makedirs(os.path.join(a.pve_etc, "priv"), exist_ok=True)
+            with open(os.path.join(a.pve_etc, "priv", "token.cfg"), "a") as f:
+                f.write(f"{user}!{name} {secret}\n")
+            print(f"full-tokenid: {user}!{name}\ninfo: {{\"privsep\":\"{privsep}\"}}\nvalue: {secret}")
+        elif words == ["acl", "modify"] and rest:
+            acl_path, o = rest[0], opts(rest[1:], {"--roles", "--users", "--tokens", "--groups", "--propagate"})
+            who = [x for k in ("--users", "--tokens") for x in o.get(k, "").split(",") if x]
+            who += ["@" + g for g in o.get("--groups", "").split(",") if g]
+            roles = [r for r in o.get("--roles", "").split(",") if r]
+            if not who or not roles:
+                raise ApiError(400, "missing roles and users, tokens or groups")
+            for r in roles:
+                if r not in acl.roles:
+                    raise ApiError(400, f"role '{r}' does not exist")
+            for t in (x for x in who if "!" in x):
+                if t not in acl.tokens:
+                    raise ApiError(400, f"no such token '{t.split('!')[1]}' for user '{t.split('!')[0]}'")
+            propagate = "0" if o.get("--propagate", "1") in ("0", "false") else "1"
+            append(f"acl:{propagate}:{acl_path}:{','.join(who)}:{','.join(roles)}:")
+        else:
+            print(f"pveum (stand-in): unknown command '{' '.join(argv[:3])}'", file=sys.stderr)
+            return 2
+    except ApiError as e:
+        print(e.reason, file=sys.stderr)
+        return 255
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="pve_api.py", description="Proxmox VE API STAND-IN for tests (not Proxmox).")
-    p.add_argument("mode", choices=["serve", "pct"])
+    p.add_argument("mode", choices=["serve", "pct", "pveum"])
     p.add_argument("--listen", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8006)
     p.add_argument("--node", default=os.environ.get("PVE_STANDIN_NODE", "pve"))
@@ -1552,6 +1658,8 @@ def main(argv=None) -> int:
     p.add_argument("--pidfile")
     p.add_argument("--fake-lxc", action="store_true", default=os.environ.get("PVE_STANDIN_FAKE_LXC") == "1",
                    help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")
+    if argv and argv[0] == "pveum":
+        return pveum(p.parse_args(["pveum"]), argv[1:])
     if argv and argv[0] == "pct":
         # pct's own arguments follow; the stand-in options come from the environment.
         a = p.parse_args(["pct"])

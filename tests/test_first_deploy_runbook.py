@@ -26,9 +26,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## First deploy on a real node"
-# The controller checkout the walk runs in; its .venv is made by step 1 and kept between runs (a
-# second `pip install -r requirements.txt` only checks it), the rest is copied afresh every run.
-CONTROLLER = Path(os.environ.get("DFLASH_RUNBOOK_CONTROLLER", "/var/lib/dflash-standin/runbook-controller"))
+# What the walk copies into a fresh controller checkout (step 1 makes its .venv there, every run).
 CHECKOUT = ("ansible.cfg", "deploy.yml", "restart.yml", "playbooks", "roles", "inventory", "trainer",
             "pyproject.toml", "requirements.txt", "requirements.yml")
 VAULT_PASSWORD = "runbook-vault"
@@ -300,15 +298,9 @@ def walk():
     from test_provision import PVE_API, TEMPLATE, _free_port
     if os.geteuid() != 0:
         pytest.skip("the node role chowns the workspace to the CT's root (uid 100000)")
-    ctl = CONTROLLER
-    ctl.mkdir(parents=True, exist_ok=True)
-    for name in CHECKOUT:                            # the checkout as it is now; the venv stays
-        dest = ctl / name
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        elif dest.exists():
-            dest.unlink()
-        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, dest)
+    ctl = Path(tempfile.mkdtemp(prefix="dflash-controller."))
+    for name in CHECKOUT:                            # the checkout as it is now, without a venv
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, ctl / name)
     # the node: not under pytest's temp root (0700): the CT's root must search down to the stores
     node = Path(tempfile.mkdtemp(prefix="dflash-runbook."))
     node.chmod(0o711)
@@ -340,6 +332,7 @@ def walk():
     proc.terminate()
     proc.wait(5)
     shutil.rmtree(node, ignore_errors=True)
+    shutil.rmtree(ctl, ignore_errors=True)
 
 
 @pytest.mark.slow

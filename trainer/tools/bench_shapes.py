@@ -69,19 +69,25 @@ def make_target_factory(shape: str, dtype, layers: int | None = None):
     cls = Qwen3_5ForCausalLM if shape in HYBRID else Qwen3ForCausalLM
 
     def factory(device):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                torch.manual_seed(0)
-                m = cls(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        cfg._attn_implementation = "sdpa"
+        m = random_target(cls, cfg, dtype, device)
         log.info("bench target %s on %s: kernels %s", shape, device,
                  describe_kernels(layer_kernels(m, torch.device(device).type)))
-        return m.eval().requires_grad_(False)
+        return m
     return factory
+
+
+def random_target(cls, cfg, dtype, device):
+    """A frozen `cls(cfg)` with seed-0 random weights, built in `dtype` on `device`, attention on sdpa."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            m = cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    cfg._attn_implementation = "sdpa"
+    return m.eval().requires_grad_(False)
 
 
 def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float, seed: int = 0,
@@ -133,13 +139,4 @@ def make_hybrid_target(name: str, dtype, device):
     cfg = Qwen3_5TextConfig(**d, rope_parameters=rope, max_position_embeddings=32768,
                             layer_types=["linear_attention", "linear_attention", "linear_attention",
                                          "full_attention"] * (d["num_hidden_layers"] // 4))
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            m = Qwen3_5ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    cfg._attn_implementation = "sdpa"
-    return m.eval().requires_grad_(False)
+    return random_target(Qwen3_5ForCausalLM, cfg, dtype, device)

@@ -107,6 +107,8 @@ down() {
         [[ -d /var/lib/lxc/$id || -d "$CACHE/node-mn" ]] || continue
         DFLASH_STANDIN_VMID=$id DFLASH_STANDIN_PORT=2231 DFLASH_STANDIN_NODE="$CACHE/node-mn" "$STANDIN" down
     done
+    # molecule verify's traffic drop (an nft table on the bridge), should a failed run have left it
+    nft delete table bridge dflash_mn_drop 2>/dev/null || true
     ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
     rm -rf --one-file-system "$SHARED" "$CACHE/mn-trainer-src" "$CACHE/mn-trainer-src.tar"
     log "down"

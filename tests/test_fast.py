@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -274,10 +275,53 @@ def test_after_the_warmup_an_uncovered_shape_follows_the_stance(stance, monkeypa
         new = fast.note_new_graphs(3)
     assert new == (1 if stance == "default" else 0)
     assert ("step 3: 1 graph(s) compiled after the warmup" in caplog.text) == (stance == "default")
+    if stance == "default":    # with dynamo's reason: the function and the guard it failed, on the one line
+        line = next(ln for ln in caplog.text.splitlines() if "step 3:" in ln)
+        assert "<lambda> (test_fast.py:" in line and "x.size()[0]" in line and "  # " not in line, line
     caplog.clear()
     f(uncovered) if stance != "fail_on_recompile" else None
     assert fast.note_new_graphs(4) == new and not caplog.text     # each new graph is logged once
     torch._dynamo.reset()
+
+
+def test_a_recompile_on_any_rank_is_counted_in_status_json(tmp_path, monkeypatch, capsys):
+    """Each rank's count of graphs compiled after the warmup (compiling.note_new_graphs) travels in the stop
+    vote; rank 0's status.json shows the job's total and each rank's, and dflash-status names it. Here the
+    target rank (rank 1) compiled two: rank 0 alone could never have seen them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from trainer.config.options import parse_args
+    from trainer.distributed.groups import StopVote
+    from trainer.distributed.topology import LocalRole, Topology
+    from trainer.engine.report import Reporter
+    from trainer.status import main as status_main
+    from trainer.status import read_status
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    cfg = parse_args(["--target-model", "t", "--data-dir", "d", "--output-dir", str(tmp_path), "--target-gpus", "cpu",
+                      "--drafter-gpus", "cpu"])
+    roles = [LocalRole(False, True, "cpu"), LocalRole(True, False, "cpu")]
+    vote = SimpleNamespace(last=None)
+    rep = Reporter(cfg, Topology(0, 2, 0, roles[0], "h", roles, ["h", "h"]), "r1", torch.device("cpu"), Profiler(),
+                   SimpleNamespace(batch_shapes=set()), vote)
+    rep.status.min_interval = 0.0
+    written = []
+    rep.sinks = [SimpleNamespace(write=lambda step, scalars: written.append((step, scalars)))]
+    rep.begin(0, 10, None, None)
+    rep.after_step(1, 0, 100)
+    assert read_status(cfg.status_file).get("recompiles") is None       # no stop vote read yet
+    row = [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    vote.last = np.array([row + [0.0], row + [2.0]])
+    assert len(StopVote.FIELDS) == vote.last.shape[1]
+    time.sleep(0.01)
+    rep.after_step(2, 0, 200)
+    st = read_status(cfg.status_file)
+    assert st["recompiles"] == 2 and [r["recompiles"] for r in st["ranks"]] == [0, 2]
+    assert written == [(2, {"recompiles": 2})]
+    status_main(["--status-file", cfg.status_file, "--no-pid-check"])
+    assert "2 graph(s) compiled after the warmup" in capsys.readouterr().out
+    rep.end()
 
 
 def test_an_unknown_after_warmup_stance_names_the_variable(monkeypatch):

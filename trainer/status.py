@@ -82,7 +82,12 @@ STATUS_SCHEMA: tuple[StatusField, ...] = (
     StatusField("world_size", "processes in the job (ranks)", ("starting",), always=False),
     StatusField("ranks", "per rank, from the first training step on (null until its first stop vote): `rank`, "
                 "`role` (target, drafter or target+drafter), `items` (micro-batches), `busy_s` (stage seconds), "
-                "`wait_s` (seconds waiting), `peak_gib` (peak GPU memory)", ("training",), always=False),
+                "`wait_s` (seconds waiting), `peak_gib` (peak GPU memory), `recompiles` (graphs it compiled after "
+                "the warmup)", ("training",), always=False),
+    StatusField("recompiles", "graphs compiled after the warmup, all ranks together, from the first stop vote on: "
+                "each is a micro-batch shape the warmup's compiled graphs did not cover, a compile in the middle of "
+                "a step; the rank that compiled it logs the step and the guard it failed "
+                "(trainer/ops/compiling.py)", ("training",), always=False),
 )
 
 # Every key of the contract, present from the first write on (null until known).
@@ -628,6 +633,8 @@ def _human_summary(path: str, st: Mapping[str, Any], healthy: bool, age: float |
         ("pid", g("pid")),
         ("log file", g("log_file")),
     ]
+    if st.get("recompiles"):
+        rows.append(("recompiles", f"{st['recompiles']} graph(s) compiled after the warmup (the log names each guard)"))
     if st.get("error"):
         rows.append(("error", str(st.get("error"))))
     width = max(len(k) for k, _ in rows)

@@ -67,6 +67,7 @@ class Reporter:
         self.step_events = HeadTailLog(keep=20)      # (step, timing event at the end of its optimizer step)
         self.final_eval: dict | None = None          # the end-of-run eval's record (leader), for eval.json
         self.paused_s = 0.0    # seconds training stood still for evals: kept out of tokens/s and the profile
+        self.recompiles = 0    # graphs compiled after the warmup, all ranks, as of the newest stop vote (leader)
         self.progress: Progress | None = None
         self.tok_window: deque = deque(maxlen=50)
         self.t_start = self.t_prof = 0.0
@@ -116,9 +117,15 @@ class Reporter:
         if not self.ready_sent:
             self.notifier.ready(f"training: step {step}")
             self.ready_sent = True
+        ranks = self.rank_rates(now - self.t_start)
+        recompiles = sum(r["recompiles"] for r in ranks) if ranks else None
+        if recompiles and recompiles != self.recompiles:
+            for sink in self.sinks:
+                sink.write(step, {"recompiles": recompiles})
+            self.recompiles = recompiles
         self.status.update(phase="training", step=step, epoch=epoch, tokens_seen=tokens_seen,
                            tokens_per_s=rate, loss=self.last_loss, nan_skips=self.nan_skips,
-                           nan_streak=self.nan_streak, ranks=self.rank_rates(now - self.t_start))
+                           nan_streak=self.nan_streak, ranks=ranks, recompiles=recompiles)
         acc1 = self.last_acc[1] if self.last_acc and len(self.last_acc) > 1 else None
         self.progress.update(step, loss=self.last_loss if self.last_loss is not None else float("nan"),
                              acc1=acc1 if acc1 is not None else float("nan"), tok_s=rate)
@@ -186,7 +193,8 @@ class Reporter:
         atomic_write_text(Path(self.cfg.output_dir) / "eval.json", json.dumps(dict(rec, checkpoint=ckpt), indent=2) + "\n")
 
     def rank_rates(self, wall: float) -> list[dict] | None:
-        """Per rank, from the newest stop vote: micro-batches, busy and waiting seconds, peak GPU memory."""
+        """Per rank, from the newest stop vote: micro-batches, busy and waiting seconds, peak GPU memory, graphs
+        compiled after the warmup."""
         v = self.vote.last
         if v is None or wall <= 0:
             return None
@@ -194,7 +202,8 @@ class Reporter:
         for r, role in enumerate(self.topo.roles):
             kind = "target+drafter" if role.target and role.drafter else ("target" if role.target else "drafter")
             out.append({"rank": r, "role": kind, "items": int(v[r, 1]), "busy_s": round(float(v[r, 3]), 3),
-                        "wait_s": round(float(v[r, 4]), 3), "peak_gib": round(float(v[r, 5]) / 2 ** 30, 2)})
+                        "wait_s": round(float(v[r, 4]), 3), "peak_gib": round(float(v[r, 5]) / 2 ** 30, 2),
+                        "recompiles": int(v[r, 6])})
         return out
 
     def split_table(self, wall: float) -> str:

@@ -334,14 +334,14 @@ class Trainer:
                 oprecord.mark(f"step {self.loop.step}")   # streamcheck's step boundary (no-op unless recording)
                 epoch, _ = self.feed.position(self.loop.step * self.batches_per_step)
                 self.train_step()
-                note_new_graphs(self.loop.step)
+                recompiles = note_new_graphs(self.loop.step)   # logged with its guard here; counted in status.json
                 self.loop.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.loop.step))  # known on every rank
                 self.loop.step += 1
                 counters = {"items": self.items_done,
                             "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
                             "wait_s": self.wait_s,
                             "peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                            else 0}
+                            else 0, "recompiles": recompiles}
                 self.vote.post(self.loop.step, self.stop_requested.is_set(), counters)
                 stop = self.vote.verdict(self.loop.step)
                 if topo.is_drafter:

@@ -133,15 +133,81 @@ def _set_stance(stance: str) -> None:
         log.warning("cannot set the compile stance %s (%s)", stance, e)
 
 
+class RecompileReasons(logging.Handler):
+    """Dynamo's own account of each recompile (its `recompiles` log artifact: the function and the guard that
+    failed), kept from the warmup's end until `note_new_graphs` logs them with the step."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.pending: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.pending) < 64:   # a run that never calls note_new_graphs keeps a few, not all
+            self.pending.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        out, self.pending = self.pending, []
+        return out
+
+
+_reasons = RecompileReasons()
+
+
+def _recompiles_logger() -> logging.Logger:
+    from torch._dynamo import guards
+    return guards.recompiles_log
+
+
+def _watch_recompiles() -> None:
+    """Dynamo computes a recompile's reasons only while its `recompiles` artifact is on: turn it on (TORCH_LOGS,
+    when set, decides instead: torch then ignores set_logs) and collect the messages here, where they are logged
+    once, with the step, rather than also on torch's own handler."""
+    import os
+    try:
+        logger = _recompiles_logger()
+        if "TORCH_LOGS" not in os.environ:
+            torch._logging.set_logs(recompiles=True)
+            logger.propagate = False
+        if _reasons not in logger.handlers:
+            logger.addHandler(_reasons)
+    except Exception as e:  # noqa: BLE001  (a torch without the artifact: the count stays, the reasons go)
+        log.debug("recompile reasons unavailable: %s", e)
+
+
+def _unwatch_recompiles() -> None:
+    import os
+    try:
+        logger = _recompiles_logger()
+        logger.removeHandler(_reasons)
+        if "TORCH_LOGS" not in os.environ and not logger.propagate:
+            torch._logging.set_logs()
+            logger.propagate = True
+    except Exception:  # noqa: BLE001
+        pass
+    _reasons.take()
+
+
+def recompile_reason(message: str) -> str:
+    """One line from dynamo's recompile message: the function, where it is, and each failed guard without the
+    source line dynamo appends (`forward (a file:line): 0/0: tensor 'x' size mismatch at index 0 ...`)."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    head = lines[0].removeprefix("Recompiling function ") if lines else "?"
+    name, _, where = head.partition(" in ")
+    guards = [ln.removeprefix("- ").split("  # ", 1)[0] for ln in lines[1:] if ln.startswith("- ")]
+    return f"{name} ({where.rsplit('/', 1)[-1]}): {'; '.join(guards) or 'guard not named'}"
+
+
 def begin_warmup() -> None:
     """Before the warmup: compiling allowed (a second warmup in the same process compiles again)."""
     _set_stance("default")
     _graphs_after_warmup.clear()
+    _unwatch_recompiles()
 
 
 def end_warmup() -> str:
     """After the warmup. By default a micro-batch shape the warmup's graphs do not cover compiles a new graph
-    (once per shape regime; `note_new_graphs` logs it): running it eagerly instead would materialize
+    (once per shape regime; `note_new_graphs` logs it with its guard and counts it, and the count reaches
+    status.json through the stop vote): running it eagerly instead would materialize
     FlexAttention's whole score matrix (the width-1,024 OOMs). Inductor itself splits the shapes into regimes
     the warmup cannot know in advance: its fusion and kernel choices add size guards (on the H200, a chunk of
     5,120 block rows or more at width 1,024, and block plus context rows of 10,240 or more:
@@ -150,8 +216,9 @@ def end_warmup() -> str:
     (tests/test_fast.py checks it): compiling traces with FX, which patches nn.Module.__call__ process-wide,
     and that broke forwards running in other threads in the old thread-per-replica engine
     (results/h200x2-1.7b-memory-fx-race.json), which is why the graphs used to be frozen after the warmup.
-    DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze; fail_on_recompile (a diagnostic,
-    trainer/tools/gpu/warmup_recompiles.sh) turns an uncovered shape into an error that names the guard it failed.
+    DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze (nothing compiles, so nothing is counted);
+    fail_on_recompile (trainer/tools/gpu/warmup_recompiles.sh; the unit's dflash_service_environment can set it) refuses
+    a recompile: an uncovered shape ends the run with an error that names the guard it failed.
     Returns the stance set."""
     import os
     stance = os.environ.get(AFTER_WARMUP_ENV, "default")
@@ -159,18 +226,22 @@ def end_warmup() -> str:
         raise ValueError(f"{AFTER_WARMUP_ENV}={stance}: one of {', '.join(AFTER_WARMUP_STANCES)}")
     _set_stance(stance)
     _graphs_after_warmup[:] = [compile_counters().get("unique_graphs", 0)]
+    if stance == "default":
+        _watch_recompiles()
     return stance
 
 
 def note_new_graphs(step: int) -> int:
-    """Graphs compiled since the warmup ended (0 before it ends); a warning names the step of each new one."""
+    """Graphs compiled since the warmup ended (0 before it ends). Each new one is logged once, as a warning with
+    the step and dynamo's reason (the function and the guard it failed)."""
     if not _graphs_after_warmup:
         return 0
     now = compile_counters().get("unique_graphs", 0)
     if now > _graphs_after_warmup[-1]:
+        reasons = [recompile_reason(m) for m in _reasons.take()]
         log.warning("step %d: %d graph(s) compiled after the warmup, %d in all (a micro-batch shape its graphs "
-                    "did not cover; TORCH_LOGS=recompiles names the guard)", step, now - _graphs_after_warmup[-1],
-                    now - _graphs_after_warmup[0])
+                    "did not cover): %s", step, now - _graphs_after_warmup[-1], now - _graphs_after_warmup[0],
+                    " | ".join(reasons) or "reason not recorded (TORCH_LOGS=recompiles names the guard)")
         _graphs_after_warmup.append(now)
     return now - _graphs_after_warmup[0]
 

@@ -426,7 +426,8 @@ def main() -> int:
               "tokens_per_s": st.get("tokens_per_s"), "ranks": st.get("ranks"),
               "resumed_vs_straight": {"steps_compared": len(common), "max_rel_loss_diff": worst},
               "recompiles_after_warmup": {name: recompiles_after_warmup(work / f"{name}.log")
-                                          for name in ("stopped", "resumed", "straight")}}
+                                          for name in ("stopped", "resumed", "straight")},
+              "recompiles_in_status": st.get("recompiles")}   # the resumed run's count, all ranks (stop vote)
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

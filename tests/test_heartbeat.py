@@ -134,6 +134,9 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
         assert node0.returncode != 0
         assert took < heartbeat_bound(10) + 30, took
         assert "silent for" in journal and "heartbeat through the store" in journal, journal[-3000:]
+        # every rank said its bound at start (init_rank runs before the run's log file exists)
+        said = f"heartbeat through the store: a rank or the store silent for {heartbeat_bound(10):.0f}s ends the job"
+        assert journal.count(said) == 3, journal[:3000]
     finally:
         for p in frozen:
             try:

@@ -51,7 +51,7 @@ from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
-from trainer.engine.runlog import setup_logging
+from trainer.engine.runlog import setup_console, setup_logging
 from trainer.engine.target_stage import TargetStage, build_target_stage, load_for_run
 from trainer.engine.train_state import (
     DataFeedState,
@@ -396,6 +396,9 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
     runs on every rank after a successful run, before shutdown (the benchmark reads its figures there)."""
     import torch.distributed as dist
     die_with_supervisor()
+    # the console before init_rank: its lines (the P2P mode, the heartbeat's bound) reach the journal;
+    # Trainer.setup's setup_logging replaces it and adds the run's file
+    setup_console()
     try:
         topo, groups = init_rank(cfg)
     except ValueError as e:

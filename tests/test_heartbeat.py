@@ -146,3 +146,32 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
         for p in (node0, node1):
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_rank_that_fails_on_a_timeout_names_the_peers_it_no_longer_hears():
+    """A gloo or NCCL timeout names no peer. The heartbeat knows which ranks went quiet before its bound
+    (three beats): the failing rank's error carries them, grouped by host, beside the timeout."""
+    from trainer.distributed.heartbeat import annotate
+    hb = Heartbeat(None, 0, 5, ["node0", "node0", "node1", "node1", "node1"], bound_s=150, interval=5,
+                   on_silent=lambda line: None)
+    now = time.monotonic()
+    hb.last_ok = now - 1
+    hb.seen = {1: ("40", now - 2), 2: ("38", now - 121), 3: ("37", now - 119), 4: ("done", now - 200)}
+    assert hb.quiet(now) == "no beat for 121s from node1 (ranks 2, 3)"
+    assert hb.quiet(now, after_s=130) is None
+    hb.last_ok = now - 30
+    assert hb.quiet(now) == "the job's store (node 0, node0) unanswered for 30s"
+    try:
+        raise RuntimeError("Timed out waiting 120000ms for send operation to complete")
+    except RuntimeError as e:
+        out = annotate(e, "no beat for 121s from node1 (ranks 2, 3)")
+    assert type(out) is RuntimeError and out.__cause__ is not None and out.__traceback__ is not None
+    assert str(out) == ("Timed out waiting 120000ms for send operation to complete; "
+                        "heartbeat: no beat for 121s from node1 (ranks 2, 3)")
+
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+    assert str(annotate(Odd(1, 2), "x")) == "Odd: 1/2; heartbeat: x"
+    e = ValueError("v")
+    assert annotate(e, None) is e

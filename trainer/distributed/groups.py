@@ -61,6 +61,7 @@ class Groups:
         self.drafters = self.new("drafters", topo.drafter_ranks, None, timeout)
         self.dctl = self.new("dctl", topo.drafter_ranks, host_backend, host_timeout)
         self.pairs: dict[tuple[int, int], object] = {}    # (target rank, drafter rank) -> its group
+        self.heartbeat = None   # heartbeat.Heartbeat on a job over several nodes (init_rank starts it)
         if transport != "world" and topo.world > 1:
             for t in topo.target_ranks:        # every rank creates every group, in this order
                 for d in topo.drafter_ranks:
@@ -214,7 +215,7 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     groups = Groups(topo, timeout, cfg.transport, control=control)
     oprecord.name_groups(topo, groups)
     if len(set(nodes)) > 1:   # several nodes: a vanished host must not hold the others in a gloo wait for hours
-        start_heartbeat(topo, cfg.dist_timeout)
+        groups.heartbeat = start_heartbeat(topo, cfg.dist_timeout)
     connect(topo, groups, device)
     return topo, groups
 

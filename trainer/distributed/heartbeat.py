@@ -114,6 +114,24 @@ class Heartbeat:
                             f"heartbeat through the store): its host is gone or cut off; rank {self.rank} ends")
         return None
 
+    def quiet(self, now: float | None = None, after_s: float | None = None) -> str | None:
+        """Who this rank has not heard from for `after_s` (three beats by default), short of the bound: a
+        rank that fails on a timeout says it beside its error (`annotate`), since a timeout names no peer."""
+        now = time.monotonic() if now is None else now
+        after_s = 3 * self.interval if after_s is None else after_s
+        with self._lock:
+            if now - self.last_ok > after_s:
+                return f"the job's store (node 0, {self.hosts[0]}) unanswered for {now - self.last_ok:.0f}s"
+            hosts: dict[str, tuple[list[int], float]] = {}
+            for r, (value, since) in sorted(self.seen.items()):
+                if value != DONE and now - since > after_s:
+                    ranks, worst = hosts.get(self.hosts[r], ([], 0.0))
+                    hosts[self.hosts[r]] = ([*ranks, r], max(worst, now - since))
+        if not hosts:
+            return None
+        return "; ".join(f"no beat for {s:.0f}s from {h} (rank{'s' if len(rs) > 1 else ''} "
+                         f"{', '.join(map(str, rs))})" for h, (rs, s) in hosts.items())
+
     def _watch(self) -> None:
         while not self._halt.wait(min(1.0, self.interval)):
             line = self.check()
@@ -122,3 +140,20 @@ class Heartbeat:
                 self._halt.set()
                 self.on_silent(line)
                 return
+
+
+def annotate(e: BaseException, note: str | None) -> BaseException:
+    """`e` with `note` after its message (same type where it can be rebuilt from one string), for the
+    error file the supervisor reads: `RuntimeError: ... Timed out waiting 120000ms ...; heartbeat: no beat
+    for 121s from node1 (ranks 3, 4, 5)`."""
+    if not note:
+        return e
+    msg = f"{e}; heartbeat: {note}"
+    try:
+        out = type(e)(msg)
+        if str(out) != msg:
+            raise TypeError(type(e).__name__)
+    except Exception:  # noqa: BLE001  (an exception type whose constructor wants more than a message)
+        out = RuntimeError(f"{type(e).__name__}: {msg}")
+    out.__cause__ = e
+    return out.with_traceback(e.__traceback__)

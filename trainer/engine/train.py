@@ -39,6 +39,7 @@ from trainer.config.preflight import validate
 from trainer.data.dataset import DataError
 from trainer.distributed import oprecord
 from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_together, init_rank
+from trainer.distributed.heartbeat import annotate
 from trainer.distributed.startup import Startup
 from trainer.distributed.topology import Topology
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
@@ -431,8 +432,11 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
                       nan_skips=trainer.report.nan_skips, nan_streak=trainer.report.nan_streak, force=True)
         return 1
     except (Exception, CheckpointErrorBase) as e:
+        # several nodes: a timeout names no peer, the heartbeat knows which went quiet
+        quiet = groups.heartbeat.quiet() if groups.heartbeat is not None else None
+        e = annotate(e, quiet)
         record(e)
-        log.exception("training failed on rank %d", topo.rank)
+        log.exception("training failed on rank %d%s", topo.rank, f" (heartbeat: {quiet})" if quiet else "")
         status.update(phase="failed", error=f"rank {topo.rank}: {type(e).__name__}: {e}", force=True)
         return 1
     finally:

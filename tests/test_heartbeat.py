@@ -137,6 +137,8 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
         # every rank said its bound at start (init_rank runs before the run's log file exists)
         said = f"heartbeat through the store: a rank or the store silent for {heartbeat_bound(10):.0f}s ends the job"
         assert journal.count(said) == 3, journal[:3000]
+        # the supervisor's report (status.json's error too) carries the silence, not only `exit 1`
+        assert "failed (exit 1): PeerSilent: rank " in journal, journal[-3000:]
     finally:
         for p in frozen:
             try:

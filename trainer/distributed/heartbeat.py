@@ -34,8 +34,16 @@ def heartbeat_bound(dist_timeout_s: float) -> float:
     return float(dist_timeout_s) + MARGIN_S
 
 
+class PeerSilent(RuntimeError):
+    """A peer or the store went silent past the bound (the launcher's error file names it so)."""
+
+
 def end_rank(line: str) -> None:
-    """The default on a silence: one line, then this process ends (exit 1) without waiting for any group."""
+    """The default on a silence: one line, then this process ends (exit 1) without waiting for any group.
+    The line goes into the launcher's error file too, so the supervisor's report (status.json on node 0)
+    names the silent host, not only `exit 1`."""
+    from trainer.errors import record
+    record(PeerSilent(line))
     log.error("%s", line)
     print(f"dflash-train: error: {line}", file=sys.stderr, flush=True)
     for h in logging.getLogger().handlers:

@@ -26,3 +26,20 @@ def test_nan_failure_states_its_reason_once(tiny_small_dir, tmp_path, monkeypatc
     assert err.startswith("rank 0 failed (exit 1): ") and "--max-nan-skips 2" in err, err
     ours = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("dflash-train: error: ")]
     assert len(ours) == 1 and ours[0].count(WHY) == 1, ours
+
+
+def test_the_supervisor_names_the_cause_not_the_launchers_own_signals():
+    """Which failed rank the supervisor reports (launch.failure_cause). A rank killed by a signal is the cause
+    (an OOM kill; its peers' errors, a second later, are echoes); the SIGTERM the launcher sends the survivors
+    is not, nor the SIGKILL it sends one that did not stop within its shutdown wait (recorded after that wait:
+    the two-node stand-in's traffic drop, where a target stuck in a send was SIGKILLed 30 s after rank 0's
+    timeout and the report blamed the SIGKILL)."""
+    from types import SimpleNamespace as F
+
+    from trainer.distributed.launch import failure_cause
+    oom = {0: F(exitcode=1, timestamp=100), 1: F(exitcode=-9, timestamp=101), 2: F(exitcode=-15, timestamp=101)}
+    assert failure_cause(oom)[0] == 1
+    drop = {0: F(exitcode=1, timestamp=120), 1: F(exitcode=1, timestamp=121), 2: F(exitcode=-9, timestamp=151)}
+    assert failure_cause(drop)[0] == 0
+    stopped = {0: F(exitcode=-15, timestamp=10), 1: F(exitcode=1, timestamp=12)}
+    assert failure_cause(stopped)[0] == 1

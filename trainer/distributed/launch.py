@@ -17,6 +17,25 @@ from trainer.distributed.topology import local_roles
 log = logging.getLogger("trainer.dist")
 
 
+ECHO_S = 5   # a signal death this long after the first failure is the launcher's own escalation
+
+
+def failure_cause(failures: dict) -> tuple:
+    """(local rank, failure) that caused the others, not its echoes: a rank killed by a signal (the OOM
+    killer's SIGKILL: its peers' errors follow within a second or so) first, else the earliest error. The
+    launcher's own signals are echoes: the SIGTERM it sends the survivors when it shuts the job down, and the
+    SIGKILL that follows after its shutdown wait for a rank that did not stop (elastic records those after
+    that wait, so well after the first failure: a target stuck in a send to a vanished node, seen in the
+    two-node stand-in, whose report then blamed its SIGKILL instead of the timeout that ended rank 0)."""
+    first = min(f.timestamp for f in failures.values())
+
+    def key(item):
+        local_rank, f = item
+        launchers = f.exitcode == -15 or (f.exitcode < 0 and f.timestamp - first > ECHO_S)
+        return (launchers, f.exitcode >= 0, f.timestamp, local_rank)
+    return min(failures.items(), key=key)
+
+
 def launch(argv: list[str], cfg, bounds=None) -> int:
     """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
     WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
@@ -87,10 +106,7 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "trainer", *argv)
     except ChildFailedError as e:
-        # the cause, not its echoes: a rank killed by a signal other than the launcher's own SIGTERM
-        # (sent to the survivors while it shuts the job down) first, else the earliest error
-        rank, failure = min(e.failures.items(),
-                            key=lambda kv: (kv[1].exitcode == -15, kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+        rank, failure = failure_cause(e.failures)
         why = failure.message
         if isinstance(why, dict):
             why = why.get("message", why)

@@ -238,8 +238,9 @@ def start_heartbeat(topo: Topology, dist_timeout_s: float):
 class StopVote:
     """The job's agreement on when to stop, without a per-step barrier: after each step every rank
     posts an asynchronous all-reduce (gloo, control group) of [stop flag, items, tokens, busy s, wait s,
-    peak bytes, graphs compiled after the warmup] per rank; after step k it reads the vote of step k - lag, so every rank sees the same verdict at
-    the same step, and target ranks running ahead rarely wait. Rates per rank come for free."""
+    peak bytes, graphs compiled after the warmup] per rank; after step k it reads the vote of step k - lag,
+    so every rank sees the same verdict at the same step, and target ranks running ahead rarely wait. Rates
+    per rank come for free."""
 
     FIELDS = ("stop", "items", "tokens", "busy_s", "wait_s", "peak_bytes", "recompiles")
 

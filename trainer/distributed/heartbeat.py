@@ -13,7 +13,8 @@ thread of its own, which runs while the main thread waits in C++:
           the silence; its launcher then stops the node's other ranks, and the unit restarts
 
 The bound is --dist-timeout plus a margin (`heartbeat_bound`). A rank that ends normally writes `done`,
-which no peer counts as silence."""
+which no peer counts as silence. Short of the bound, a rank that fails on a gloo or NCCL timeout (which
+names no peer) adds to its error whom it has not heard from (`Heartbeat.quiet`, `annotate`)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
             record_bad_input(cfg.status_file, f"{e}")
         return 2
     if in_launched_rank():
-        from trainer.engine.train import train_rank
+        from trainer.engine.rank import train_rank
         return train_rank(cfg)
     from trainer.distributed.launch import launch
     from trainer.engine.compile_warmup import startup_bounds

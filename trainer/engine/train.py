@@ -1,4 +1,5 @@
-"""The training loop of one rank, top to bottom, and its wiring. The components beside it own their
+"""The training loop of one rank, top to bottom, and its wiring (rank.py starts it, answers its stop signals and
+maps its failures to exit codes). The components beside it own their
 state: topology.py, groups.py and dispatch.py (ranks, groups, stop vote, dispatch plan), target_stage.py and
 drafter_stage.py (the two stages), transport.py (slots, sends, receives), feed.py (this rank's micro-batches),
 compile_warmup.py, optim.py,
@@ -24,8 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 import uuid
@@ -38,8 +37,7 @@ from trainer.config.options import TrainConfig
 from trainer.config.preflight import validate
 from trainer.data.dataset import DataError
 from trainer.distributed import oprecord
-from trainer.distributed.groups import Groups, StopVote, abort_groups, hold_together, init_rank
-from trainer.distributed.heartbeat import annotate
+from trainer.distributed.groups import Groups, StopVote, hold_together
 from trainer.distributed.startup import Startup
 from trainer.distributed.topology import Topology
 from trainer.distributed.transport import Receiver, Sender, device_ctx, new_event, stream_ctx, unpack
@@ -52,7 +50,7 @@ from trainer.engine.feed import Feed
 from trainer.engine.metrics import Profiler, StepMetrics
 from trainer.engine.optim import guarded_step, lr_at, warmup_steps
 from trainer.engine.report import Reporter
-from trainer.engine.runlog import setup_console, setup_logging
+from trainer.engine.runlog import setup_logging
 from trainer.engine.target_stage import TargetStage, build_target_stage, load_for_run
 from trainer.engine.train_state import (
     DataFeedState,
@@ -64,9 +62,8 @@ from trainer.engine.train_state import (
     ScheduleState,
     TrainState,
 )
-from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
+from trainer.errors import BadInput, TrainingFailed
 from trainer.model import identity
-from trainer.model.checkpoint_format import CheckpointError
 from trainer.model.dflash2 import as_dflash2
 from trainer.model.drafter import DFlashConfig
 from trainer.ops.compiling import compile_reason, note_new_graphs, resolve_compile
@@ -382,72 +379,3 @@ class Trainer:
         self.startup.close()
         self.feed.close()
         self.report.close()
-
-
-def install_signal_handlers(trainer: Trainer):
-    def handler(signum, frame):
-        log.info("received %s: the job stops after an agreed step, with a checkpoint", signal.Signals(signum).name)
-        trainer.stop_requested.set()
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None) -> int:
-    """Entry point of one rank (started by the launcher, or in-process at world size 1). on_done(trainer)
-    runs on every rank after a successful run, before shutdown (the benchmark reads its figures there)."""
-    import torch.distributed as dist
-    die_with_supervisor()
-    # the console before init_rank: its lines (the P2P mode, the heartbeat's bound) reach the journal;
-    # Trainer.setup's setup_logging replaces it and adds the run's file
-    setup_console()
-    try:
-        topo, groups = init_rank(cfg)
-    except ValueError as e:
-        record(e)
-        if not os.environ.get("DFLASH_SUPERVISED"):
-            print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    trainer = Trainer(cfg, topo, groups, target_factory, dataset)
-    install_signal_handlers(trainer)
-    status = trainer.report.status
-    rc = 1
-    try:
-        trainer.setup()
-        rc = trainer.run()
-        if on_done is not None and rc == 0:
-            on_done(trainer)
-        return rc
-    except BadInput as e:
-        record(e)
-        log.error("bad input: %s", e, extra={"console": False})
-        status.update(phase="failed", error=str(e), step=trainer.loop.step, force=True)
-        if not os.environ.get("DFLASH_SUPERVISED"):
-            print(f"dflash-train: error: {e}", file=sys.stderr, flush=True)
-        rc = 2
-        return rc
-    except (TrainingFailed, CheckpointError) as e:
-        record(e)
-        log.error("training failed: rank %d: %s", topo.rank, e)
-        status.update(phase="failed", error=f"rank {topo.rank}: {e}", step=trainer.loop.step,
-                      nan_skips=trainer.report.nan_skips, nan_streak=trainer.report.nan_streak, force=True)
-        return 1
-    except (Exception, CheckpointErrorBase) as e:
-        # several nodes: a timeout names no peer, the heartbeat knows which went quiet
-        quiet = groups.heartbeat.quiet() if groups.heartbeat is not None else None
-        e = annotate(e, quiet)
-        record(e)
-        log.exception("training failed on rank %d%s", topo.rank, f" (heartbeat: {quiet})" if quiet else "")
-        status.update(phase="failed", error=f"rank {topo.rank}: {type(e).__name__}: {e}", force=True)
-        return 1
-    finally:
-        trainer.shutdown()
-        if rc == 0:
-            try:
-                trainer.vote.drain()
-                dist.barrier(group=groups.control)
-            except Exception:  # noqa: BLE001
-                pass
-            dist.destroy_process_group()
-        else:
-            abort_groups()   # not destroy: NCCL's would wait for the ops a dead peer never completes
-

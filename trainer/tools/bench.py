@@ -328,7 +328,7 @@ def _shared_gpu(ctx: Ctx) -> bool:
 def _rank_entry(spec_path: str) -> None:
     """One rank of a multi-rank benchmark run (spawned by elastic_launch): the trainer itself, with the
     benchmark's random-init target and synthetic data; each rank writes its figures next to the spec."""
-    from trainer.engine.train import train_rank
+    from trainer.engine.rank import train_rank
     spec = torch.load(spec_path, weights_only=False)
     cfg = TrainConfig(**spec["cfg"])
     factory = make_target_factory(spec["shape"], getattr(torch, spec["dtype"]))

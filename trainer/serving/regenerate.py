@@ -184,7 +184,11 @@ class TargetGenerator:
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
                                       self.temperature, self.stop_ids, self.pad_id, fuse=self.fuse,
-                                      decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8)
+                                      decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
+                                      state_inplace=True)
+            # state_inplace: a hybrid's recurrent states written in place by FLA's kernel (nothing changes
+            # where FLA is absent or the target is dense): the same tokens as the copy on every row, and the
+            # faster step (results/INDEX.md, h200-qwen3.6-27b-regenerate-step-variants)
         return self._fast
 
     def _batch(self, prompts: list[np.ndarray]) -> list[np.ndarray]:

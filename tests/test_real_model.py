@@ -156,17 +156,9 @@ def test_reference_generation_loop_agrees_with_dflash_eval(chain, monkeypatch):
 
 def _block_loss(drafter, embed, taps, ids, anchors, block):
     """Mean CE of block slots 1..B-1 at `anchors` (each row of `ids`), context strictly before the anchor."""
-    n, s = ids.shape
-    na = anchors.shape[1]
-    blk = ids.gather(1, (anchors[:, :, None] + torch.arange(block)).reshape(n, -1)).reshape(n, na, block)
-    noise_ids = torch.full_like(blk, drafter.mask_token_id)
-    noise_ids[:, :, 0] = blk[:, :, 0]
-    qpos = (anchors[:, :, None] + torch.arange(block)).reshape(n, -1)
-    pos = torch.cat([torch.arange(s).expand(n, -1), qpos], 1)
-    q_anchor = anchors[:, :, None].expand(-1, -1, block).reshape(n, -1)
-    ctx_ok = torch.arange(s)[None, None, :] < q_anchor[:, :, None]
-    j = torch.arange(na)[:, None].expand(-1, block).reshape(-1)
-    mask = torch.cat([ctx_ok, (j[:, None] == j[None, :]).expand(n, -1, -1)], -1)[:, None]
+    from trainer.tools.slot_probe import block_inputs
+    blk, noise_ids, pos, mask = block_inputs(ids, anchors, block, drafter.mask_token_id)
+    n, na = anchors.shape
     h = drafter(position_ids=pos, noise_embedding=embed(noise_ids.reshape(n, -1)), target_hidden=taps,
                 attention_mask=mask).reshape(n, na, block, -1)[:, :, 1:]
     logits = h @ embed.weight.t()

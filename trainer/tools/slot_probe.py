@@ -54,6 +54,27 @@ def target_states(model_dir: str, seqs: int = 16, length: int = 256) -> dict:
     return st
 
 
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int, context: bool = True):
+    """The drafter's inputs for `block`-token blocks at `anchors` [N, A] of each row of `ids` [N, S]: the blocks'
+    tokens [N, A, B]; their noise ids (the anchor, then MASK); the positions (the context's, then the blocks');
+    the attention mask [N, 1, A*B, S + A*B]: each block sees the context strictly before its anchor (nothing
+    with context=False) and its own block both ways."""
+    N, S = ids.shape
+    A, B = anchors.shape[1], block
+    at = (anchors[:, :, None] + torch.arange(B)).reshape(N, -1)
+    blk = ids.gather(1, at).reshape(N, A, B)
+    noise_ids = torch.full_like(blk, mask_id)
+    noise_ids[:, :, 0] = blk[:, :, 0]
+    pos = torch.cat([torch.arange(S).expand(N, -1), at], 1)
+    qa = anchors[:, :, None].expand(-1, -1, B).reshape(N, -1)
+    cm = torch.arange(S)[None, None, :] < qa[:, :, None]                  # [N, Tq, S]: the anchor's past
+    if not context:
+        cm = torch.zeros_like(cm)
+    bj = torch.arange(A)[:, None].expand(-1, B).reshape(-1)
+    bm = (bj[:, None] == bj[None, :]).expand(N, -1, -1)                   # within a block, both ways
+    return blk, noise_ids, pos, torch.cat([cm, bm], -1)[:, None]
+
+
 class Probe:
     """The drafter (modeling_dflash's class at the target's width) and its batches over the cached states."""
 
@@ -78,22 +99,10 @@ class Probe:
         self.w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block)])
 
     def batch(self, anchors: torch.Tensor, ctx: torch.Tensor):
-        N, S = self.ids.shape
-        B, A, H = self.block, anchors.shape[1], self.H
-        blk = self.ids.gather(1, (anchors[:, :, None] + torch.arange(B)).reshape(N, -1)).reshape(N, A, B)
-        noise_ids = torch.full_like(blk, self.mask)
-        noise_ids[:, :, 0] = blk[:, :, 0]
-        noise = self.E[noise_ids].reshape(N, -1, H)
-        qpos = (anchors[:, :, None] + torch.arange(B)).reshape(N, -1)
-        pos = torch.cat([torch.arange(S).expand(N, -1), qpos], 1)
-        qa = anchors[:, :, None].expand(-1, -1, B).reshape(N, -1)
-        cm = torch.arange(S)[None, None, :] < qa[:, :, None]                  # [N, Tq, S]: the anchor's past
-        if self.noctx:
-            cm = torch.zeros_like(cm)
-        bj = torch.arange(A)[:, None].expand(-1, B).reshape(-1)
-        bm = (bj[:, None] == bj[None, :]).expand(N, -1, -1)                   # within a block, both ways
-        h = self.m(position_ids=pos, noise_embedding=noise, target_hidden=ctx,
-                   attention_mask=torch.cat([cm, bm], -1)[:, None])
+        N, A, B = self.ids.shape[0], anchors.shape[1], self.block
+        blk, noise_ids, pos, mask = block_inputs(self.ids, anchors, B, self.mask, context=not self.noctx)
+        h = self.m(position_ids=pos, noise_embedding=self.E[noise_ids].reshape(N, -1, self.H), target_hidden=ctx,
+                   attention_mask=mask)
         logits = h.reshape(N, A, B, -1)[:, :, 1:] @ self.E.t()
         labels = blk[:, :, 1:]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")

@@ -493,10 +493,9 @@ def test_a_launch_not_of_flas_form_is_not_retiled():
     assert alias._retile((32,), kw) == ((8,), {"V": 128, "BV": 32, "num_warps": 4})
 
 
-def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_hybrid_dir, monkeypatch):
-    """recurrent_tile reaches the kernel's alias on each in-place decode step (and only with state_inplace)."""
+def _spy_on_the_in_place_step(monkeypatch) -> list:
+    """Replace the decoder's in-place context with a spy; the list it returns gets each step's tile."""
     from trainer.serving.captured import regenerate_decoder
-    from trainer.serving.regenerate import TargetGenerator
 
     seen = []
 
@@ -505,6 +504,15 @@ def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_
         return contextlib.nullcontext()
 
     monkeypatch.setattr(regenerate_decoder, "inplace_recurrent_state", spy)
+    return seen
+
+
+def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_hybrid_dir, monkeypatch):
+    """recurrent_tile reaches the kernel's alias on each in-place decode step (and only with state_inplace)."""
+    from trainer.serving.captured import regenerate_decoder
+    from trainer.serving.regenerate import TargetGenerator
+
+    seen = _spy_on_the_in_place_step(monkeypatch)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2)
     ref = gen._batch(prompts)
@@ -521,16 +529,9 @@ def test_the_decoder_hands_its_recurrent_tile_to_the_in_place_step(hybrid, tiny_
 def test_dflash_regenerate_writes_a_hybrids_recurrent_states_in_place(hybrid, tiny_hybrid_dir, monkeypatch):
     """dflash-regenerate's captured decoder runs each decode step with the recurrent states written in place
     (measured faster on the GPU, the same tokens as the copy), with FLA's own state tile."""
-    from trainer.serving.captured import regenerate_decoder
     from trainer.serving.regenerate import TargetGenerator
 
-    seen = []
-
-    def spy(base, states, fla_module=None, tile=None):
-        seen.append(tile)
-        return contextlib.nullcontext()
-
-    monkeypatch.setattr(regenerate_decoder, "inplace_recurrent_state", spy)
+    seen = _spy_on_the_in_place_step(monkeypatch)
     prompts = heldout_prompts(load_dataset(tiny_hybrid_dir / "heldout"), 2)
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2)
     dec = gen._fast_decoder()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import drafter_choices
 from trainer.config.options import parse_args
 from trainer.model import contract, identity
 
@@ -136,7 +137,7 @@ def test_no_tokenizer_files_falls_to_the_last_row(tmp_path):
 
 def choices(cfg_dir: Path, *extra: str, arch: str = "dflash"):
     cfg = parse_args(["--target-model", str(cfg_dir), "--data-dir", "d", "--output-dir", "o", "--arch", arch, *extra])
-    got = {c.name: c for c in contract.resolve_run(cfg, json.loads((cfg_dir / "config.json").read_text()))}
+    got = {c.name: c for c in drafter_choices.resolve_run(cfg, json.loads((cfg_dir / "config.json").read_text()))}
     return cfg, got
 
 
@@ -168,7 +169,7 @@ def test_flags_given_override_the_contract_and_none_keeps_the_generic_rules(tmp_
     assert got["heads"].source == "the target's own attention heads"
     assert cfg.draft_layer_types == "sliding,sliding,sliding,sliding,full"   # --draft-layer-types auto's rule
     # resolving twice (the supervisor, then each rank) gives the same answer and the same sources
-    again = {c.name: c for c in contract.resolve_run(cfg, json.loads((t / "config.json").read_text()))}
+    again = {c.name: c for c in drafter_choices.resolve_run(cfg, json.loads((t / "config.json").read_text()))}
     assert again == got
 
 

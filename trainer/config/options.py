@@ -230,7 +230,7 @@ class TrainConfig:
                                      "SIGKILL; dflash.service passes its TimeoutStopSec minus a margin (role dflash_service)", group=DIST, gt=0)
     check_config: bool = opt(False, "validate everything cheap (flags, files, shard headers), load nothing, exit")
     save_final: bool = opt(True, "checkpoint at the end of the run (the benchmark turns it off)", cli=False)
-    # the fields whose flag the command line wrote (parse_args; trainer/model/contract.py fills the others in)
+    # the fields whose flag the command line wrote (parse_args; trainer/config/drafter_choices.py fills the others in)
     # (not compared: two configs that say the same are equal however they were written)
     given: list[str] = field(default_factory=list, compare=False, metadata={"cli": False, "help": ""})
 

@@ -70,12 +70,13 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     elif layers is not None and layers < 2:
         raise ConfigError(f"--target-model: {cfg.target_model}/config.json has {layers} layer(s); need >= 2")
 
-    from trainer.model import contract, published
+    from trainer.config import drafter_choices
+    from trainer.model import published
     try:   # the choices the flags leave open, filled in once (a warm start's drafter, else the family's
         # contract; the run log names each source), then a warm start's drafter checked against them
         pub = published.read(cfg.init_drafter) if cfg.init_drafter else None
-        contract.log_choices(contract.resolve_run(cfg, tcfg, pub.run_defaults() if pub else None,
-                                                  pub.source if pub else ""))
+        drafter_choices.log_choices(drafter_choices.resolve_run(cfg, tcfg, pub.run_defaults() if pub else None,
+                                                                pub.source if pub else ""))
         if pub is not None:
             import logging
             wlog = logging.getLogger("trainer.contract")

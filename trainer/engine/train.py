@@ -156,7 +156,7 @@ class Trainer:
             if topo.is_target:
                 model = load_for_run(cfg, dev, self.dtype)
         tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
-        # preflight filled the open choices in and logged their sources (trainer/model/contract.py); a run
+        # preflight filled the open choices in and logged their sources (trainer/config/drafter_choices.py); a run
         # without preflight (an injected target) takes the same MASK rule here
         mask = identity.resolve_mask_token(cfg.target_model, tc.vocab_size, cfg.mask_token_id)
         mask_token = mask.token_id

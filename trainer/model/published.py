@@ -68,7 +68,7 @@ class Published:
         return f"{FLAG} {self.path} ({self.layout} layout)"
 
     def run_defaults(self) -> dict:
-        """The choices a run takes from this drafter where no flag is given (contract.resolve_run)."""
+        """The choices a run takes from this drafter where no flag is given (drafter_choices.resolve_run)."""
         out = {"arch": self.arch, "block_size": self.block_size, "num_draft_layers": self.num_layers,
                "heads": self.heads, "layer_types": list(self.layer_types), "taps": list(self.taps)}
         if self.sliding_window is not None and "sliding_attention" in self.layer_types:
@@ -161,7 +161,7 @@ def _speculators(d: Path, cfg: dict, files: list[Path]) -> Published:
 
 
 def check(pub: Published, cfg, target_config: dict) -> list[str]:
-    """The drafter against the target and this run's resolved choices (contract.resolve_run has filled in
+    """The drafter against the target and this run's resolved choices (drafter_choices.resolve_run has filled in
     the drafter's own where no flag was given). Raises PublishedError, one line naming the flag and both
     values, for what its weights cannot survive; returns what a flag given on purpose changed where the
     weights still fit (the caller logs them)."""

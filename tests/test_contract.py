@@ -16,7 +16,7 @@ import pytest
 
 from trainer.config import drafter_choices
 from trainer.config.options import parse_args
-from trainer.model import contract, identity
+from trainer.model import families, identity
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -78,7 +78,7 @@ def smollm2(d: Path) -> Path:
 
 def test_qwen3_5_family_takes_the_published_mask_248070_and_says_why(tmp_path):
     t = qwen3_5_27b(tmp_path / "q35")
-    c = contract.contract_for(json.loads((t / "config.json").read_text()))
+    c = families.contract_for(json.loads((t / "config.json").read_text()))
     got = identity.resolve_mask_token(t, 248320, contract=c)
     assert got.token_id == 248070
     assert "qwen3_5 family's published contract (z-lab/Qwen3.6-27B-DFlash" in got.source
@@ -90,7 +90,7 @@ def test_qwen3_5_family_takes_the_published_mask_248070_and_says_why(tmp_path):
 
 def test_qwen3_keeps_151669_and_the_flag_wins(tmp_path):
     t = qwen3_8b(tmp_path / "q3")
-    c = contract.contract_for(json.loads((t / "config.json").read_text()))
+    c = families.contract_for(json.loads((t / "config.json").read_text()))
     assert identity.resolve_mask_token(t, 151936, contract=c).token_id == 151669
     assert identity.resolve_mask_token(t, 151936).token_id == 151669
     assert identity.resolve_mask_token(t, 151936, 151650, contract=c) == identity.MaskChoice(151650, "--mask-token-id")
@@ -102,7 +102,7 @@ def test_a_vocabulary_without_mask_token_or_spare_row_takes_an_unused_special_to
     """SmolLM2: bos/eos/pad/unk and what the chat template writes are never the MASK; the highest-id
     special token left is (<empty_output>, 16), not the last row, which is a text token."""
     t = smollm2(tmp_path / "smol")
-    got = identity.resolve_mask_token(t, 49152, contract=contract.contract_for(json.loads((t / "config.json").read_text())))
+    got = identity.resolve_mask_token(t, 49152, contract=families.contract_for(json.loads((t / "config.json").read_text())))
     assert got.token_id == 16 and "'<empty_output>'" in got.source and "no spare row" in got.source
     # a tokenizer that lost the special flags (rebuilt from a GGUF file) still gets the same token
     cfg = json.loads((t / "tokenizer_config.json").read_text())

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.model import hybrid
+from trainer.model import families, hybrid
 
 OLD = "5.17.0"
 
@@ -37,7 +37,7 @@ def one_line(err: str) -> str:
 
 
 def needs(line: str) -> bool:
-    return f"transformers >= {hybrid.HYBRID_TRANSFORMERS}, installed {OLD}" in line
+    return f"transformers >= {families.HYBRID_TRANSFORMERS}, installed {OLD}" in line
 
 
 def test_the_clis_exit_2_with_one_line_on_a_hybrid_and_run_a_dense_target(old, tiny_hybrid_dir, tiny_small_dir,
@@ -116,5 +116,5 @@ def test_the_gpu_scripts_stop_before_building_a_hybrid_target(old, capsys, monke
 
 def test_the_release_comparison_and_the_installed_transformers_pass():
     assert hybrid._release("5.25.0.dev0") == (5, 25, 0) and hybrid._release("5.24.9") < hybrid._release("5.25")
-    assert hybrid._release("5.25.0rc1") >= hybrid._release(hybrid.HYBRID_TRANSFORMERS)
+    assert hybrid._release("5.25.0rc1") >= hybrid._release(families.HYBRID_TRANSFORMERS)
     hybrid.check_hybrid_transformers(True)   # this venv's transformers (pyproject's floor) is new enough

@@ -1,7 +1,7 @@
 """A run's drafter choices (MASK token, heads, layer types, window, taps, and the shape a warm start may
 set), resolved once with the source of each: the flag the user gave; else a warm start's drafter
 (--init-drafter); else the target family's published contract (--draft-contract auto:
-trainer/model/contract.py); else the generic rule (docs/contracts.md "Drafter contract"). Preflight calls
+trainer/model/families.py); else the generic rule (docs/contracts.md "Drafter contract"). Preflight calls
 it before the supervisor launches a rank, so the resume checks and every rank read one answer, and the run
 log has one line naming each choice and its source.
 
@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass
 
 from trainer.model import identity
-from trainer.model.contract import DRAFT_LAYER_TYPES, FULL, SLIDING, contract_for, layer_types_for
+from trainer.model.contract import DRAFT_LAYER_TYPES, FULL, SLIDING
+from trainer.model.families import contract_for, layer_types_for
 
 log = logging.getLogger("trainer.contract")
 

@@ -43,7 +43,7 @@ ARCH_CHOICES = ("dflash", "dflash2")
 EVAL_PROMPTS = 16
 EVAL_MAX_NEW_TOKENS = 128
 WANDB_MODES = ("disabled", "offline", "online")
-# --draft-contract: follow a target family's published drafter contract or not (trainer/model/contract.py)
+# --draft-contract: follow a target family's published drafter contract or not (trainer/model/families.py)
 CONTRACT_CHOICES = ("auto", "none")
 
 
@@ -164,7 +164,7 @@ class TrainConfig:
     draft_contract: str = opt("auto", "auto: for a target family with published drafters (qwen3_5: 32/8 heads "
                                       "x 128, sliding layers, MASK 248070) their contract is the default of "
                                       "every drafter choice not given (block size and anchors stay this run's); "
-                                      "none: the generic rules (trainer/model/contract.py)",
+                                      "none: the generic rules (trainer/model/families.py)",
                               choices=CONTRACT_CHOICES)
     init_drafter: str = opt("", "warm start: a published drafter directory (config.json + safetensors; DFlash "
                                 "or DFlash2, as z-lab, SpecForge or speculators export it) as the first step's "
@@ -540,9 +540,9 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
 
 
 def draft_layer_types(text: str, num_layers: int, target_config: dict | None) -> list[str] | None:
-    """--draft-layer-types checked and resolved by the model's rule (contract.layer_types_for); ConfigError
-    names the flag."""
-    from trainer.model.contract import layer_types_for
+    """--draft-layer-types checked and resolved by the target family's rule (families.layer_types_for);
+    ConfigError names the flag."""
+    from trainer.model.families import layer_types_for
     try:
         return layer_types_for(text, num_layers, target_config)
     except ValueError as e:

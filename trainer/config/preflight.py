@@ -26,21 +26,24 @@ from trainer.config.options import (
     validate_flags,
 )
 from trainer.model.contract import DRAFT_LAYER_TYPES
+from trainer.model.families import family_for
 from trainer.model.hybrid import slow_linear_attention_message
 
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
-    """A hybrid target (Gated DeltaNet layers) on GPUs needs flash-linear-attention: without it transformers
-    runs its torch fallback, slower, and out of GPU memory where every hidden state is kept
-    (issue 39). Cheap: the package is looked up, not imported (the target rank checks what transformers
+    """A hybrid target (Gated DeltaNet layers) on GPUs needs its family's required kernel packages
+    (flash-linear-attention: trainer/model/families.py): without them transformers runs its torch fallback,
+    slower, and out of GPU memory where every hidden state is kept (issue 39). Cheap: the package is looked
+    up, not imported (the target rank checks what transformers
     really resolved when it loads the model: trainer/model/target.py)."""
-    text_cfg = target_config.get("text_config", target_config)
-    if not cfg.target_gpus or cfg.allow_slow_linear_attention \
-            or "linear_attention" not in (text_cfg.get("layer_types") or ()):
+    family = family_for(target_config)
+    if not cfg.target_gpus or cfg.allow_slow_linear_attention or not family.linear_attention:
         return
     import importlib.util
-    if importlib.util.find_spec("fla") is None:
-        raise ConfigError(slow_linear_attention_message(cfg.target_model, ["flash-linear-attention"]))
+    missing = [pip for module, (pip, _, required) in family.linear_kernels.items()
+               if required and importlib.util.find_spec(module) is None]
+    if missing:
+        raise ConfigError(slow_linear_attention_message(cfg.target_model, missing))
 
 
 def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool | None = None) -> dict:

@@ -73,9 +73,9 @@ class DFlashConfig:
                     sliding_window: int = 2048, num_heads: int = 0, num_kv_heads: int = 0,
                     head_dim: int = 0) -> "DFlashConfig":
         """layer_types: --draft-layer-types' text (auto | full,sliding,...), resolved against the target
-        (contract.layer_types_for); "full" (the default here): every layer full attention. num_heads,
+        (families.layer_types_for); "full" (the default here): every layer full attention. num_heads,
         num_kv_heads, head_dim: the draft layers' attention (--draft-heads ...; 0: the target's)."""
-        from trainer.model.contract import layer_types_for
+        from trainer.model.families import layer_types_for
         t = getattr(target_cfg, "text_config", None) or target_cfg
         whole = target_cfg.to_dict() if hasattr(target_cfg, "to_dict") else dict(target_cfg)
         types = (None if layer_types == "full" else

@@ -2,9 +2,10 @@
 
 A hybrid target (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside full attention) runs
 transformers' own layers inside our loops, and those layers ask the cache for their conv and recurrent
-states. Our caches answer the API of transformers >= HYBRID_TRANSFORMERS (trainer/serving/captured/linear_states.py's hybrid
-state store: get_/update_conv_state, get_/update_recurrent_state, get_recurrent_states_to_keep;
-modeling_dflash.target_cache: DynamicCache.activate_past_recording(recurrent_states_to_keep=)).
+states. Our caches answer the API of transformers >= the floor the family's entry names
+(generation_transformers in trainer/model/families.py: families.HYBRID_TRANSFORMERS), in
+trainer/serving/captured/linear_states.py's hybrid state store: get_/update_conv_state, get_/update_recurrent_state, get_recurrent_states_to_keep;
+modeling_dflash.target_cache: DynamicCache.activate_past_recording(recurrent_states_to_keep=).
 Older releases ask another one (5.17: cache.has_previous_state(...), layers[i].conv_states[0]) and fail
 mid-generation with an AttributeError. `check_hybrid_transformers` stops first, in one line; every hybrid
 generation path calls it: dflash-eval (both loops) and the in-training eval (--eval-data-dir, at
@@ -17,14 +18,12 @@ line that refuses a hybrid whose fast linear-attention kernels are missing on a 
 
 from __future__ import annotations
 
-# the oldest release whose Qwen3.5 Gated DeltaNet calls the cache API our loops answer (pyproject's floor)
-HYBRID_TRANSFORMERS = "5.25"
-LINEAR = "linear_attention"
+from trainer.model.families import GENERIC_HYBRID, family_for
 
 
 class HybridTransformersTooOld(ValueError):
-    """A hybrid target met a transformers older than HYBRID_TRANSFORMERS (the CLIs print it as their one
-    line and exit 2)."""
+    """A hybrid target met a transformers older than its family's floor (families.HYBRID_TRANSFORMERS; the
+    CLIs print it as their one line and exit 2)."""
 
 
 def installed_transformers() -> str:
@@ -34,17 +33,19 @@ def installed_transformers() -> str:
 
 
 def is_hybrid(target) -> bool:
-    """True for a target with linear-attention layers: `target` a model, its config, config.json's dict
-    (text_config or flat), or a bool said by the caller."""
+    """True for a target with linear-attention layers (its family says so: families.family_for): `target` a
+    model, its config, config.json's dict (text_config or flat), or a bool said by the caller."""
     if isinstance(target, bool):
         return target
-    cfg = getattr(target, "config", target)
-    if isinstance(cfg, dict):
-        types = cfg.get("text_config", cfg).get("layer_types")
-    else:
-        text = getattr(cfg, "text_config", None) if getattr(cfg, "layer_types", None) is None else None
-        types = getattr(text if text is not None else cfg, "layer_types", None)
-    return LINEAR in (types or ())
+    return family_for(target).linear_attention
+
+
+def generation_floor(target) -> str | None:
+    """The oldest transformers `target`'s generation works with here (see is_hybrid for `target`); None:
+    any release."""
+    if isinstance(target, bool):
+        return GENERIC_HYBRID.generation_transformers if target else None
+    return family_for(target).generation_transformers
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -56,16 +57,16 @@ def _release(version: str) -> tuple[int, ...]:
 
 def check_hybrid_transformers(target, what: str = "the target") -> None:
     """Raise HybridTransformersTooOld (one line: the installed release and the needed one) when `target`
-    (see is_hybrid) is a hybrid and the installed transformers is older than HYBRID_TRANSFORMERS; else
-    nothing. `what` names the target in the message (e.g. "--target-model DIR")."""
-    if not is_hybrid(target):
+    (see is_hybrid) is a hybrid and the installed transformers is older than its family's floor
+    (generation_floor); else nothing. `what` names the target in the message (e.g. "--target-model DIR")."""
+    floor = generation_floor(target)
+    if floor is None:
         return
     have = installed_transformers()
-    if _release(have) < _release(HYBRID_TRANSFORMERS):
+    if _release(have) < _release(floor):
         raise HybridTransformersTooOld(
             f"{what} is a hybrid (Gated DeltaNet linear-attention layers): its generation here needs "
-            f"transformers >= {HYBRID_TRANSFORMERS}, installed {have} "
-            f"(pip install 'transformers>={HYBRID_TRANSFORMERS}')")
+            f"transformers >= {floor}, installed {have} (pip install 'transformers>={floor}')")
 
 
 def slow_linear_attention_message(path: str, missing: list[str]) -> str:

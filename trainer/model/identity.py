@@ -218,7 +218,7 @@ def resolve_mask_token(model_dir: str | os.PathLike, vocab_size: int, override: 
                        contract=None) -> MaskChoice:
     """THE MASK rule (the trainer, preflight, the identity and the resume check all call it), first match:
       1. --mask-token-id (ValueError naming the flag when outside the vocabulary);
-      2. the family's published contract (trainer/model/contract.py; qwen3_5 -> 248070, qwen3 -> 151669),
+      2. the family's published contract (trainer/model/families.py; qwen3_5 -> 248070, qwen3 -> 151669),
          where the vocabulary has that row;
       3. the tokenizer's mask token (tokenizer_config's mask_token, or a <|mask|>, <|MASK|>, <mask> token);
       4. the first embedding row past the tokenizer's tokens, where the vocabulary is larger (a row the

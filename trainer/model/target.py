@@ -20,9 +20,8 @@ def decoder(model):
 
 def load_target(path: str, device: torch.device, dtype: torch.dtype, allow_slow_linear_attention: bool = False):
     """The target's language model, frozen, on `device`. A vision-language checkpoint (Qwen3.5 / Qwen3.6's
-    Qwen3_5ForConditionalGeneration) loads through its text-only causal-LM class, which skips the vision
-    tower's weights (transformers maps qwen3_5 -> Qwen3_5ForCausalLM and ignores `model.visual.*`), so the
-    tower never reaches the GPU. Where a config's causal-LM class would still carry a tower, the model is
+    Qwen3_5ForConditionalGeneration) loads through its text-only causal-LM class (its family's causal_lm:
+    Qwen3_5ForCausalLM, which ignores `model.visual.*`), so the tower never reaches the GPU. Where a config's causal-LM class would still carry a tower, the model is
     loaded on the CPU, the tower dropped, and only then moved.
     Hub kernels stay off (use_kernels=False): transformers >= 5.25 kernelizes by default when the `kernels`
     package is installed, which on a GPU fetches layer code from the Hub at load time (offline it fails:
@@ -64,10 +63,16 @@ def check_fast_kernels(model, path: str, device_type: str, allow: bool) -> None:
 
 
 def causal_lm_class(config):
-    """The class AutoModelForCausalLM builds for `config` (for qwen3_5, the text-only Qwen3_5ForCausalLM)."""
-    from transformers import AutoModelForCausalLM
+    """The class the target rank loads for `config`: its family's causal_lm (for qwen3_5, the text-only
+    Qwen3_5ForCausalLM; trainer/model/families.py), else the one AutoModelForCausalLM builds."""
+    import transformers
+
+    from trainer.model.families import family_for
+    name = family_for(config).causal_lm
+    if name is not None:
+        return getattr(transformers, name)
     from transformers.models.auto.auto_factory import _get_model_class
-    return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
 
 
 def vision_tower_class(cls) -> bool:
@@ -75,33 +80,29 @@ def vision_tower_class(cls) -> bool:
     return cls.__name__.endswith("ForConditionalGeneration")
 
 
-VISION_PREFIXES = ("visual", "vision_tower", "vision_model")
-
-
 def vision_params(model) -> list[str]:
-    """Names of the parameters of a vision tower in `model` (none for a language model)."""
-    return [n for n, _ in model.named_parameters() if any(part in VISION_PREFIXES for part in n.split("."))]
+    """Names of the parameters of a vision tower in `model` (none for a language model): under its family's
+    vision_prefixes."""
+    from trainer.model.families import family_for
+    prefixes = family_for(model).vision_prefixes
+    return [n for n, _ in model.named_parameters() if any(part in prefixes for part in n.split("."))]
 
 
 def drop_vision_tower(model) -> int:
-    """Remove any vision tower submodule; returns how many parameters it held."""
+    """Remove any vision tower submodule (its family's vision_prefixes); returns how many parameters it held."""
+    from trainer.model.families import family_for
+    prefixes = family_for(model).vision_prefixes
     n = 0
     for name, module in list(model.named_modules()):
         parent, _, leaf = name.rpartition(".")
-        if leaf in VISION_PREFIXES:
+        if leaf in prefixes:
             n += sum(p.numel() for p in module.parameters())
             setattr(model.get_submodule(parent) if parent else model, leaf, None)
     return n
 
 
-# Gated DeltaNet's kernels in transformers' Qwen3.5/Qwen3-Next modeling: each function is wrapped so that it
-# runs the package's kernel when the package imports and the input's device is one it supports, else the
-# reference torch code ("correct but much slower"). package -> (pip name, device types it runs on, required).
+# what layer_kernels says of a kernel whose package did not import
 MISSING = "not installed or failed to import"
-LINEAR_KERNEL_PACKAGES = {
-    "fla": ("flash-linear-attention", ("cuda", "xpu", "mlu", "npu"), True),
-    "causal_conv1d": ("causal-conv1d", ("cuda",), False),   # F.conv1d is a fair fallback for a 4-tap conv
-}
 
 
 def kernel_choice(fn, device_type: str) -> tuple[str, str, str] | None:
@@ -137,7 +138,9 @@ def layer_kernels(model, device_type: str) -> dict[str, dict[str, str]]:
     | "torch (flash-linear-attention ...)", ...}}. Read from what transformers resolved at import."""
     import sys
 
+    from trainer.model.families import family_for
     from trainer.ops.compiling import layer_mixer
+    packages = family_for(model).linear_kernels
     out: dict[str, dict[str, str]] = {}
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     for layer in decoder(model).layers:
@@ -151,10 +154,10 @@ def layer_kernels(model, device_type: str) -> dict[str, dict[str, str]]:
         found = {}
         for attr in dir(mod) if mod is not None else ():
             choice = kernel_choice(getattr(mod, attr), device_type)
-            if choice is None or choice[1] not in LINEAR_KERNEL_PACKAGES:
+            if choice is None or choice[1] not in packages:
                 continue
             fname, pkg, how = choice
-            pip = LINEAR_KERNEL_PACKAGES[pkg][0]
+            pip = packages[pkg][0]
             found[fname] = {"package": pip, "missing": f"torch ({pip} {MISSING})",
                             "device": f"torch ({pip} does not run on {device_type})"}[how]
         out[name] = found or {"attention": impl}
@@ -168,8 +171,10 @@ def describe_kernels(kernels: dict[str, dict[str, str]]) -> str:
 
 
 def missing_fast_kernels(kernels: dict[str, dict[str, str]]) -> list[str]:
-    """The required packages (flash-linear-attention) that are missing, so that some layer class would run
-    their torch fallback."""
-    need = {pip for pip, _, required in LINEAR_KERNEL_PACKAGES.values() if required}
+    """The required packages of any family's linear-attention kernels (flash-linear-attention) that are
+    missing, so that some layer class of `kernels` (layer_kernels') would run their torch fallback."""
+    from trainer.model.families import FAMILIES, GENERIC_HYBRID
+    need = {pip for fam in (*FAMILIES.values(), GENERIC_HYBRID) for pip, _, required in fam.linear_kernels.values()
+            if required}
     return sorted({pip for ks in kernels.values() for v in ks.values() for pip in need
                    if v == f"torch ({pip} {MISSING})"})

@@ -12,7 +12,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from trainer.model.hybrid import LINEAR, check_hybrid_transformers
+from trainer.model.families import LINEAR
+from trainer.model.hybrid import check_hybrid_transformers
 from trainer.model.target import decoder
 from trainer.serving.captured.attention import register_attention, verify_attention
 from trainer.serving.captured.kv_cache import PAD_TO, RowKV

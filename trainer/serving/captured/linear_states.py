@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from trainer.model.hybrid import LINEAR
+from trainer.model.families import LINEAR
 from trainer.model.target import kernel_choice
 
 CHUNK_FN = "torch_chunk_gated_delta_rule"   # transformers' module-level chunked kernel (FLA's on GPUs)

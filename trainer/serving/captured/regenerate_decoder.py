@@ -42,7 +42,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from trainer.model.hybrid import LINEAR, check_hybrid_transformers
+from trainer.model.families import LINEAR
+from trainer.model.hybrid import check_hybrid_transformers
 from trainer.model.target import decoder
 from trainer.serving.captured.attention import DECODE_KERNELS, decode_attention, register_attention
 from trainer.serving.captured.fused_ops import fused_small_ops

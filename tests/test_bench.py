@@ -97,7 +97,7 @@ def test_hybrid_flops_are_twice_the_parameters_of_qwen36_27b():
     import numpy as np
     import torch
     from transformers import Qwen3_5ForCausalLM
-    cfg = bench_shapes.qwen3_config("qwen3.6-27b")
+    cfg = bench_shapes.target_config("qwen3.6-27b")
     assert cfg.layer_types.count("full_attention") == 16 and cfg.layer_types[3] == "full_attention"
     with torch.device("meta"):
         m = Qwen3_5ForCausalLM(cfg)
@@ -105,7 +105,7 @@ def test_hybrid_flops_are_twice_the_parameters_of_qwen36_27b():
     assert 24.0e9 < params < 24.7e9            # 24.35B: "27B" less 2 x 1.27B of embedding and head, less the tower
     f = bench_flops.model_flops_target(np.array([1.0] * 1000), "qwen3.6-27b", 64)
     assert 2 * params * 1000 < f < 2 * params * 1000 * 1.02
-    assert bench_shapes.SHAPES["qwen3.6-27b"][2:] == (24, 4, 256, 17408, 248320) and "27b" in bench_shapes.SHAPES
+    assert bench_shapes.SHAPES["qwen3.6-27b"].dims[2:] == (24, 4, 256, 17408, 248320) and "27b" in bench_shapes.SHAPES
 
 
 @pytest.mark.slow

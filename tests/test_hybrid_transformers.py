@@ -108,7 +108,7 @@ def test_the_gpu_scripts_stop_before_building_a_hybrid_target(old, capsys, monke
         raise AssertionError("the target was built")
 
     for mod in (regenerate_bench, eval_bench):
-        monkeypatch.setattr(mod, "make_hybrid_target", no_target)
+        monkeypatch.setattr(mod, "make_target_factory", no_target)
         assert mod.main(["--shape", "qwen3.6-27b"]) == 2
         line = one_line(capsys.readouterr().err)
         assert line.startswith(f"{mod.__name__}: error: --shape qwen3.6-27b is a hybrid") and needs(line), line

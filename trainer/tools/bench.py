@@ -49,7 +49,7 @@ from trainer.tools.bench_profile import (
     reset_peaks,
     sync_all,
 )
-from trainer.tools.bench_shapes import HYBRID, SHAPES, make_target_factory, synthetic_dataset
+from trainer.tools.bench_shapes import SHAPES, make_target_factory, synthetic_dataset
 
 log = logging.getLogger("trainer.bench")
 
@@ -468,7 +468,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
         base["token_budget"] = args.token_budget
     if args.max_seq_len:
         base["max_seq_len"] = args.max_seq_len
-    vocab = SHAPES[shape][6]
+    vocab = SHAPES[shape].vocab
     # enough sequences that length buckets fill their batches, as with a real corpus; sized by the steps of
     # the parts that run, so a stage-alone run times the same batches whatever --pipeline-steps says
     parts = args.parts.split(",")
@@ -658,7 +658,7 @@ def main(argv=None) -> int:
     meta = {"device": gpu_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus, "shape": a.shape,
             "shape_dims": dict(zip(["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"],
-                                   SHAPES[a.shape])), "hybrid_dims": HYBRID.get(a.shape),
+                                   SHAPES[a.shape].dims)), "hybrid_dims": SHAPES[a.shape].linear,
             "argv": sys.argv[1:], "started": time.time(),
             **git_commit()}
     out = Path(a.out) if a.out else None

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from trainer.tools.bench_profile import gpu_name
-from trainer.tools.bench_shapes import HYBRID, SHAPES
+from trainer.tools.bench_shapes import SHAPES
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16, datasheet
 
@@ -27,12 +27,12 @@ def model_flops_target(lengths, shape: str, layers_run: int) -> float:
     layer is gated full attention (q_proj also makes the output gate: 2 x heads x head_dim); the others are
     Gated DeltaNet: its projections (qkv, z, a, b, out), the 4-tap conv, and the chunked delta rule counted
     as 6 dk dv + 2 C (dk + dv) per token and value head (C = 64: state read, update and the in-chunk part)."""
-    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
+    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape].dims
     lengths = np.asarray(lengths, np.float64)
-    if shape not in HYBRID:
+    lin = SHAPES[shape].linear
+    if lin is None:
         per_layer = 2 * (h * nh * hd * 2 + h * nkv * hd * 2) + 2 * 3 * h * mlp
         return float(layers_run * (per_layer * lengths.sum() + 2 * nh * hd * (lengths ** 2).sum()))
-    lin = HYBRID[shape]
     nk, nv = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
     dk, dv, conv = lin["linear_key_head_dim"], lin["linear_value_head_dim"], lin["linear_conv_kernel_dim"]
     full = sum(1 for i in range(layers_run) if (i + 1) % 4 == 0)

@@ -1,13 +1,15 @@
-"""The benchmark's targets and data: random-init Qwen3-shaped targets built in memory (no weights on disk) by
-shape name, and synthetic datasets with a length mix. The hybrid shapes (qwen3.6-27b, tiny-hybrid) are
+"""The benchmark's targets and data: random-init targets built in memory (no weights on disk) by shape name,
+and synthetic datasets with a length mix. Each shape is a config of its model_type, built as its target
+family's causal-LM class (trainer/model/families.py): the dense Qwen3 shapes, and the hybrid ones (qwen3.6-27b, tiny-hybrid) as
 Qwen3.5's language model, Qwen3_5ForCausalLM (3 Gated DeltaNet : 1 gated attention layers), as the trainer
-loads it from the VL checkpoint. trainer/tools/bench.py runs them; bench_flops.py counts their work. The
-serving benches' hybrid targets (HYBRID_SHAPES, make_hybrid_target) are here too.
+loads it from the VL checkpoint. trainer/tools/bench.py runs them, bench_flops.py counts their work, and the
+serving benches (trainer/tools/gpu/regenerate_bench.py, eval_bench.py) build theirs from the same table.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,57 +18,79 @@ from trainer.data.dataset import Dataset
 
 log = logging.getLogger("trainer.bench")
 
+
+@dataclass(frozen=True)
+class Shape:
+    """A target's shape: a config of its model_type at these dims (the drafter takes them too)."""
+    model_type: str              # the config's (AutoConfig.for_model's key); its family (trainer/model/families.py)
+                                 # names the causal-LM class
+    hidden: int
+    layers: int
+    heads: int                   # a hybrid's: its full-attention layers'
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    linear: dict | None = None   # a hybrid's Gated DeltaNet dims and its mRoPE section (every 4th layer is full)
+    config: dict = field(default_factory=dict)   # more config keys of the family's (e.g. tied embeddings)
+
+    @property
+    def dims(self) -> tuple:
+        """(hidden, layers, heads, kv heads, head dim, mlp, vocab)."""
+        return self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.mlp, self.vocab
+
+    @property
+    def attention_dims(self) -> tuple:
+        """dims with the full-attention layers only (a hybrid's every 4th), for the attention checks."""
+        return (self.hidden, self.layers // 4 if self.linear else self.layers, *self.dims[2:])
+
+
+# Qwen3.6-27B's text stack at its real dims (config.json): 16 x (3 Gated DeltaNet + 1 gated full attention),
+# full attention 24 x 256 heads over 4 KV heads, partial mRoPE; linear attention 16 QK / 48 V heads of 128, a
+# 4-tap conv; an untied 248,320-token head. tiny-hybrid: the same structure at dflash-tiny --arch qwen3_5's size.
+QWEN3_6_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4, mrope_section=[11, 11, 10])
+TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_conv_kernel_dim=4, mrope_section=[2, 1, 1])
 SHAPES = {
-    # name: (hidden, layers, heads, kv heads, head dim, mlp, vocab)
-    "tiny": (64, 8, 4, 2, 16, 128, 512),
-    "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
-    "8b": (4096, 36, 32, 8, 128, 12288, 151936),
-    "27b": (5120, 64, 40, 8, 128, 21504, 151936),
-    # hybrids (HYBRID below): the full-attention layers' dims here; the drafter takes these too
-    "tiny-hybrid": (64, 8, 4, 2, 32, 128, 512),
-    "qwen3.6-27b": (5120, 64, 24, 4, 256, 17408, 248320),
+    "tiny": Shape("qwen3", 64, 8, 4, 2, 16, 128, 512),
+    "1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936),
+    "8b": Shape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+    "27b": Shape("qwen3", 5120, 64, 40, 8, 128, 21504, 151936),
+    "tiny-hybrid": Shape("qwen3_5_text", 64, 8, 4, 2, 32, 128, 512, linear=TINY_LINEAR),
+    "qwen3.6-27b": Shape("qwen3_5_text", 5120, 64, 24, 4, 256, 17408, 248320, linear=QWEN3_6_LINEAR),
 }
-# the hybrid shapes' Gated DeltaNet layers (every 4th layer is full attention) and rope (Qwen3.6-27B's
-# config.json; tiny-hybrid is dflash-tiny --arch qwen3_5's)
-HYBRID = {
-    "tiny-hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
-    "qwen3.6-27b": dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
-}
+SHAPES["qwen3.5-tiny"] = SHAPES["tiny-hybrid"]   # the serving benches' name for it
 
 
-def qwen3_config(shape: str):
-    """The target's config: Qwen3Config, or for a hybrid shape Qwen3_5TextConfig (the language model of
-    the VL checkpoint, partial interleaved mRoPE, theta 1e7)."""
-    from transformers import Qwen3Config
-    h, n, nh, nkv, hd, mlp, vocab = SHAPES[shape]
-    if shape in HYBRID:
-        from transformers import Qwen3_5TextConfig
-        lin = dict(HYBRID[shape])
+def target_config(shape: str):
+    """The target's config at `shape`, of its model_type (Qwen3Config; a hybrid's Qwen3_5TextConfig, the
+    language model of the VL checkpoint, partial interleaved mRoPE, theta 1e7)."""
+    from transformers import AutoConfig
+    s = SHAPES[shape]
+    common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                  num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.mlp, vocab_size=s.vocab,
+                  max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    common.update(s.config)
+    if s.linear:
+        lin = dict(s.linear)
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                 "mrope_section": lin.pop("mrope_section"), "mrope_interleaved": True}
-        return Qwen3_5TextConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh,
-                                 num_key_value_heads=nkv, head_dim=hd, intermediate_size=mlp, vocab_size=vocab,
-                                 max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                 rope_parameters=rope, **lin)
-    return Qwen3Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=nh, num_key_value_heads=nkv,
-                       head_dim=hd, intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=32768,
-                       tie_word_embeddings=False, rms_norm_eps=1e-6)
+        common.update(rope_parameters=rope, **lin)
+    return AutoConfig.for_model(s.model_type, **common)
 
 
 def make_target_factory(shape: str, dtype, layers: int | None = None):
-    """device -> a frozen random-init Qwen3 of `shape` (its first `layers` layers only, if given); a hybrid
-    shape gives Qwen3_5ForCausalLM. Logs the kernels each layer class runs there (trainer/model/target.py)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
-
-    from trainer.model.target import describe_kernels, layer_kernels
-    cfg = qwen3_config(shape)
+    """device -> a frozen random-init target of `shape` (its first `layers` layers only, if given): its
+    family's causal-LM class (a hybrid shape: Qwen3_5ForCausalLM). Logs the kernels each layer class runs
+    there (trainer/model/target.py)."""
+    from trainer.model.target import causal_lm_class, describe_kernels, layer_kernels
+    cfg = target_config(shape)
     if layers is not None:
         cfg.num_hidden_layers = layers
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[:layers]
-    cls = Qwen3_5ForCausalLM if shape in HYBRID else Qwen3ForCausalLM
+    cls = causal_lm_class(cfg)
 
     def factory(device):
         m = random_target(cls, cfg, dtype, device)
@@ -104,39 +128,3 @@ def synthetic_dataset(n_tokens: int, max_len: int, vocab: int, supervised: float
         recs.append((ids, mask))
         total += n
     return Dataset.from_records(recs)
-
-
-# The serving benches' hybrid targets (trainer/tools/gpu/regenerate_bench.py and eval_bench.py; issue 39):
-# Qwen3.6-27B's text stack at its real dims (Qwen3_5ForCausalLM, random weights): 16 x (3 Gated DeltaNet + 1
-# gated full attention), full attention 24 x 256 heads over 4 KV heads, partial mRoPE; linear attention 16 QK / 48 V heads of 128, a 4-tap conv; untied 248,320-token head.
-# "qwen3.5-tiny": the same structure at the CPU smoke size. (Attention dims in SHAPES' order for the
-# attention check: hidden, full-attention layers, heads, KV heads, head dim, mlp, vocab.)
-HYBRID_SHAPES = {
-    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, vocab_size=248320,
-                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                        linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
-    "qwen3.5-tiny": dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128, vocab_size=512,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                         linear_conv_kernel_dim=4, mrope_section=[2, 1, 1]),
-}
-
-
-def hybrid_dims(name: str) -> tuple:
-    d = HYBRID_SHAPES[name]
-    return (d["hidden_size"], d["num_hidden_layers"] // 4, d["num_attention_heads"], d["num_key_value_heads"],
-            d["head_dim"], d["intermediate_size"], d["vocab_size"])
-
-
-def make_hybrid_target(name: str, dtype, device):
-    """A frozen random-init Qwen3_5ForCausalLM of HYBRID_SHAPES[name] on `device`."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    d = dict(HYBRID_SHAPES[name])
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-            "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
-    cfg = Qwen3_5TextConfig(**d, rope_parameters=rope, max_position_embeddings=32768,
-                            layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                         "full_attention"] * (d["num_hidden_layers"] // 4))
-    return random_target(Qwen3_5ForCausalLM, cfg, dtype, device)

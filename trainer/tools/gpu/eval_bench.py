@@ -38,7 +38,7 @@ from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E4
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
 from trainer.tools.bench import results_file  # noqa: E402
 from trainer.tools.bench_profile import kernel_profile  # noqa: E402
-from trainer.tools.bench_shapes import HYBRID_SHAPES, SHAPES, make_hybrid_target, make_target_factory  # noqa: E402
+from trainer.tools.bench_shapes import SHAPES, make_target_factory  # noqa: E402
 
 
 def sync():
@@ -48,7 +48,7 @@ def sync():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8b", choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--single-prompts", type=int, default=3, help="prompts timed with today's loop (a rate)")
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     try:   # a hybrid shape on a transformers older than our cache API: one line, before the target is built
-        check_hybrid_transformers(a.shape in HYBRID_SHAPES, f"--shape {a.shape}")
+        check_hybrid_transformers(SHAPES[a.shape].linear is not None, f"--shape {a.shape}")
     except HybridTransformersTooOld as e:
         print(f"eval_bench: error: {e}", file=sys.stderr)
         return 2
@@ -70,8 +70,7 @@ def main(argv=None) -> int:
     meta = res["meta"]
 
     t0 = time.perf_counter()
-    target = (make_hybrid_target(a.shape, dtype, dev) if a.shape in HYBRID_SHAPES
-              else make_target_factory(a.shape, dtype)(dev))
+    target = make_target_factory(a.shape, dtype)(dev)
     dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,
                                     mask_token_id=target.config.vocab_size - 1)
     torch.manual_seed(0)

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     if a.target_layers:
         sets = bench.parse_sets([rest[i + 1] for i, x in enumerate(rest[:-1]) if x == "--set"])
         taps = sets.get("num_draft_layers", bench.TrainConfig.num_draft_layers)   # one tap per drafter layer
-        layers = bench.SHAPES[shape][1]
+        layers = bench.SHAPES[shape].layers
         before, after = model.tap_layers(layers, taps), model.tap_layers(a.target_layers, taps)
         if len(set(after)) != len(before):
             print(f"old_drafter_baseline: --target-layers {a.target_layers}: gives taps {after}, "

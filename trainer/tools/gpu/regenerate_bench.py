@@ -46,10 +46,7 @@ from trainer.serving.regenerate import TargetGenerator  # noqa: E402
 from trainer.tools.bench import results_file  # noqa: E402
 from trainer.tools.bench_profile import kernel_profile  # noqa: E402
 from trainer.tools.bench_shapes import (  # noqa: E402
-    HYBRID_SHAPES,
     SHAPES,
-    hybrid_dims,
-    make_hybrid_target,
     make_target_factory,
 )
 
@@ -584,7 +581,7 @@ def _passes(v: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8b", choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--batches", default="64,256", help="captured decoder batch sizes")
     p.add_argument("--old-batch", type=int, default=64, help="generate's batch size in the ratio")
     p.add_argument("--skip-old", action="store_true", help="no generate rows (the 27B figure)")
@@ -632,22 +629,23 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()   # the CPU: a smoke run of the script (--shape tiny)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     batches = [int(b) for b in a.batches.split(",")]
-    hybrid = a.shape in HYBRID_SHAPES
+    shape = SHAPES[a.shape]
+    hybrid = shape.linear is not None
     try:   # a hybrid shape on a transformers older than our cache API: one line, before the target is built
         check_hybrid_transformers(hybrid, f"--shape {a.shape}")
     except HybridTransformersTooOld as e:
         print(f"regenerate_bench: error: {e}", file=sys.stderr)
         return 2
-    dims = hybrid_dims(a.shape) if hybrid else SHAPES[a.shape]
+    dims = shape.attention_dims
     res, save = results_file(a.out, {"shape": a.shape, "started": time.time(), "shape_dims": dict(zip(
         ["hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab"], dims)),
-        **({"hybrid": HYBRID_SHAPES[a.shape]} if hybrid else {})},
+        **({"hybrid": shape.linear} if hybrid else {})},
         parity={}, ratio=[], headline=[])
     meta = res["meta"]
 
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if cuda else torch.float32
-    target = make_hybrid_target(a.shape, dtype, dev) if hybrid else make_target_factory(a.shape, dtype)(dev)
+    target = make_target_factory(a.shape, dtype)(dev)
     if hybrid:   # which Gated DeltaNet kernels transformers resolved (FLA's, or its torch fallback)
         import importlib.util
         meta["fla"] = (importlib.import_module("fla").__version__ if importlib.util.find_spec("fla") else None)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainer.tools.tiny import ARCHES
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "trainer" / "tools" / "gpu" / "first_multi_gpu_run.py"
 
@@ -177,7 +179,7 @@ def test_the_startup_bound_is_the_trainers_own_for_the_config(first_run):
 
 def test_the_tiny_target_can_be_the_hybrid(first_run):
     text = SCRIPT.read_text()
-    assert '"--arch", default="qwen3", choices=("qwen3", "qwen3_5")' in text and "arch=a.arch" in text
-    r = subprocess.run([sys.executable, str(SCRIPT), "--target-gpus", "0", "--drafter-gpus", "0", "--arch", "llama"],
+    assert '"--arch", default="qwen3", choices=ARCHES' in text and "arch=a.arch" in text and "qwen3_5" in ARCHES
+    r = subprocess.run([sys.executable, str(SCRIPT), "--target-gpus", "0", "--drafter-gpus", "0", "--arch", "mamba"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--arch" in r.stderr

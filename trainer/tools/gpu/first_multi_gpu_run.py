@@ -27,8 +27,8 @@ into a log file per process. What it does, in order, each phase with a time boun
   4. the same steps again without the interruption, comparing the losses (resumed vs uninterrupted),
      counting recompiles after the warmup, and writing per-rank rates and peak GPU memory with the
      verdicts to --out.
-Without --target-model/--data-dir it makes a tiny random target (--arch qwen3, or qwen3_5 for the seeds'
-hybrid architecture) and data set (dflash-tiny) and a tiny
+Without --target-model/--data-dir it makes a tiny random target (--arch: dflash-tiny's, qwen3 by default,
+qwen3_5 for the seeds' hybrid architecture) and data set (dflash-tiny) and a tiny
 recipe (block 8, 64 anchors, 2 draft layers), and says so: ordering, resume and recompiles are
 checked; rates mean nothing then.
 """
@@ -361,8 +361,10 @@ def main() -> int:
     ap.add_argument("--startup-bound", type=float, default=None,
                     help="seconds from a run's start to its first step (load, warmup, compile) before it is a hang "
                          "(default: the trainer's start barrier bound for the config, plus a margin)")
-    ap.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_5"),
-                    help="the tiny target's architecture without --target-model (qwen3_5: the seeds' hybrid)")
+    from trainer.tools.tiny import ARCHES
+    ap.add_argument("--arch", default="qwen3", choices=ARCHES,
+                    help="the tiny target's family without --target-model (dflash-tiny --arch; qwen3_5: the "
+                         "seeds' hybrid)")
     ap.add_argument("--step-bound", type=float, default=900.0, help="seconds without a new step before it is a hang")
     ap.add_argument("--smoke-bound", type=float, default=300.0, help="seconds for the whole NCCL smoke")
     ap.add_argument("--work", default="/tmp/dflash-first-run")

@@ -2,7 +2,8 @@
 
 Data / dflash-tiny fixtures (owned by the data tests): ``tiny_small_dir`` builds one small
 dflash-tiny output per test session (target model + tokenizer, 48 train / 8 held-out sequences);
-``tiny_hybrid_dir`` the same on the hybrid Qwen3.5 architecture (dflash-tiny --arch qwen3_5).
+``tiny_hybrid_dir`` the same on the hybrid Qwen3.5 architecture (dflash-tiny --arch qwen3_5);
+``tiny_arch_dir(arch)`` the same for any --arch (one per target family).
 """
 
 import pytest
@@ -15,25 +16,34 @@ defer()
 
 
 @pytest.fixture(scope="session")
-def tiny_small_dir(tmp_path_factory):
-    """A small dflash-tiny OUTDIR (target/, data/, heldout/), built once per session."""
+def tiny_arch_dir(tmp_path_factory):
+    """arch -> a small dflash-tiny OUTDIR of that --arch (target/, data/, heldout/; 48 train / 8 held-out
+    sequences), each built once per session: one per target family (tests/test_families.py)."""
     from trainer.tools.tiny import make_tiny
 
-    out = tmp_path_factory.mktemp("dflash-tiny") / "out"
-    make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None)
-    return out
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"dflash-tiny-{arch}") / "out"
+            make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch=arch)
+            built[arch] = out
+        return built[arch]
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_hybrid_dir(tmp_path_factory):
+def tiny_small_dir(tiny_arch_dir):
+    """A small dflash-tiny OUTDIR (target/, data/, heldout/), built once per session."""
+    return tiny_arch_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tiny_arch_dir):
     """``tiny_small_dir``'s twin on the seeds' real architecture (dflash-tiny --arch qwen3_5): a
     Qwen3_5ForConditionalGeneration with a tiny vision tower, 2 x (3 Gated DeltaNet + 1 gated full
     attention) layers and partial mRoPE; 48 train / 8 held-out sequences it generated itself."""
-    from trainer.tools.tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("dflash-tiny-hybrid") / "out"
-    make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch="qwen3_5")
-    return out
+    return tiny_arch_dir("qwen3_5")
 
 
 def run_molecule(scenario: str) -> None:

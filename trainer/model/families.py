@@ -105,6 +105,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "dflash": Contract("qwen3", "z-lab/Qwen3-8B-DFlash-b16", "dflash", mask_token_id=151669, block_size=16),
         "dflash2": Contract("qwen3", "z-lab/Qwen3-8B-DFlash-b16", "dflash2", mask_token_id=151669),
     }),
+    # Llama (dense; SmolLM2-135M-Instruct, dflash-real's model): no published drafter, so the generic rules.
+    # SmolLM2's tokenizer fills every embedding row and has no mask token: the MASK rule takes its highest
+    # unused special token (<empty_output>, id 16). Tied embeddings: the drafter rank's head is the embedding.
+    Family("llama", ("llama",), causal_lm="LlamaForCausalLM"),
 )}
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES.values() for mt in f.model_types}
 

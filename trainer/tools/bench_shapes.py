@@ -59,6 +59,10 @@ SHAPES = {
     "27b": Shape("qwen3", 5120, 64, 40, 8, 128, 21504, 151936),
     "tiny-hybrid": Shape("qwen3_5_text", 64, 8, 4, 2, 32, 128, 512, linear=TINY_LINEAR),
     "qwen3.6-27b": Shape("qwen3_5_text", 5120, 64, 24, 4, 256, 17408, 248320, linear=QWEN3_6_LINEAR),
+    # SmolLM2-135M-Instruct (dflash-real's model): a Llama with tied embeddings, 49,152 rows, every one a token
+    "smollm2-135m": Shape("llama", 576, 30, 9, 3, 64, 1536, 49152, config=dict(
+        tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
 }
 SHAPES["qwen3.5-tiny"] = SHAPES["tiny-hybrid"]   # the serving benches' name for it
 

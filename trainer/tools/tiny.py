@@ -202,52 +202,33 @@ def build_model(tokenizer, seed: int = 0, init_range: float = INIT_RANGE, shape:
     """A random Qwen3ForCausalLM (arch qwen3_5: Qwen3_5ForConditionalGeneration; llama: LlamaForCausalLM)
     whose weights are exactly representable in bf16."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     assert len(tokenizer) <= VOCAB_SIZE
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        cls = LlamaForCausalLM
         config = LlamaConfig(   # SmolLM2's kind: tied embeddings, every row a token
             vocab_size=len(tokenizer), **(shape or MODEL_SHAPE), hidden_act="silu", rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
             initializer_range=init_range, attention_bias=False, mlp_bias=False, use_cache=True, bos_token_id=None,
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        model.eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(torch.bfloat16).float())
-        return model
-    if arch == "qwen3_5":
+            eos_token_id=eos, pad_token_id=pad)
+    elif arch == "qwen3_5":
         from transformers import Qwen3_5ForConditionalGeneration
 
+        cls = Qwen3_5ForConditionalGeneration
         config = hybrid_config(tokenizer, shape, init_range)
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(config)
-        model.eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(torch.bfloat16).float())
-        return model
-    config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        **(shape or MODEL_SHAPE),
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=init_range,
-        attention_bias=False,
-        use_cache=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    )
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cls = Qwen3ForCausalLM
+        config = Qwen3Config(
+            vocab_size=VOCAB_SIZE, **(shape or MODEL_SHAPE), hidden_act="silu", rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False, initializer_range=init_range, attention_bias=False,
+            use_cache=True, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = cls(config)
     model.eval()
     with torch.no_grad():
         for p in model.parameters():

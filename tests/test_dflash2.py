@@ -159,6 +159,37 @@ def test_selector_loss_equals_its_definition_in_value_and_gradient():
     assert correct[weight == 0].sum() == 0
 
 
+def test_the_selectors_gradients_are_the_same_on_every_run_with_two_threads():
+    """The codebooks' gradients gather the same rows many times over (repeated previous tokens and candidates).
+    Indexing's backward accumulates those rows in a thread-dependent order on the CPU, so two runs of one
+    step differed in the last bits and a resumed run no longer equalled an uninterrupted one; the embedding
+    lookup's backward sums each row in one order whatever the threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        V, H, T = 4000, 256, 600
+        sel = CandidateSelector(V, H, 64, 16)
+        for p in sel.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        head = torch.randn(V, H) * 0.02
+        hidden = torch.randn(T, H, requires_grad=True)
+        cand, gold, prev = torch.randint(0, V, (T, 16)), torch.randint(0, V, (T,)), torch.randint(0, V, (T,))
+
+        def grads():
+            sel.zero_grad()
+            hidden.grad = None
+            loss, _ = selector_loss(sel, hidden, head, cand, gold, prev, torch.ones(T), float(T), torch.arange(T))
+            loss.backward()
+            return [hidden.grad.clone()] + [p.grad.clone() for p in sel.parameters()]
+
+        first = grads()
+        for _ in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("soft", [False, True])
 def test_the_chunked_loss_hands_the_selector_its_top_k_and_gold_without_changing_the_loss(soft):
     """DFlash2's selector needs each row's top-K drafter tokens and its gold token (the label, or the

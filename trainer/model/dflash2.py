@@ -115,8 +115,8 @@ class CandidateSelector(nn.Module):
 
     def pair_scores(self, hidden: torch.Tensor, prev_ids: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], prev_ids [...], cand_ids [..., K] -> the bilinear term [..., K] (fp32)."""
-        ctx = self.predecessor_codebook[prev_ids.long()] * self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
-        return _acc((ctx.unsqueeze(-2) * self.successor_codebook[cand_ids.long()]).sum(-1))
+        ctx = F.embedding(prev_ids.long(), self.predecessor_codebook) * self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+        return _acc((ctx.unsqueeze(-2) * F.embedding(cand_ids.long(), self.successor_codebook)).sum(-1))
 
     @torch.no_grad()
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float = 0.0,

@@ -92,12 +92,13 @@ class Proposals:
         return Drafter()
 
     def batched(self, dec):
-        """The batched loop's `_draft` replaced: each row's block starts at its position_ids[:, -B]."""
-        def draft(first, new_taps, position_ids, mask):
+        """The batched loop's drafter (its proposer's `_draft`) replaced: each row's block starts at its
+        position_ids[:, -B]."""
+        def draft(_dec, first, new_taps, position_ids, mask):
             starts = position_ids[:, -BLOCK].tolist()
             rows = [self.lens.index(starts[0])] if first.shape[0] == 1 else range(first.shape[0])  # prefill: one row
             return torch.stack([self.drafts(r, s) for r, s in zip(rows, starts)])
-        dec._draft = draft
+        dec.proposer._draft = draft
 
 
 def test_both_loops_roll_the_states_back_to_the_accepted_tokens_and_emit_the_greedy_decode(case):
@@ -391,16 +392,16 @@ def test_the_batched_loop_drafts_what_the_single_loop_drafts_with_sliding_draft_
         dflash_generate(hf, hybrid, torch.as_tensor(p)[None], 16, [])
     del hf.draft_logits
     dec = BatchedSpecDecoder(hybrid, hf, "cpu", len(prompts), 16, [], graphs=False)
-    batched, draft, prefill_rows = [[] for _ in prompts], dec._draft, list(range(len(prompts)))
+    batched, draft, prefill_rows = [[] for _ in prompts], dec.proposer._draft, list(range(len(prompts)))
 
-    def recorded_rows(first, *args):
-        out = draft(first, *args)
+    def recorded_rows(d, first, *args):
+        out = draft(d, first, *args)
         rows = [prefill_rows.pop(0)] if first.shape[0] == 1 else range(len(prompts))   # prefill: row by row
         for r, d in zip(rows, out.tolist()):
             if r < len(prompts) and not (first.shape[0] > 1 and dec.done[r]):
                 batched[r].append(d)
         return out
-    dec._draft = recorded_rows
+    dec.proposer._draft = recorded_rows
     dec.generate(prompts)
     for s, b in zip(single, batched):
         assert b[:len(s)] == s

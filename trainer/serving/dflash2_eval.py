@@ -13,9 +13,12 @@ proposes the path; the target verifies [token, path] in one forward.
   p after the last. The emitted tokens are distributed as the target's sampling (q_k is the distribution
   the draft was actually drawn from, given the prefix the target accepted).
 
-The drafter is the trainer's packed class (drafter.DFlashDrafter with its DFlash2 config), run on the whole
-accepted context each step (no drafter cache: the context rows are the same taps, so the drafts are the
-cached loop's). tau: tokens emitted per verify step, as modeling_dflash.dflash_generate counts them.
+The single loop (dflash2_generate) runs the trainer's packed class (drafter.DFlashDrafter with its DFlash2
+config) on the whole accepted context each step (no drafter cache: the context rows are the same taps, so
+the drafts are a cached loop's). The batched loop (captured/eval_decoder.BatchedSpecDecoder) runs the same
+weights as DFlash2CachedModel: modeling_dflash's layers with their context K/V in the loop's cache, each
+sublayer wrapped in its block convolution (one block per row, so the packed layout's conv applies as it is).
+tau: tokens emitted per verify step, as modeling_dflash.dflash_generate counts them.
 """
 
 from __future__ import annotations
@@ -23,9 +26,72 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import nn
 
+from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv
 from trainer.model.drafter import DFlashDrafter, PackedMeta
-from trainer.model.modeling_dflash import SpecResult, _cache_kw, crop_cache, finish_output, target_cache, verify_block
+from trainer.model.modeling_dflash import (
+    DFlashDecoderLayer,
+    DFlashDraftModel,
+    SpecResult,
+    _cache_kw,
+    crop_cache,
+    finish_output,
+    target_cache,
+    verify_block,
+)
+
+
+class DFlash2CachedLayer(DFlashDecoderLayer):
+    """modeling_dflash's layer with DFlash2's convolution around each sublayer (drafter.DFlashLayer's forward).
+    The block rows of a call are one block per row ([b, B, H]), so the packed convolution runs on them
+    flattened, taps never crossing rows."""
+
+    def __init__(self, config, layer_idx: int, kernel_size: int, group_size: int):
+        super().__init__(config, layer_idx)
+        self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
+        self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
+
+    def forward(self, x, ctx, cos, sin, attention_mask=None, past_key_values=None, position_ids=None):
+        b, tq, hs = x.shape
+        flat = lambda t: t.reshape(b * tq, hs)   # noqa: E731
+        h, out_kernel = self.attention_conv.prepare(flat(self.input_layernorm(x)), tq)
+        a = self.self_attn(h.view(b, tq, hs), ctx, cos, sin, attention_mask, past_key_values, position_ids)
+        x = x + self.attention_conv.finish(flat(a), out_kernel, tq).view(b, tq, hs)
+        h, out_kernel = self.mlp_conv.prepare(flat(self.post_attention_layernorm(x)), tq)
+        return x + self.mlp_conv.finish(self.mlp(h), out_kernel, tq).view(b, tq, hs)
+
+
+class DFlash2CachedModel(DFlashDraftModel):
+    """A DFlash2 drafter in modeling_dflash's call convention (its context K/V cached by the caller), with its
+    candidate selector: the batched loop's drafter. Same parameter names as the trainer's class."""
+
+    is_dflash2 = True
+
+    def __init__(self, config, dcfg):
+        super().__init__(config)
+        self.layers = nn.ModuleList(
+            DFlash2CachedLayer(config, i, dcfg.conv_kernel_size, dcfg.conv_group_size)
+            for i in range(config.num_hidden_layers))
+        self.candidate_selector = CandidateSelector(dcfg.vocab_size, dcfg.hidden_size, dcfg.selector_rank,
+                                                    dcfg.selector_top_k)
+
+    @classmethod
+    def of(cls, model: DFlashDrafter) -> "DFlash2CachedModel":
+        """The same weights (strict) on the same device and dtype as the trainer's `model`."""
+        from transformers import Qwen3Config
+
+        from trainer.serving.export import hf_config_dict
+        p = next(model.parameters())
+        out = cls(Qwen3Config(**hf_config_dict(model.cfg)), model.cfg)
+        out.load_state_dict(model.state_dict(), strict=True)
+        return out.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def pick(self, hidden: torch.Tensor, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """hidden [R, B-1, H] and logits [R, B-1, V] of the draft positions, first [R] the anchor token ->
+        the selector's greedy path [R, B-1]."""
+        return self.candidate_selector.walk(hidden, logits, first)[0]
 
 
 class DFlash2Proposer:
@@ -40,6 +106,7 @@ class DFlash2Proposer:
         self.cfg = model.cfg
         self.block_size = model.cfg.block_size
         self.target_layer_ids = list(model.cfg.target_layer_ids)
+        self._cached: DFlash2CachedModel | None = None
 
     def to(self, *args, **kwargs) -> "DFlash2Proposer":
         self.model.to(*args, **kwargs)
@@ -50,6 +117,12 @@ class DFlash2Proposer:
 
     def state_dict(self):
         return self.model.state_dict()
+
+    def cached(self) -> DFlash2CachedModel:
+        """These weights as the batched loop's drafter (built once)."""
+        if self._cached is None:
+            self._cached = DFlash2CachedModel.of(self.model)
+        return self._cached
 
     def extract_taps(self, hidden_states) -> torch.Tensor:
         """HF `output_hidden_states` -> [b, T, K*H] (tap i: the output of target layer i)."""

@@ -12,12 +12,19 @@ emitted (trainer/model/modeling_dflash.py `dflash_generate`, the same loop the e
                              teacher_forced_block_len (mean accepted prefix + 1). Not tau.
 
 Greedy (temperature 0) by default; temperature > 0 runs standard speculative sampling.
-A DFlash2 drafter (its export's DFlash2DraftModel) proposes its candidate selector's path and is verified
-against the selector's q at temperature > 0 (trainer/serving/dflash2_eval.py), one prompt at a time.
+A DFlash2 drafter (its export's DFlash2DraftModel) proposes its candidate selector's path, walked per row in
+the batched loop, and is verified against the selector's q at temperature > 0 in the single loop
+(trainer/serving/dflash2_eval.py).
 
     dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
                 [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
-                [--loop auto|batched|single] [--batch-size 16]
+                [--loop auto|batched|single] [--batch-size 16] [--speed-batch 1,16]
+                [--ngram-max 3] [--ngram-min 1] [--ngram-k 0] [--dtype auto|bfloat16|float32]
+
+Greedy evals also measure wall-clock speed (trainer/serving/speedup.py, --speed-batch; '' skips it): the
+target decoding alone (the captured decoder) against speculative decoding with the drafter and with prompt
+lookup (the n-gram baseline), tokens/s of each and the speedup, at each batch size; and the lossless check:
+every speculative output must equal the target's greedy output, else exit 1 with one line naming the prompt.
 
 The batched loop (greedy; trainer/serving/captured/eval_decoder.py BatchedSpecDecoder) verifies --batch-size prompts per step,
 each row at its own position, with the step captured as CUDA graphs on GPUs; the single loop runs one
@@ -156,15 +163,15 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     check_hybrid_transformers(target)
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
-    if getattr(drafter, "is_dflash2", False):   # the selector's loop: one prompt at a time
+    loop = runnable_loop(target, resolve_loop(loop, temperature))
+    if getattr(drafter, "is_dflash2", False) and loop == "single":   # the selector's loop, one prompt at a time
         from trainer.serving.dflash2_eval import dflash2_generate
         gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
         return [(r.accept_lengths, r.output_ids.shape[1] - r.num_prompt_tokens)
                 for r in (dflash2_generate(drafter, target, torch.as_tensor(np.asarray(p), dtype=torch.long,
                                                                             device=dev)[None],
                                            max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
-    loop = runnable_loop(target, resolve_loop(loop, temperature))
-    if loop == "batched":
+    if loop == "batched":   # DFlash's drafter, or DFlash2's with its selector (proposers.DrafterProposer)
         from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
         dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
                                  graphs=graphs)
@@ -186,7 +193,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
     """Run the generation loop on every prompt; tau and per-position acceptance over all verify steps."""
     dev = next(target.parameters()).device
     bs = drafter.block_size
-    loop = "single" if getattr(drafter, "is_dflash2", False) else runnable_loop(target, resolve_loop(loop, temperature))
+    loop = runnable_loop(target, resolve_loop(loop, temperature))
     t0 = time.perf_counter()
     each = generate_each(target, drafter, prompts, max_new_tokens, temperature, stop_ids, seed, loop, batch_size,
                          graphs)
@@ -337,6 +344,35 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     return res
 
 
+def parse_speed_batches(text: str) -> list[int]:
+    """--speed-batch "1,16" -> [1, 16]; "" or "off" -> [] (no speed section). ValueError naming the flag."""
+    if text.strip().lower() in ("", "off", "none"):
+        return []
+    try:
+        batches = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--speed-batch: expected batch sizes like 1,16 (or '' to skip), got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--speed-batch: every batch size must be >= 1, got {text!r}")
+    return list(dict.fromkeys(batches))
+
+
+def speed_section(target, drafter, cfg: DFlashConfig, dataset, max_prompts: int, max_new_tokens: int,
+                  batches: list[int], ngram: tuple[int, int, int] = (3, 1, 0), graphs: bool | None = None) -> dict:
+    """The wall-clock table and the lossless check (trainer/serving/speedup.py) for this drafter beside the
+    n-gram baseline (ngram: max n, min n, k; k 0 = block size - 1), on the eval's held-out prompts, greedy."""
+    from trainer.serving.captured.proposers import NgramProposer
+    from trainer.serving.speedup import speed_table
+    hf = _as_hf(drafter, cfg)
+    max_n, min_n, k = ngram
+    proposers = {"dflash2" if cfg.is_dflash2 else "dflash": hf,
+                 "ngram": NgramProposer(cfg.block_size, max_n, min_n, k or None)}
+    prompts = heldout_prompts(dataset, max_prompts)
+    out = speed_table(target, proposers, prompts, max_new_tokens, stop_token_ids(target), batches, graphs)
+    out["ngram"] = {"max_n": max_n, "min_n": min_n, "k": k or cfg.block_size - 1}
+    return out
+
+
 def check_eval_args(max_prompts: int, max_new_tokens: int, temperature: float, loop: str = "auto",
                     batch_size: int = EVAL_BATCH) -> None:
     """The bounds of one eval; ValueError naming the flag (dflash-eval prints it as its one line)."""
@@ -397,6 +433,16 @@ class EvalConfig:
     allow_target_change: bool = opt(False, "evaluate even when the target differs from the one the drafter was "
                                            "trained on (e.g. a fine-tuned revision) where its weights still fit",
                                     group=EVAL)
+    speed_batch: str = opt("1,16", "greedy evals: batch sizes at which the target alone, the drafter and the n-gram "
+                                   "baseline are timed (tokens/s, speedup) and their outputs checked lossless; '' "
+                                   "skips it", group=EVAL, metavar="B,...")
+    ngram_max: int = opt(3, "the n-gram baseline's longest suffix matched (vLLM's prompt_lookup_max)", group=EVAL,
+                         ge=1)
+    ngram_min: int = opt(1, "its shortest (prompt_lookup_min)", group=EVAL, ge=1)
+    ngram_k: int = opt(0, "tokens it proposes after a match (0: block size - 1)", group=EVAL, ge=0)
+    dtype: str = opt("auto", "the target's and drafter's dtype (auto: bfloat16 on GPUs, float32 on CPUs); float32 "
+                             "gives the lossless check a verdict free of bf16 near-ties", group=EVAL,
+                     choices=("auto", "bfloat16", "float32"))
     json: bool = opt(False, "print the result as JSON", group=EVAL)
 
 
@@ -417,13 +463,18 @@ def main(argv=None) -> int:
             raise ValueError("--checkpoint: give --checkpoint (or --output-dir)")
         check_ranges(a)
         check_eval_args(a.max_prompts, a.max_new_tokens, a.temperature, a.loop, a.batch_size)
+        speed_batches = parse_speed_batches(a.speed_batch) if a.temperature <= 0 else []
         dev = parse_device(a.device)
         # a hybrid target on a transformers older than our cache API: one line, before anything is read
         check_hybrid_transformers(check_model_dir(a.target_model), f"--target-model {a.target_model}")
         ds = load_dataset(a.data_dir)
         cfg, state, ckpt = read_checkpoint(src)
-        if cfg.is_dflash2 and a.loop == "batched":
-            raise ValueError("--loop batched: a DFlash2 drafter's selector runs in the single loop (--loop single)")
+        if speed_batches:
+            from trainer.serving.captured.proposers import NgramProposer
+            try:
+                NgramProposer(cfg.block_size, a.ngram_max, a.ngram_min, a.ngram_k or None)
+            except ValueError as e:
+                raise ValueError(f"--ngram-max/--ngram-min/--ngram-k: {e}") from None
         allowed = identity.check_drafter_on_target(ckpt, a.target_model, allow=a.allow_target_change)
         identity.check_data_tokenizer(read_index(a.data_dir), identity.of_target(a.target_model), "--data-dir",
                                       a.data_dir)
@@ -432,7 +483,8 @@ def main(argv=None) -> int:
         return 2
     if allowed:
         log.warning("%s: evaluating %s on a different target: %s", identity.ALLOW_FLAG, ckpt, "; ".join(allowed))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = ({"bfloat16": torch.bfloat16, "float32": torch.float32}.get(a.dtype)
+             or (torch.bfloat16 if dev.type == "cuda" else torch.float32))
     if a.untrained:
         from trainer.model.drafter import init_drafter_weights
         fresh = DFlashDrafter(cfg)
@@ -443,6 +495,9 @@ def main(argv=None) -> int:
     res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
                    a.block_accuracy, a.loop, a.batch_size, graphs=None)
     res["checkpoint"] = str(ckpt)
+    if speed_batches:
+        res["speed"] = speed_section(target, drafter, cfg, ds, a.max_prompts, a.max_new_tokens, speed_batches,
+                                     (a.ngram_max, a.ngram_min, a.ngram_k), graphs=None)
     if a.json:
         print(json.dumps(res))
     else:
@@ -453,6 +508,13 @@ def main(argv=None) -> int:
         if "block_accuracy" in res:
             print(f"teacher-forced (not tau): block accuracy {res['block_accuracy']:.3f}, "
                   f"block length {res['teacher_forced_block_len']:.3f} over {res['blocks']} blocks")
+        if "speed" in res:
+            from trainer.serving.speedup import format_table
+            print(f"wall clock, greedy, {res['prompts']} prompts x {a.max_new_tokens} new tokens, {dtype}:")
+            print(format_table(res["speed"]))
+    if "speed" in res and not res["speed"]["lossless"]["ok"]:
+        print(f"dflash-eval: {res['speed']['lossless']['error']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -44,7 +44,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -128,6 +128,20 @@ DECODERS = ("generate", "captured")
 DECODE_ATTENTIONS = ("sdpa", "triton")   # the captured decoder's decode attention (--decode-attention)
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What each device's TargetGenerator runs, the switches resolved (resolve_switches): one named object
+    from the command line to every worker process (TargetGenerator(target, device, **asdict(settings)))."""
+    max_new_tokens: int
+    temperature: float
+    batch_size: int
+    static_cache: bool = False
+    decoder: str = "generate"
+    fuse: bool = False
+    decode_attention: str = "sdpa"
+    kv_fp8: bool = False
+
+
 class TargetGenerator:
     """The target on one device; `complete(prompts, seed)` returns each prompt's generated tokens."""
 
@@ -179,13 +193,13 @@ class TargetGenerator:
         self._fast = None
 
     def _fast_decoder(self):
-        from trainer.serving.captured.regenerate_decoder import GraphDecoder
+        from trainer.serving.captured.regenerate_decoder import DecoderOptions, GraphDecoder
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
+            options = DecoderOptions(fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
+                                     state_inplace=True)
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
-                                      self.temperature, self.stop_ids, self.pad_id, fuse=self.fuse,
-                                      decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
-                                      state_inplace=True)
+                                      self.temperature, self.stop_ids, self.pad_id, options)
             # state_inplace: a hybrid's recurrent states written in place by FLA's kernel (nothing changes
             # where FLA is absent or the target is dense): the same tokens as the copy on every row, and the
             # faster step (results/INDEX.md, h200-qwen3.6-27b-regenerate-step-variants)
@@ -539,7 +553,8 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        gen_args = (max_new_tokens, temperature, batch_size, static_cache, decoder, fuse, decode_attention, kv_fp8)
+        settings = GenerationSettings(max_new_tokens, temperature, batch_size, static_cache=static_cache,
+                                      decoder=decoder, fuse=fuse, decode_attention=decode_attention, kv_fp8=kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 
@@ -552,7 +567,7 @@ def regenerate(
 
         if len(devs) == 1 or not todo:
             t_load = time.monotonic()
-            gens = [TargetGenerator(str(target), devs[0], *gen_args)] if todo else []
+            gens = [TargetGenerator(str(target), devs[0], **asdict(settings))] if todo else []
             load_s = time.monotonic() - t_load
 
             def run_shard(gen: TargetGenerator, k: int) -> None:
@@ -562,7 +577,7 @@ def regenerate(
             _run_on_devices(gens, todo, run_shard)
             secs = time.monotonic() - t0
         else:
-            load_s, secs = _run_in_processes(devs, str(target), gen_args, out, prompts, shard_size, seed,
+            load_s, secs = _run_in_processes(devs, str(target), settings, out, prompts, shard_size, seed,
                                              todo, record, progress.add)
 
         entries = [manifest["done"][str(k)] for k in range(num_shards)]
@@ -605,7 +620,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _device_worker(device: str, target: str, gen_args: tuple, out: str, shard_size: int, seed: int,
+def _device_worker(device: str, target: str, settings: GenerationSettings, out: str, shard_size: int, seed: int,
                    inbox, outbox) -> None:
     """One device's process: load the target, then generate and write each shard the parent sends."""
     _die_with_parent()
@@ -616,7 +631,7 @@ def _device_worker(device: str, target: str, gen_args: tuple, out: str, shard_si
             import torch
 
             torch.cuda.set_device(device)   # this process's one GPU (graph captures use the current device)
-        gen = TargetGenerator(target, device, *gen_args)
+        gen = TargetGenerator(target, device, **asdict(settings))
         outbox.put(("ready", device))
         while True:
             item = inbox.get()
@@ -641,7 +656,7 @@ class _ShardView:
         return self.chunk
 
 
-def _run_in_processes(devs: list[str], target: str, gen_args: tuple, out: Path, prompts, shard_size: int,
+def _run_in_processes(devs: list[str], target: str, settings: GenerationSettings, out: Path, prompts, shard_size: int,
                       seed: int, todo: list[int], record, on_batch) -> tuple[float, float]:
     """One spawned process per device (its own replica, CUDA context and graphs, no shared GIL); each
     is handed the next unfinished shard when it reports the last one written. The parent alone writes
@@ -652,7 +667,7 @@ def _run_in_processes(devs: list[str], target: str, gen_args: tuple, out: Path, 
     outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in devs]
     procs = [ctx.Process(target=_device_worker, name=f"regen-{d}", daemon=True,
-                         args=(d, target, gen_args, str(out), shard_size, seed, inboxes[i], outbox))
+                         args=(d, target, settings, str(out), shard_size, seed, inboxes[i], outbox))
              for i, d in enumerate(devs)]
     pending = list(todo)
     index = {d: i for i, d in enumerate(devs)}

@@ -1,7 +1,8 @@
 """The evaluation loop (BatchedSpecDecoder, dflash-eval --loop batched): greedy speculative decoding of
 several prompts at once, each row with its own position, accept length and stop, the verify step captured
 as CUDA graphs on GPUs. Its caches are kv_cache.RowKV; a hybrid target's states roll back to each row's
-accepted prefix after a verify step (linear_states.rollback_kernels).
+accepted prefix after a verify step (linear_states.rollback_kernels). What drafts is a proposer
+(proposers.py): DFlash's or DFlash2's drafter, or prompt lookup (n-gram).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trainer.serving.captured.linear_states import (
     linear_layer_ids,
     rollback_kernels,
 )
+from trainer.serving.captured.proposers import proposer_for
 
 
 class BatchedSpecDecoder:
@@ -40,18 +42,20 @@ class BatchedSpecDecoder:
     reads each row's position and stop flag once per step. The prefill runs eagerly: the target over the
     right-padded rows (causal, so the padding changes nothing before each row's end), then the drafter's
     first block row by row. Same accept lengths as `dflash_generate` (tests/test_eval_specgen.py compares
-    them on the CPU)."""
+    them on the CPU). `drafter`: a DFlash drafter, a DFlash2 one (dflash2_eval.DFlash2Proposer) or a proposer
+    (proposers.py, e.g. NgramProposer); `hist` [R, capacity + 1] holds each row's tokens by position."""
 
     def __init__(self, target, drafter, device, batch_size: int, max_new_tokens: int, stop_ids,
                  graphs: bool | None = None, view_step: int = 128, prefill_tokens: int = 16384):
-        self.target, self.drafter, self.device = target, drafter, torch.device(device)
+        self.target, self.device = target, torch.device(device)
+        self.proposer = proposer_for(drafter)
         self.base = decoder(target)
         self.head = target.get_output_embeddings()
         self.embed = target.get_input_embeddings()
         self.cfg = self.base.config
         self.batch, self.max_new = batch_size, max_new_tokens
-        self.block = drafter.block_size
-        self.taps = [i + 1 for i in drafter.target_layer_ids]   # HF hidden_states index of each tap
+        self.block = self.proposer.block_size
+        self.taps = list(self.proposer.taps)   # HF hidden_states index of each tap the proposer reads
         self.stop_ids = list(stop_ids)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
         self.view_step, self.prefill_tokens = view_step, prefill_tokens
@@ -79,26 +83,22 @@ class BatchedSpecDecoder:
         capacity = -(-capacity // self.view_step) * self.view_step
         self._graphs.clear()
         self._pool = None
-        self.tcache = self.dcache = None
+        self.tcache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        c, d, dev, r, bs = self.cfg, self.drafter.config, self.device, self.batch, self.block
-
-        def kv(cfg, layers, tail, linear=None):
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            dtype = next(self.drafter.parameters()).dtype if tail else self.dtype
-            return RowKV(layers, r, kv_heads, capacity, head_dim, dtype, dev, tail, linear)
-
-        self.tcache = kv(c, c.num_hidden_layers, 0,
-                         LinearStates(self.base, r, self.dtype, dev) if self.linear_ids else None)
-        self.dcache = kv(d, d.num_hidden_layers, bs)
+        c, dev, r, bs = self.cfg, self.device, self.batch, self.block
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.tcache = RowKV(c.num_hidden_layers, r, kv_heads, capacity, head_dim, self.dtype, dev, 0,
+                            LinearStates(self.base, r, self.dtype, dev) if self.linear_ids else None)
+        self.proposer.alloc(self, capacity)
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)
         self.start, self.ngen, self.step = z(r), z(r), z(1)
         self.done = z(r, dt=torch.bool)
         self.tokens = z(r, bs)                          # [last token, drafts] per row: the block to verify
         self.out = z(r, self.max_new + bs + 1)          # generated tokens; the last column takes discards
         self.accepted = z(r, max(1, self.max_new))      # tokens emitted per step (0: no step for that row)
+        self.hist = z(r, capacity + 1)                  # each row's tokens by position; the last column: discards
         self.kv_pos = torch.arange(capacity, device=dev)
         self.slot = torch.arange(bs, device=dev)
         self.stop = torch.tensor(self.stop_ids or [-1], dtype=torch.long, device=dev)
@@ -106,16 +106,6 @@ class BatchedSpecDecoder:
 
     def _target_attn(self):
         return verify_attention(self.cfg)
-
-    def _draft(self, first: torch.Tensor, new_taps: torch.Tensor, position_ids: torch.Tensor, mask) -> torch.Tensor:
-        """The drafter's block [first, MASK ...] -> [rows, B-1] greedy drafts (trainer/model/modeling_dflash.py
-        `draft_logits`, batched)."""
-        d = self.drafter
-        block = torch.full((first.shape[0], self.block), d.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = first
-        hidden = d(position_ids=position_ids, noise_embedding=self.embed(block), target_hidden=new_taps,
-                   attention_mask=mask, past_key_values=self.dcache)
-        return self.head(hidden[:, 1:].to(self.head.weight.dtype)).float().argmax(-1)
 
     def _rollback(self):
         """A hybrid's chunked kernel reporting to the cache (rollback_kernels), for the forwards inside."""
@@ -127,17 +117,18 @@ class BatchedSpecDecoder:
 
     def _step_inner(self, view: int) -> None:
         """One verify step of every row, then the next drafts: all on the device, no host reads."""
-        bs, tc, dc = self.block, self.tcache, self.dcache
+        tc = self.tcache
         pos = self.start[:, None] + self.slot[None]                       # [R, B] the block's positions
         tc.rows, tc.view, tc.wpos = None, view, pos
         mask = self.kv_pos[None, None, None, :view] <= pos[:, None, :, None]
         if tc.linear is not None:   # a hybrid: record the block, commit each row's accepted prefix below
             mask = {"full_attention": mask, LINEAR: None}
             tc.linear.defer = True
-        out = self.base(input_ids=self.tokens, position_ids=pos, attention_mask=mask, use_cache=True,
-                        output_hidden_states=True, **{self.cache_kw: tc})
+        # a missing draft (-1) runs as token 0 and is rejected by the comparison below
+        out = self.base(input_ids=self.tokens.clamp_min(0), position_ids=pos, attention_mask=mask, use_cache=True,
+                        output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
         choice = self.head(out.last_hidden_state).float().argmax(-1)      # [R, B] the target's tokens
-        taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
+        taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1) if self.taps else None
         ok = (self.tokens[:, 1:] == choice[:, :-1]).long().cumprod(-1)
         acc = ok.sum(-1)                                                  # drafts accepted per row
         nxt = choice.gather(1, acc[:, None])[:, 0]                        # the bonus token
@@ -149,18 +140,15 @@ class BatchedSpecDecoder:
         self.accepted.index_copy_(1, self.step, torch.where(live, acc + 1, 0)[:, None])
         col = torch.where(emitted & live[:, None], self.ngen[:, None] + self.slot[None], self.out.shape[1] - 1)
         self.out.scatter_(1, col, choice)
+        # choice[:, k] is the token at position pos[:, k] + 1
+        self.hist.scatter_(1, torch.where(emitted & live[:, None], pos + 1, self.hist.shape[1] - 1), choice)
         hit = ((choice[..., None] == self.stop).any(-1) & emitted).any(-1)
         ngen = self.ngen + acc + 1
         start = self.start + acc + 1
         self.done |= live & (hit | (ngen >= self.max_new))
         self.ngen.copy_(torch.where(live, ngen, self.ngen))
         self.start.copy_(torch.where(live, start, self.start))
-        # the next drafts: context rows = the verified block (positions pos), block rows from the new start
-        dc.rows, dc.view, dc.wpos = None, view, pos
-        bpos = self.start[:, None] + self.slot[None]
-        dmask = torch.cat([(self.kv_pos[None, :view] < self.start[:, None]),
-                           torch.ones_like(bpos, dtype=torch.bool)], dim=1)[:, None, None, :]
-        drafts = self._draft(nxt, taps, torch.cat([pos, bpos], dim=1), dmask.expand(-1, 1, bs, -1))
+        drafts = self.proposer.step(self, nxt, taps, pos, view)   # the next drafts, from the new start
         self.tokens[:, 0] = nxt
         self.tokens[:, 1:] = drafts
         self.step.add_(1)
@@ -202,8 +190,9 @@ class BatchedSpecDecoder:
             ids[i, :len(p)] = torch.as_tensor(np.asarray(p), dtype=torch.long)
         ids = ids.to(dev)
         last = torch.as_tensor(lens, device=dev) - 1
-        tc, dc = self.tcache, self.dcache
+        tc = self.tcache
         self.out.zero_()
+        self.hist.zero_()
         self.accepted.zero_()
         self.step.zero_()
         with self._target_attn(), self._rollback():
@@ -222,24 +211,23 @@ class BatchedSpecDecoder:
                     tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(r0, r1), True, last[r0:r1] + 1
                 o = self.base(input_ids=ids[r0:r1], position_ids=pos.expand(r1 - r0, -1),
                               attention_mask=mask, use_cache=True,
-                              output_hidden_states=True, **{self.cache_kw: tc})
+                              output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
                 h_last = o.last_hidden_state[torch.arange(r1 - r0, device=dev), last[r0:r1]]
                 first[r0:r1] = self.head(h_last).float().argmax(-1)
-                taps.append(torch.cat([o.hidden_states[i] for i in self.taps], dim=-1))
+                if self.taps:
+                    taps.append(torch.cat([o.hidden_states[i] for i in self.taps], dim=-1))
             if tc.linear is not None:
                 tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(None), False, None
-            taps = torch.cat(taps)
-            # the drafter's first block, row by row (its context is the whole prompt)
-            for i in range(r):
-                dc.rows = slice(i, i + 1)
-                p = lens[i]
-                self.tokens[i, 0] = first[i]
-                self.tokens[i, 1:] = self._draft(first[i:i + 1], taps[i:i + 1, :p],
-                                                 torch.arange(p + bs, device=dev)[None], None)[0]
-            del taps
+            taps = torch.cat(taps) if taps else None
+            self.hist[:, :width] = ids
+            self.hist.scatter_(1, (last + 1)[:, None], first[:, None])
             self.out[:, 0] = first
             self.ngen.fill_(1)
             self.start.copy_(last + 1)
+            # the first drafts (a drafter: row by row, its context the whole prompt)
+            self.tokens[:, 0] = first
+            self.tokens[:, 1:] = self.proposer.first(self, first, taps, lens)
+            del taps
             stopped = (first[:, None] == self.stop).any(-1) if self.stop_ids else torch.zeros_like(self.done)
             self.done.copy_(stopped | (self.max_new <= 1))
             self.done[n:] = True

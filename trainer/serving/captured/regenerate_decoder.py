@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -78,45 +79,76 @@ def _hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))   # 23 bits: k + 0.5 exact in float32
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    """GraphDecoder's switches, by name. Numerics-neutral unless said (kv_fp8, state_dtype change them)."""
+    # graphs: the decode step captured as CUDA graphs (None: on CUDA devices; never on a CPU)
+    graphs: bool | None = None
+    # view_step: the KV prefix a step attends grows in steps of this many positions (one graph per view)
+    view_step: int = 128
+    # check_every: the host reads the stop flags every this many steps
+    check_every: int = 16
+    # prefill_tokens: about this many positions per prefill row chunk
+    prefill_tokens: int = 16384
+    # decode_kernel: the decode attention (attention.DECODE_KERNELS; "triton": trainer/ops/decode_attn.py's
+    # split-KV kernel)
+    decode_kernel: str = "sdpa"
+    # float_mask: the step's boolean mask turned into one additive mask per step, not one conversion per layer
+    # inside SDPA
+    float_mask: bool = True
+    # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager
+    fuse: bool = False
+    # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to PAD_TO),
+    # not the batch's: the left padding of a chunk of short prompts is not computed
+    prefill_trim: bool = True
+    # kv_fp8: the KV cache in fp8 e4m3 (half the bytes a decode step reads; changes numerics), read by the
+    # split-KV kernel only
+    kv_fp8: bool = False
+    # fuse_mlp: with fuse, each MLP compiled whole, its GEMMs included (no gain with bf16 weights: a switch for
+    # the benchmark's fp8-weight variants, docs/performance-archive.md "Sixth call")
+    fuse_mlp: bool = False
+    # state_inplace: a hybrid's decode step writes each recurrent state in place (inplace_recurrent_state; FLA
+    # on GPUs only)
+    state_inplace: bool = False
+    # state_dtype: the recurrent states' storage (fp32 as transformers keeps them; bf16 halves the bytes a step
+    # moves, as serving engines store them by default, and changes the numerics; off until measured)
+    state_dtype: torch.dtype = torch.float32
+    # fuse_linear: with fuse, a hybrid's gated norm and one-position conv update compiled
+    fuse_linear: bool = True
+    # recurrent_tile: with state_inplace, FLA's recurrent kernel launched with this (BV, num_warps) state tile
+    # (_AliasFinalState); None: FLA's own (8, 1). Off until measured (regenerate_bench's `-bv32`)
+    recurrent_tile: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel: one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if self.kv_fp8 and self.decode_kernel != "triton":
+            raise ValueError("kv_fp8 needs decode_kernel='triton' (SDPA does not read an fp8 cache)")
+
+
 class GraphDecoder:
     """Batched greedy (or sampled) decoding of left-padded prompts with `model` (a transformers causal LM).
 
     `generate(prompts, keys)` returns each prompt's generated tokens, the stop token kept; `keys` (one
-    int per prompt) seed its sampling noise. Graphs are captured on CUDA devices when `graphs` is true."""
+    int per prompt) seed its sampling noise. The switches are `options` (DecoderOptions); keywords of its
+    field names replace single ones (`GraphDecoder(..., fuse=True)`)."""
 
     def __init__(self, model, device, batch_size: int, max_new_tokens: int, temperature: float,
-                 stop_ids, pad_id: int, graphs: bool | None = None, view_step: int = 128,
-                 check_every: int = 16, prefill_tokens: int = 16384, decode_kernel: str = "sdpa",
-                 float_mask: bool = True, fuse: bool = False, prefill_trim: bool = True, kv_fp8: bool = False,
-                 fuse_mlp: bool = False, state_inplace: bool = False, state_dtype=torch.float32,
-                 fuse_linear: bool = True, recurrent_tile: tuple[int, int] | None = None):
+                 stop_ids, pad_id: int, options: DecoderOptions | None = None, **switches):
+        opts = replace(options or DecoderOptions(), **switches)   # TypeError naming an unknown switch
+        self.options = opts
         self.model, self.device = model, torch.device(device)
         self.base = decoder(model)
         self.head = model.get_output_embeddings()
         self.cfg = self.base.config
         self.batch, self.max_new, self.temperature = batch_size, max_new_tokens, float(temperature)
         self.stop_ids, self.pad_id = list(stop_ids), int(pad_id)
-        self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
-        self.view_step, self.check_every, self.prefill_tokens = view_step, check_every, prefill_tokens
-        # decode_kernel: the decode attention (DECODE_KERNELS; "triton": trainer/ops/decode_attn.py's split-KV
-        # kernel); float_mask: the step's boolean mask turned into one additive mask per step, not one
-        # conversion per layer inside SDPA
-        assert decode_kernel in DECODE_KERNELS, decode_kernel
-        self.decode_kernel, self.float_mask = decode_kernel, float_mask
-        # fuse: the decode step's norms, rotary and SiLU gate compiled (fused_small_ops); the prefill stays eager.
-        # fuse_mlp: with fuse, each MLP compiled whole, its GEMMs included (no gain with bf16 weights: a switch
-        # for the benchmark's fp8-weight variants, docs/performance-archive.md "Sixth call")
-        self.fuse = fuse
-        self.fuse_mlp = fuse_mlp
-        self.fuse_linear = fuse_linear   # with fuse, a hybrid's gated norm and one-position conv update compiled
-        # prefill_trim: each prefill row chunk runs at its own width (its longest prompt, rounded up to
-        # PAD_TO), not the batch's: the left padding of a chunk of short prompts is not computed
-        self.prefill_trim = prefill_trim
-        # kv_fp8: the KV cache in fp8 e4m3 (half the bytes a decode step reads; changes numerics), read by the
-        # split-KV kernel only
-        if kv_fp8 and decode_kernel != "triton":
-            raise ValueError("kv_fp8 needs decode_kernel='triton' (SDPA does not read an fp8 cache)")
-        self.kv_fp8 = kv_fp8
+        self.graphs = (self.device.type == "cuda") if opts.graphs is None else bool(opts.graphs and
+                                                                                    self.device.type == "cuda")
+        self.view_step, self.check_every, self.prefill_tokens = opts.view_step, opts.check_every, opts.prefill_tokens
+        self.decode_kernel, self.float_mask = opts.decode_kernel, opts.float_mask
+        self.fuse, self.fuse_mlp, self.fuse_linear = opts.fuse, opts.fuse_mlp, opts.fuse_linear
+        self.prefill_trim, self.kv_fp8 = opts.prefill_trim, opts.kv_fp8
         params = inspect.signature(self.base.forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
@@ -127,15 +159,8 @@ class GraphDecoder:
         if why:
             raise ValueError(f"the captured decoder cannot run this target: {why}")
         self.linear_ids = linear_layer_ids(self.cfg)
-        # state_inplace: a hybrid's decode step writes each recurrent state in place (inplace_recurrent_state;
-        # FLA on GPUs only; off until measured: trainer/tools/gpu/regenerate_bench.py's `-inplace` variants)
-        self.state_inplace = state_inplace
-        # state_dtype: the recurrent states' storage (fp32 as transformers keeps them; bf16 halves the bytes a
-        # step moves, as serving engines store them by default, and changes the numerics; off until measured)
-        self.state_dtype = state_dtype
-        # recurrent_tile: with state_inplace, FLA's recurrent kernel launched with this (BV, num_warps) state
-        # tile (_AliasFinalState); None: FLA's own (8, 1). Off until measured (regenerate_bench's `-bv32`)
-        self.recurrent_tile = recurrent_tile
+        self.state_inplace, self.state_dtype, self.recurrent_tile = (opts.state_inplace, opts.state_dtype,
+                                                                     opts.recurrent_tile)
         self.cache: KVCache | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None

@@ -334,7 +334,8 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
         assert not torch.allclose(w[name].float(), fresh.state_dict()[name].bfloat16().float(), rtol=0.01), name
     _, info = ref.DFlash2DraftModel.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    # dflash-eval on the export: the selector's sampled loop; the batched loop is refused in one line
+    # dflash-eval on the export: the selector's sampled loop (single), and greedy in the batched loop with the
+    # speed table and its lossless check
     from trainer.serving.evaluate import main as eval_main
     args = ["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(dst), "--data-dir",
             str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "2", "--max-new-tokens", "12"]
@@ -342,9 +343,10 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     assert eval_main(args + ["--temperature", "0.7", "--json", "--no-block-accuracy"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["loop"] == "single" and res["temperature"] == 0.7 and 1 <= res["tau"] <= 8
-    assert eval_main(args + ["--loop", "batched"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("dflash-eval: error: --loop batched: a DFlash2 drafter"), err
+    assert eval_main(args + ["--loop", "batched", "--json", "--no-block-accuracy", "--speed-batch", "2"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["loop"] == "batched" and res["speed"]["lossless"]["ok"]
+    assert [r["drafter"] for r in res["speed"]["rows"]] == ["target", "dflash2", "ngram"]
 
 
 def test_the_plan_gives_each_block_row_its_real_predecessor_and_eval_of_dflash2_is_accepted():

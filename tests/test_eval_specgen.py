@@ -240,7 +240,7 @@ def test_cli_on_a_checkpoint_and_on_an_export(target, tiny_small_dir, tmp_path, 
     for src in (out, tmp_path / "export"):
         assert eval_main(["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(src),
                           "--data-dir", str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "2",
-                          "--max-new-tokens", "12", "--json"]) == 0
+                          "--max-new-tokens", "12", "--json", "--speed-batch", ""]) == 0
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert results[0]["verify_steps"] == results[1]["verify_steps"] > 0
     assert all(r["tau"] < 1.5 for r in results)
@@ -362,7 +362,7 @@ def test_cli_runs_both_loops_with_the_same_tau(target, tiny_small_dir, tmp_path,
         assert eval_main(["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(tmp_path / "run"),
                           "--data-dir", str(tiny_small_dir / "heldout"), "--device", "cpu", "--max-prompts", "3",
                           "--max-new-tokens", "12", "--no-block-accuracy", "--loop", loop, "--batch-size", "2",
-                          "--json"]) == 0
+                          "--json", "--speed-batch", ""]) == 0
         res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
     assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]

@@ -156,7 +156,7 @@ def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid,
         assert eval_main(["--target-model", str(tiny_hybrid_dir / "target"), "--checkpoint", str(tmp_path / "run"),
                           "--data-dir", str(tiny_hybrid_dir / "heldout"), "--device", "cpu", "--max-prompts", "3",
                           "--max-new-tokens", "12", "--no-block-accuracy", "--loop", loop, "--batch-size", "2",
-                          "--json"]) == 0
+                          "--json", "--speed-batch", ""]) == 0
         res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
     assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]

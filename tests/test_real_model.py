@@ -117,7 +117,7 @@ def test_training_resumes_and_evaluates_in_training(chain):
 def _eval(chain, *extra):
     r = run(BIN / "dflash-eval", "--target-model", chain["model"], "--checkpoint", chain["work"] / "export",
             "--data-dir", chain["work"] / "heldout", "--device", "cpu", "--max-prompts", EVAL_PROMPTS,
-            "--max-new-tokens", EVAL_TOKENS, "--no-block-accuracy", "--json", *extra)
+            "--max-new-tokens", EVAL_TOKENS, "--no-block-accuracy", "--json", "--speed-batch", "", *extra)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

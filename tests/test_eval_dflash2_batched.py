@@ -1,0 +1,97 @@
+"""DFlash2 in dflash-eval's batched loop (captured/eval_decoder.BatchedSpecDecoder with
+dflash2_eval.DFlash2CachedModel): prompt by prompt, the same drafts at every step, the same accept lengths
+and the same tokens as the single loop (dflash2_eval.dflash2_generate, the trainer's packed class run on the
+whole context), on the tiny target; through evaluate(), the same tau in both loops.
+
+The drafter: untrained, its convolutions moved off the identity (so the cached layers' convolution is
+exercised) and its selector's codebooks drawn so that its path leaves the unary argmax.
+"""
+
+import pytest
+import torch
+
+from trainer.data.dataset import load_dataset
+from trainer.model.dflash2 import as_dflash2
+from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
+from trainer.serving.dflash2_eval import DFlash2Proposer, dflash2_generate
+from trainer.serving.evaluate import evaluate, heldout_prompts, load_target
+
+BLOCK = 4
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def target(tiny_small_dir):
+    torch.set_num_threads(1)
+    return load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    cfg = as_dflash2(DFlashConfig.from_target(target.config, num_draft_layers=2, block_size=BLOCK, mask_token_id=3),
+                     selector_rank=16, selector_top_k=4)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "conv" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            elif "selector" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.6 if "codebook" in n else 0.6 / cfg.hidden_size ** 0.5))
+    return cfg, model
+
+
+class Recording(DFlash2Proposer):
+    """The single loop's proposer, each step's path recorded."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.paths: list[list[int]] = []
+        self.moved = 0
+
+    def propose(self, *a, **k):
+        path, cand, q = super().propose(*a, **k)
+        self.paths.append(path.tolist())
+        self.moved += int((path != cand[:, 0]).sum())   # top-K is sorted: column 0 is the unary argmax
+        return path, cand, q
+
+
+def test_the_batched_loop_drafts_and_accepts_what_the_single_loop_does_prompt_by_prompt(
+        target, drafter, tiny_small_dir):
+    from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
+    cfg, model = drafter
+    prompts = heldout_prompts(load_dataset(tiny_small_dir / "heldout"), 3)
+    single, paths, moved = [], [], 0
+    for p in prompts:
+        rec = Recording(model)
+        single.append(dflash2_generate(rec, target, torch.as_tensor(p)[None], NEW, [], 0.0))
+        paths.append(rec.paths)
+        moved += rec.moved
+    assert moved > 0                      # the selector's path is not the drafter's argmax
+    proposer = DFlash2Proposer(model)
+    dec = BatchedSpecDecoder(target, proposer, "cpu", len(prompts), NEW, [], graphs=False)
+    batched, draft, prefill_rows = [[] for _ in prompts], dec.proposer._draft, list(range(len(prompts)))
+
+    def recorded(d, first, *args):
+        out = draft(d, first, *args)
+        rows = [prefill_rows.pop(0)] if first.shape[0] == 1 else range(len(prompts))   # prefill: row by row
+        for r, path in zip(rows, out.tolist()):
+            if not (first.shape[0] > 1 and dec.done[r]):
+                batched[r].append(path)
+        return out
+    dec.proposer._draft = recorded
+    for p, s, (lengths, toks), want, got in zip(prompts, single, dec.generate(prompts), paths, batched):
+        assert toks.tolist() == s.output_ids[0, len(p):].tolist()
+        assert lengths == s.accept_lengths
+        assert got[:len(want)] == want
+
+
+def test_evaluate_runs_dflash2_in_the_batched_loop_with_the_single_loops_tau(target, drafter, tiny_small_dir):
+    cfg, model = drafter
+    ds = load_dataset(tiny_small_dir / "heldout")
+    runs = {loop: evaluate(target, DFlash2Proposer(model), cfg, ds, torch.device("cpu"), max_prompts=4,
+                           max_new_tokens=NEW, loop=loop, batch_size=3) for loop in ("single", "batched")}
+    for key in ("tau", "verify_steps", "new_tokens", "accept_length_histogram"):
+        assert runs["single"][key] == runs["batched"][key], key
+    assert (runs["single"]["loop"], runs["batched"]["loop"]) == ("single", "batched")

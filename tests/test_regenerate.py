@@ -369,3 +369,52 @@ def test_fuse_is_a_switch_of_the_captured_decoder(tiny_small_dir, target, tmp_pa
     assert rc == 2 and err.count("\n") == 1 and "--fuse on: needs --decoder captured" in err, err
     assert not out.exists()
 
+
+
+def test_samples_per_prompt_writes_that_many_sampled_completions_of_each_prompt(tiny_small_dir, tmp_path, capsys):
+    """--samples-per-prompt N at T > 0: N records per prompt, side by side, each its prompt followed by its own
+    draw (the copies differ), recorded in the index so a resume or the trainer can tell; greedy refuses it
+    in one line (every copy would be the same)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"ab cd {w}"}) + "\n" for w in ("ef", "gh ij", "kl")))
+    target = tiny_small_dir / "target"
+    for decoder in ("generate", "captured"):
+        out = tmp_path / decoder
+        stats = regenerate(None, target, out, inputs=[prompts], batch_size=4, max_new_tokens=8, shard_size=4,
+                           temperature=1.0, samples_per_prompt=3, decoder=decoder, **QUIET)
+        ds = load_dataset(out)
+        assert stats["records"] == len(ds) == 9
+        recs = [ds[i] for i in range(9)]
+        for p in range(3):
+            copies = recs[3 * p:3 * p + 3]
+            heads = {bytes(ids[:int(np.argmax(mask))].astype(np.int64)) for ids, mask in copies}
+            answers = {bytes(ids[mask.astype(bool)].astype(np.int64)) for ids, mask in copies}
+            assert len(heads) == 1, "the copies share their prompt"
+            assert len(answers) > 1, f"{decoder}: prompt {p}'s three samples are all the same"
+        assert ds.index["regenerated"]["samples_per_prompt"] == 3
+    capsys.readouterr()
+    rc = main(["--target-model", str(target), "--input", str(prompts), "--output-dir", str(tmp_path / "g"),
+               "--samples-per-prompt", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--samples-per-prompt 2" in err[0] and "--temperature" in err[0]
+
+
+def test_the_batch_sweep_reports_tok_s_per_batch_size_on_the_same_tokens(tiny_small_dir, tmp_path, capsys):
+    """trainer/tools/gpu/regenerate_sweep.py on the CPU: one row per batch size, each completing the same
+    prompts; greedy in fp32, so the completions are the same bytes at every batch size, and the slot use is
+    the generated tokens over each batch's rows x its longest completion."""
+    from trainer.tools.gpu import regenerate_sweep
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "ab cd " + "ef " * i}) + "\n" for i in range(7)))
+    rc = regenerate_sweep.main(["--target-model", str(tiny_small_dir / "target"), "--input", str(prompts),
+                                "--batches", "2,5", "--prompts", "6", "--max-new-tokens", "6", "--device", "cpu",
+                                "--decoder", "captured", "--out", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    res = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0 and [r["batch_size"] for r in res["rows"]] == [2, 5]
+    a, b = res["rows"]
+    assert a["prompts"] == b["prompts"] == 6 and a["tokens"] == b["tokens"] > 0
+    assert a["completions_sha256"] == b["completions_sha256"]
+    assert all(0 < r["slot_use"] <= 1 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert "tok/s" in err and json.loads((tmp_path / "r.json").read_text())["rows"] == res["rows"]
+    assert regenerate_sweep.slot_use([[1], [1, 2]], [[5, 5, 5], [5]], 2) == 4 / 6

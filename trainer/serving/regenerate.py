@@ -2,7 +2,8 @@
 
     dflash-regenerate --target-model DIR (--data-dir DIR | --input FILE.jsonl ...) --output-dir DIR
                       [--device cpu|cuda:N | --devices cuda:0,cuda:1] [--batch-size 32]
-                      [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--shard-size 10000]
+                      [--max-new-tokens 1024] [--temperature 0] [--seed 0] [--samples-per-prompt 1]
+                      [--shard-size 10000]
                       [--max-records N] [--decoder auto|generate|captured] [--fuse auto|on|off]
                       [--decode-attention auto|sdpa|triton] [--kv-fp8 on|off]
 
@@ -15,7 +16,8 @@ is regenerated: later turns answered a reply the target did not write.
 
 The target generates each prompt's completion with transformers' `generate` (left padding, attention
 mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or
-top-p, seeded per shard), until one of its EOS ids (kept, and supervised, like the end-of-turn token
+top-p, seeded per shard; --samples-per-prompt N > 1 writes N sampled completions of each prompt, as N
+records side by side), until one of its EOS ids (kept, and supervised, like the end-of-turn token
 of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
 decode loop instead (trainer/serving/captured/regenerate_decoder.py: one preallocated KV cache, the decode step captured as CUDA
 graphs, its small ops compiled with --fuse, its attention a split-KV Triton kernel with
@@ -377,6 +379,8 @@ class RegenerateConfig:
     max_new_tokens: int = opt(1024, "tokens generated per prompt at most", group=GEN, ge=1)
     temperature: float = opt(0.0, "0 = greedy", group=GEN, ge=0)
     seed: int = opt(0, "sampling seed (temperature > 0)", group=GEN)
+    samples_per_prompt: int = opt(1, "completions sampled per prompt, each its own record (> 1 needs "
+                                     "--temperature > 0)", group=GEN, ge=1)
     shard_size: int = opt(DEFAULT_SHARD_SIZE, "sequences per shard", group=GEN, ge=1)
     max_records: int = opt(0, "first N prompts only (0 = all)", group=GEN, ge=0)
     static_cache: str = opt("auto", "static KV cache, its decode step compiled by transformers on GPUs (auto: on "
@@ -503,6 +507,9 @@ def regenerate(
         raise RegenerateError(str(e)) from None
     batch_size, max_new_tokens, temperature, seed = cfg.batch_size, cfg.max_new_tokens, cfg.temperature, cfg.seed
     shard_size, max_records = cfg.shard_size, cfg.max_records
+    if cfg.samples_per_prompt > 1 and temperature <= 0:
+        raise RegenerateError(f"--samples-per-prompt {cfg.samples_per_prompt}: needs --temperature > 0 (greedy "
+                              "decoding writes the same completion every time)")
     if data_dir is not None and out.absolute() == Path(data_dir).absolute():
         raise RegenerateError(f"--output-dir {out}: is the --data-dir itself")
     # the prompts before anything loads the target: a bad record is named at once
@@ -515,6 +522,11 @@ def regenerate(
             "(supervised from their first token), skipped")
     if max_records:
         prompts = prompts[:max_records]
+    samples = cfg.samples_per_prompt
+    if samples > 1:
+        # each copy its own row: the captured decoder's noise is keyed by the row's index, generate draws
+        # each row from the shard's generator, so the copies differ
+        prompts = [p for p in prompts for _ in range(samples)]
     config = {
         "target_model": str(target.absolute()),
         "source": source,
@@ -529,6 +541,8 @@ def regenerate(
     }
     if kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
         config["kv_cache"] = "fp8"
+    if samples > 1:   # recorded only when used: outputs written before the option resume unchanged
+        config["samples_per_prompt"] = int(samples)
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
     if manifest["complete"] and (out / INDEX_NAME).is_file() and all(

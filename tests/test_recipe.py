@@ -30,6 +30,7 @@ def cache(tmp_path):
     (["--set", "lr"], "--set takes FLAG=VALUE, got 'lr'"),
     (["--steps", "0"], "--steps, --eval-every"),
     (["--device", "tpu"], "--device: cpu or cuda:N, got 'tpu'"),
+    (["--train-prompts", "/nonexistent/large.jsonl"], "--train-prompts /nonexistent/large.jsonl: no such file"),
 ])
 def test_bad_arguments_exit_2_in_one_line(tmp_path, cache, extra, names):
     r = subprocess.run([sys.executable, "-m", "trainer.tools.recipe", "--cache", str(cache), "--work",
@@ -96,3 +97,38 @@ def test_the_deadline_stops_every_run_and_keeps_its_progress(tmp_path, cache):
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["state"] == "partial" and [x["variant"] for x in doc["rows"]] == ["base", "hard", "raw"]
     assert "commit" in doc
+
+
+def test_final_evals_keep_tau_the_speed_table_and_a_failed_lossless_verdict(tmp_path, cache, monkeypatch):
+    """Each finished run gets its greedy tau (no speed section), its T = 1 tau on --t1-prompts, and the speed
+    section on --speed-prompts; a speed eval whose lossless check failed (exit 1, its JSON printed) keeps its
+    table and the verdict instead of an error."""
+    seen = []
+
+    def fake_eval(fn, *args):
+        args = [str(x) for x in args]
+        seen.append(args)
+        speed = "--speed-batch" in args and args[args.index("--speed-batch") + 1] != ""
+        res = {"tau": 1.5 + 0.25 * float(args[args.index("--temperature") + 1]),
+               "prompts": int(args[args.index("--max-prompts") + 1])}
+        if speed:
+            res["speed"] = {"rows": [{"drafter": "target", "batch": 1, "speedup": None},
+                                     {"drafter": "dflash", "batch": 1, "speedup": 1.4}],
+                            "lossless": {"ok": False, "error": "prompt 3 differs at token 7"}}
+        return [sys.executable, "-c", f"import sys; print({json.dumps(res)!r}); sys.exit({1 if speed else 0})"]
+
+    monkeypatch.setattr(recipe, "tool", fake_eval)
+    r = _recipe(tmp_path, cache, "--variants", "dpace", "--steps", "2", "--final-prompts", "164",
+                "--t1-prompts", "32", "--speed-prompts", "8", "--parallel", "3")
+    rd = r.run_dir("dpace")
+    rd.mkdir(parents=True)
+    (rd / "metrics.jsonl").write_text(json.dumps({"step": 2, "tokens": 10}) + "\n")
+    r.final_evals(["dpace"], {"heldout": tmp_path / "heldout"})
+    row = r.row("dpace")
+    assert (row["tau_greedy"], row["tau_greedy_prompts"], row["tau_t1"], row["tau_t1_prompts"]) == (1.5, 164, 1.75, 32)
+    assert row["speed"]["lossless"] == {"ok": False, "error": "prompt 3 differs at token 7"}
+    assert "speed_error" not in row and "error" not in row
+    greedy = next(a for a in seen if a[a.index("--max-prompts") + 1] == "164")
+    assert greedy[greedy.index("--speed-batch") + 1] == ""   # the 164-prompt tau is not timed
+    r.final_evals(["dpace"], {"heldout": tmp_path / "heldout"})   # a rerun measures nothing again
+    assert len(seen) == 3

@@ -3,14 +3,18 @@ token budget, each measured on held-out prompts at greedy and at T = 1, with its
 
     python -m trainer.tools.recipe --cache DIR --work DIR --out results/real-recipe.json
         [--variants base,b32,...] [--steps 400] [--eval-every 50] [--device cpu | cuda:0]
-        [--parallel N] [--deadline-s S] [--set FLAG=VALUE ...]
+        [--parallel N] [--deadline-s S] [--set FLAG=VALUE ...] [--train-prompts FILE]
+        [--speed-prompts N] [--speed-batch 1,16] [--t1-prompts N]
 
 `--cache` is dflash-real's cache (the model and the prompt sets). The data is built once under --work and
 reused: the held-out HumanEval prompts (dflash-prepare), the training prompts' completions written by the
 target itself (dflash-regenerate, greedy), and for the `raw` variant the same prompts with the library's own
 source as the answer. Then every variant trains as its own dflash-train run (up to --parallel at once on
 the one device), with the in-training eval every --eval-every steps giving its curve, and at its end
-dflash-eval measures tau on --final-prompts held-out prompts, greedy (batched loop) and at T = 1.
+dflash-eval measures tau on --final-prompts held-out prompts greedy (batched loop), on --t1-prompts at T = 1,
+and on the first --speed-prompts the wall clock: the target decoding alone against speculative decoding with
+the drafter and with prompt lookup (the n-gram baseline), at each --speed-batch, outputs checked lossless.
+--train-prompts picks the training prompts (dflash-real --prompts large writes the set at scale).
 
 Variants (each changes one thing against `base`: DFlash at block 16, gamma 7, soft labels, annealed noise,
 CE, on regenerated data; the other flags are --set's and BASE's):
@@ -20,7 +24,7 @@ CE, on regenerated data; the other flags are --set's and BASE's):
 Rerunnable: a variant's run resumes from its last checkpoint, a finished one is not retrained, and a
 measured tau is kept. --deadline-s stops the runs (SIGTERM: each writes a checkpoint) and returns; the
 same command later carries on. The JSON (rewritten as the runs go) holds the commit, the flags, per variant
-the curve [step, tokens, tau], the final tau at greedy and T = 1 and the seconds; an SVG of the curves goes
+the curve [step, tokens, tau], the final tau at greedy and T = 1, the speed table and the seconds; an SVG of the curves goes
 beside it. Exit codes: 0 done or stopped at the deadline, 1 a run failed, 2 bad arguments (one line on
 stderr).
 """
@@ -81,6 +85,10 @@ class Recipe:
             raise RuntimeError(f"{what} failed (exit {r.returncode}): {tail[0]} (log {logfile})")
         self.log(f"{what}: done in {time.monotonic() - t:.0f}s")
 
+    def train_prompts(self) -> Path:
+        """The prompt-only JSONL the target answers: --train-prompts, else dflash-real's small set."""
+        return Path(self.a.train_prompts) if self.a.train_prompts else self.cache / "prompts" / "stdlib.jsonl"
+
     def data(self, names: list[str]) -> dict[str, Path]:
         d = self.work / "data"
         d.mkdir(parents=True, exist_ok=True)
@@ -94,7 +102,7 @@ class Recipe:
                              "--max-seq-len", self.a.max_seq_len), f"prepare {name}", d / f"{name}.log")
         if any(n != "raw" for n in names):
             # dflash-regenerate checks each finished shard's sha256 on a rerun and does only what is missing
-            self.sh(tool("regenerate", "--target-model", self.model, "--input", prompts / "stdlib.jsonl",
+            self.sh(tool("regenerate", "--target-model", self.model, "--input", self.train_prompts(),
                          "--output-dir", d / "regen", "--max-new-tokens", self.a.regen_tokens,
                          "--batch-size", self.a.regen_batch, "--max-records", self.a.regen_records,
                          "--device", self.a.device),
@@ -163,7 +171,9 @@ class Recipe:
         doc = {**git_commit(), "state": state, "target_model": MODEL_DIR, "device": a.device,
                "device_name": device_name(a.device), "steps": a.steps, "eval_every": a.eval_every,
                "eval_prompts": a.eval_prompts, "eval_tokens": a.eval_tokens, "final_prompts": a.final_prompts,
-               "final_tokens": a.final_tokens, "regen_tokens": a.regen_tokens, "regen_records": a.regen_records, "set": a.set, "base_flags": BASE,
+               "final_tokens": a.final_tokens, "t1_prompts": a.t1_prompts or a.final_prompts,
+               "speed_prompts": a.speed_prompts, "speed_batch": a.speed_batch,
+               "train_prompts": str(self.train_prompts()), "regen_tokens": a.regen_tokens, "regen_records": a.regen_records, "set": a.set, "base_flags": BASE,
                "rows": rows}
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -218,24 +228,32 @@ class Recipe:
         return not stopping
 
     def final_evals(self, names: list[str], data: dict[str, Path]) -> None:
-        """tau of each finished run's last checkpoint at greedy and T = 1 (and the untrained drafter's)."""
+        """Each finished run's last checkpoint: tau at greedy (--final-prompts) and at T = 1 (--t1-prompts), the
+        untrained drafter's tau, and the wall-clock section (dflash-eval --speed-batch: the target alone, the
+        drafter and the n-gram baseline, with the lossless check) on the first --speed-prompts prompts."""
+        a = self.a
+        evals = {"tau_greedy": (0, a.final_prompts, ["--speed-batch", ""]),
+                 "tau_t1": (1, a.t1_prompts or a.final_prompts, []),
+                 "speed": (0, a.speed_prompts, ["--speed-batch", a.speed_batch])}
+        if not a.speed_prompts or not a.speed_batch:
+            del evals["speed"]
         jobs = []
         for n in names:
             r = self.row(n)
-            if "error" in r or r["step"] < self.a.steps:
+            if "error" in r or r["step"] < a.steps:
                 continue
-            jobs += [(n, key, temp, []) for key, temp in (("tau_greedy", 0), ("tau_t1", 1)) if r.get(key) is None]
+            jobs += [(n, key, *spec) for key, spec in evals.items() if r.get(key) is None]
         if "base" in names and self.row("base").get("tau_untrained") is None and self.row("base")["step"]:
-            jobs.append(("base", "tau_untrained", 0, ["--untrained"]))
+            jobs.append(("base", "tau_untrained", 0, a.final_prompts, ["--untrained", "--speed-batch", ""]))
         running: list[tuple] = []
         while jobs or running:
-            while jobs and len(running) < self.a.parallel:
-                n, key, temp, extra = jobs.pop(0)
+            while jobs and len(running) < a.parallel:
+                n, key, temp, prompts, extra = jobs.pop(0)
                 cmd = tool("evaluate", "--target-model", self.model, "--output-dir", self.run_dir(n),
-                           "--data-dir", data["heldout"], "--device", self.a.device, "--temperature", temp,
-                           "--max-prompts", self.a.final_prompts, "--max-new-tokens", self.a.final_tokens,
+                           "--data-dir", data["heldout"], "--device", a.device, "--temperature", temp,
+                           "--max-prompts", prompts, "--max-new-tokens", a.final_tokens,
                            "--no-block-accuracy", "--json", *extra)
-                self.log(f"{n}: {key} (dflash-eval, T={temp})")
+                self.log(f"{n}: {key} (dflash-eval, T={temp}, {prompts} prompts)")
                 running.append((n, key, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                          text=True, start_new_session=True)))
             time.sleep(2)
@@ -250,9 +268,18 @@ class Recipe:
                     continue
                 running.remove(item)
                 out, err = p.communicate()
-                if p.returncode == 0:
+                res = None
+                try:   # a failed lossless check still prints its JSON (exit 1): keep the table and the verdict
                     res = json.loads(out.strip().splitlines()[-1])
-                    self.save_row(n, **{key: res["tau"], f"{key}_verify_steps_per_s": res.get("verify_steps_per_s")})
+                except (ValueError, IndexError):
+                    pass
+                if res is not None and key == "speed" and "speed" in res:
+                    self.save_row(n, speed=res["speed"])
+                    sp = {(r["drafter"], r["batch"]): r.get("speedup") for r in res["speed"]["rows"]}
+                    self.log(f"{n}: speed {sp}, lossless {res['speed']['lossless']['ok']}")
+                elif res is not None and p.returncode == 0:
+                    self.save_row(n, **{key: res["tau"], f"{key}_prompts": res["prompts"],
+                                        f"{key}_verify_steps_per_s": res.get("verify_steps_per_s")})
                     self.log(f"{n}: {key} = {res['tau']:.3f}")
                 else:
                     self.save_row(n, **{f"{key}_error": (err.strip().splitlines() or ["?"])[-1]})
@@ -313,6 +340,13 @@ def parse(argv):
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--final-prompts", type=int, default=64)
     ap.add_argument("--final-tokens", type=int, default=128)
+    ap.add_argument("--t1-prompts", type=int, default=0, help="held-out prompts of the T = 1 tau (0: --final-prompts)")
+    ap.add_argument("--speed-prompts", type=int, default=16,
+                    help="held-out prompts of the wall-clock section (0: none)")
+    ap.add_argument("--speed-batch", default="1,16", help="its batch sizes (dflash-eval --speed-batch)")
+    ap.add_argument("--train-prompts", default="",
+                    help="prompt-only JSONL the target answers (default: the cache's prompts/stdlib.jsonl; "
+                         "dflash-real --prompts large writes prompts/large.jsonl)")
     ap.add_argument("--regen-tokens", type=int, default=256, help="tokens the target writes per training prompt")
     ap.add_argument("--regen-batch", type=int, default=64)
     ap.add_argument("--regen-records", type=int, default=0, help="the first N training prompts only (0: all)")
@@ -335,6 +369,8 @@ def parse(argv):
         err = f"--set takes FLAG=VALUE, got {next(s for s in a.set if '=' not in s)!r}"
     elif not (a.device == "cpu" or a.device.startswith("cuda")):
         err = f"--device: cpu or cuda:N, got {a.device!r}"
+    elif a.train_prompts and not Path(a.train_prompts).is_file():
+        err = f"--train-prompts {a.train_prompts}: no such file"
     elif not (Path(a.cache) / MODEL_DIR / "config.json").is_file():
         err = f"--cache {a.cache}: no {MODEL_DIR}/config.json (build it with dflash-real --cache {a.cache})"
     return a, names, err
@@ -357,9 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         r.final_evals(names, data)
     finished = done and all(r.row(n).get("tau_t1") is not None for n in names)
     rows = r.write(names, "done" if finished else "partial")
-    print("| variant | steps | tokens | tau greedy | tau T=1 | in-training curve |\n| --- | --- | --- | --- | --- | --- |")
+    print("| variant | steps | tokens | tau greedy | tau T=1 | speedup b1 / n-gram b1 | lossless | in-training curve |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for x in rows:
+        sp = {(r["drafter"], r["batch"]): r.get("speedup") for r in (x.get("speed") or {}).get("rows", [])}
+        b1 = next((v for (d, b), v in sp.items() if b == 1 and d not in ("target", "ngram")), None)
         print(f"| {x['variant']} | {x['step']} | {x['tokens']:,} | {x.get('tau_greedy')} | {x.get('tau_t1')} | "
+              f"{b1} / {sp.get(('ngram', 1))} | {(x.get('speed') or {}).get('lossless', {}).get('ok')} | "
               f"{' '.join(f'{c[2]:.2f}' for c in x['curve'])} |")
     if "base" in names:
         print(f"untrained (base's flags): tau {r.row('base').get('tau_untrained')}")

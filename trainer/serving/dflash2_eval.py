@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv
@@ -90,8 +91,24 @@ class DFlash2CachedModel(DFlashDraftModel):
     @torch.no_grad()
     def pick(self, hidden: torch.Tensor, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """hidden [R, B-1, H] and logits [R, B-1, V] of the draft positions, first [R] the anchor token ->
-        the selector's greedy path [R, B-1]."""
-        return self.candidate_selector.walk(hidden, logits, first)[0]
+        the selector's greedy path [R, B-1]: CandidateSelector.walk's, with the pair scores of every
+        (candidate at k-1, candidate at k) computed up front in one product, so the walk itself is a gather and
+        an argmax per position (fewer kernels in the captured step; the same scores up to summation order)."""
+        sel = self.candidate_selector
+        pred, succ = sel.predecessor_codebook, sel.successor_codebook
+        unary, cand = torch.topk(logits.float(), sel.top_k, dim=-1)                # [R, L, K]
+        first_scores = unary[:, 0] + sel.pair_scores(hidden[:, 0], first, cand[:, 0])
+        idx = first_scores.argmax(-1)
+        path = [cand[:, 0].gather(1, idx[:, None])[:, 0]]
+        if hidden.shape[1] > 1:
+            ctx = F.embedding(cand[:, :-1], pred) * sel.hidden_projection(hidden[:, 1:]).to(pred.dtype)[:, :, None]
+            pair = torch.matmul(ctx, F.embedding(cand[:, 1:], succ).transpose(-1, -2)).float()   # [R, L-1, K, K]
+            k = sel.top_k
+            for pos in range(1, hidden.shape[1]):
+                row = pair[:, pos - 1].gather(1, idx[:, None, None].expand(-1, 1, k))[:, 0]    # after the pick
+                idx = (unary[:, pos] + row).argmax(-1)
+                path.append(cand[:, pos].gather(1, idx[:, None])[:, 0])
+        return torch.stack(path, 1)
 
 
 class DFlash2Proposer:

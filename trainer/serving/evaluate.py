@@ -316,12 +316,13 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
                         max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                         temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
                         out_dir: str | None = None, loop: str = "auto", batch_size: int = EVAL_BATCH,
-                        graphs: bool | None = None) -> dict:
+                        graphs: bool | None = None, speed_batches: list[int] | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
     loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
     "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
-    `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too)."""
+    `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too).
+    `speed_batches` (greedy only): also the wall-clock table and lossless check under "speed" (speed_section)."""
     from trainer.data.dataset import load_dataset
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -331,8 +332,13 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     check_drafter_on_target(src, target_model if target is None else target.config.to_dict())
     if target is None:
         target = load_target(target_model, dev, dtype)
-    res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
+    dataset = load_dataset(eval_data)
+    res = evaluate_state(cfg, state, target, dataset, dev, dtype, max_prompts, max_new_tokens,
                          temperature, seed, with_block_accuracy, loop, batch_size, graphs)
+    speed = (speed_section(target, hf_drafter(cfg, state, dev, dtype), cfg, dataset, max_prompts, max_new_tokens,
+                           speed_batches, graphs=graphs) if speed_batches and temperature <= 0 else None)
+    if speed is not None:
+        res["speed"] = speed
     from trainer.model.checkpoint_format import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
@@ -358,11 +364,19 @@ def parse_speed_batches(text: str) -> list[int]:
 
 
 def speed_section(target, drafter, cfg: DFlashConfig, dataset, max_prompts: int, max_new_tokens: int,
-                  batches: list[int], ngram: tuple[int, int, int] = (3, 1, 0), graphs: bool | None = None) -> dict:
+                  batches: list[int], ngram: tuple[int, int, int] = (3, 1, 0),
+                  graphs: bool | None = None) -> dict | None:
     """The wall-clock table and the lossless check (trainer/serving/speedup.py) for this drafter beside the
-    n-gram baseline (ngram: max n, min n, k; k 0 = block size - 1), on the eval's held-out prompts, greedy."""
+    n-gram baseline (ngram: max n, min n, k; k 0 = block size - 1), on the eval's held-out prompts, greedy.
+    None, with one warning line, on a target the captured loops cannot run (linear_states.hybrid_unsupported)."""
+    from trainer.model.target import decoder
+    from trainer.serving.captured.linear_states import hybrid_unsupported
     from trainer.serving.captured.proposers import NgramProposer
     from trainer.serving.speedup import speed_table
+    why = hybrid_unsupported(decoder(target), speculative=True)
+    if why:
+        log.warning("dflash-eval: the captured loops cannot run this target (%s); no speed table", why)
+        return None
     hf = _as_hf(drafter, cfg)
     max_n, min_n, k = ngram
     proposers = {"dflash2" if cfg.is_dflash2 else "dflash": hf,
@@ -495,9 +509,10 @@ def main(argv=None) -> int:
     res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
                    a.block_accuracy, a.loop, a.batch_size, graphs=None)
     res["checkpoint"] = str(ckpt)
-    if speed_batches:
-        res["speed"] = speed_section(target, drafter, cfg, ds, a.max_prompts, a.max_new_tokens, speed_batches,
-                                     (a.ngram_max, a.ngram_min, a.ngram_k), graphs=None)
+    speed = speed_section(target, drafter, cfg, ds, a.max_prompts, a.max_new_tokens, speed_batches,
+                          (a.ngram_max, a.ngram_min, a.ngram_k), graphs=None) if speed_batches else None
+    if speed is not None:
+        res["speed"] = speed
     if a.json:
         print(json.dumps(res))
     else:

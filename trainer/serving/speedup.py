@@ -59,11 +59,12 @@ def _sync(dev: torch.device) -> None:
 
 
 def _warm_prompts(prompts: list) -> list:
-    """One prompt of each padded width (the captured loops' graphs are per KV view, which follows the width)."""
+    """One prompt of each padded width (the captured loops' graphs are per KV view, which follows the width),
+    the longest first: a loop reallocates its caches (and drops its graphs) when a longer prompt comes."""
     seen = {}
     for p in prompts:
         seen.setdefault(-(-len(p) // PAD_TO), p)
-    return list(seen.values())
+    return [seen[w] for w in sorted(seen, reverse=True)]
 
 
 def _timed(dec_generate, prompts: list, batch: int, dev: torch.device, warm: bool):

@@ -84,6 +84,9 @@ INSTRUCT = ("Write a Python function with the signature `{signature}` that does 
 FORMS = ("complete", "instruct")
 MAX_TRAIN = 4000
 LARGE_MIN = 50_000   # the large set's floor: fewer prompts means a source went missing
+# the large set's longest header and docstring: regeneration sorts a shard's prompts longest first and sizes
+# its batch's KV cache by the longest, so a few long docstrings would set the memory of every batch
+LARGE_MAX_HEADER_CHARS = 2000
 MIN_BODY_LINES, MAX_BODY_LINES = 2, 60
 OVERLAP_NGRAM = 8   # a training docstring sharing any 8-word run with a HumanEval prompt is dropped
 SKIP_DIRS = {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo",
@@ -269,8 +272,9 @@ def overlap_rule() -> str:
 
 def build_large(heldout_wheel: Path, out: Path, wheels: Path, log, sources: tuple[Source, ...] = CORPUS,
                 stdlib_root: Path | None = None, min_prompts: int = LARGE_MIN) -> dict:
-    """large.jsonl and large-raw.jsonl: the standard library's functions and every CORPUS wheel's, in both
-    FORMS, decontaminated and deduplicated together: PROVENANCE.json's "large". RealError when a wheel
+    """large.jsonl and large-raw.jsonl: the standard library's functions and every CORPUS wheel's whose header
+    and docstring fit LARGE_MAX_HEADER_CHARS, in both FORMS, decontaminated and deduplicated together:
+    PROVENANCE.json's "large". RealError when a wheel
     fails its pin or fewer than `min_prompts` prompts result."""
     out.mkdir(parents=True, exist_ok=True)
     heldout = humaneval_records(heldout_wheel)
@@ -291,7 +295,10 @@ def build_large(heldout_wheel: Path, out: Path, wheels: Path, log, sources: tupl
         funcs += found
         per_source.append({"source": src.pin, "wheel": wheel.name, "sha256": src.sha256, "license": src.license,
                            "functions_read": len(found)})
-    kept, counts = select_training(funcs, heldout, None)
+    short = [f for f in funcs if len(f["header"]) <= LARGE_MAX_HEADER_CHARS]
+    kept, counts = select_training(short, heldout, None)
+    counts = {"functions_read": len(funcs), "dropped_long": len(funcs) - len(short),
+              **{k: v for k, v in counts.items() if k != "functions_read"}}
     by_origin: dict[str, int] = {}
     for f in kept:
         by_origin[f["origin"]] = by_origin.get(f["origin"], 0) + 1
@@ -303,5 +310,6 @@ def build_large(heldout_wheel: Path, out: Path, wheels: Path, log, sources: tupl
                         f"(a source went missing or the Python reads fewer of its files)")
     log(f"large set: {written['prompts']} prompts from {counts['kept']} functions")
     return {**written, "forms": list(FORMS), "python": sys.version.split()[0], "overlap_rule": overlap_rule(),
+            "max_header_chars": LARGE_MAX_HEADER_CHARS,
             "repeat_rule": "the same header and docstring, over all sources", **counts, "sources": per_source,
             "sha256": {p: sha256_file(out / p) for p in written["files"]}}

@@ -6,8 +6,10 @@ CUDA graphs on GPUs. Two loops, and the rooms they share:
                          target alone (`--decoder captured`)
   eval_decoder.py        BatchedSpecDecoder: dflash-eval's batched speculative loop (`--loop batched`):
                          the drafter drafts, the target verifies every row's block in one forward
+  proposers.py           what drafts in that loop: DFlash's or DFlash2's drafter, or prompt lookup (n-gram)
   attention.py           the attention functions the target runs inside them (a decode step's query heads
-                         folded per KV head; the verify step's; the split-KV kernel's switch)
+                         folded per KV head; the verify step's; the split-KV kernel's switch) and the masks
+                         by layer type (a sliding layer's window)
   fused_ops.py           the decode step's small ops compiled (norms, rotary, SiLU-gated MLP) with `fuse`
   kv_cache.py            the preallocated KV caches (one per loop) that answer transformers' cache API
   linear_states.py       a hybrid target's linear-attention layers (Qwen3.5/3.6 Gated DeltaNet): their conv

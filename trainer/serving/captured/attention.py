@@ -81,6 +81,41 @@ def register_attention() -> None:
     AttentionInterface.register(VERIFY_ATTN_NAME, _verify_attention)
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"   # transformers' layer types
+
+
+def sliding_window(cfg) -> int | None:
+    """The window W of the target's sliding-attention layers (a query at position q sees keys k with
+    q - W < k <= q, transformers' sliding_window_overlay), or None where no layer slides."""
+    w = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not w or (types is not None and SLIDING not in types):
+        return None
+    return int(w)
+
+
+def layer_masks(cfg, full: torch.Tensor, keep: torch.Tensor | None = None, linear_ids=(), linear=None,
+                convert=None):
+    """The attention_mask a captured loop hands the target: `full` (bool, True = attend) for its full-attention
+    layers and, where layers slide (sliding_window), `full & keep` for them (`keep`: True inside the window;
+    broadcast to `full`); a hybrid's linear-attention layers get `linear`. A dict by layer type where the model
+    has layer types, else the one tensor (a model whose every layer slides, e.g. Mistral, reads one mask).
+    `convert` (e.g. bool -> additive) is applied to each attention mask."""
+    from trainer.model.families import LINEAR
+    conv = convert or (lambda m: m)
+    window = sliding_window(cfg)
+    if window is None and not linear_ids:
+        return conv(full)
+    if getattr(cfg, "layer_types", None) is None:   # every layer slides
+        return conv(full & keep)
+    out = {FULL: conv(full)}
+    if window is not None:
+        out[SLIDING] = conv(full & keep)
+    if linear_ids:
+        out[LINEAR] = linear
+    return out
+
+
 @contextmanager
 def decode_attention(cfg, kernel: str, row_start: torch.Tensor, last: torch.Tensor):
     """While active, the target whose config is `cfg` attends through the decode attention with `kernel`

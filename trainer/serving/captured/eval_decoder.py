@@ -13,10 +13,9 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from trainer.model.families import LINEAR
 from trainer.model.hybrid import check_hybrid_transformers
 from trainer.model.target import decoder
-from trainer.serving.captured.attention import register_attention, verify_attention
+from trainer.serving.captured.attention import layer_masks, register_attention, sliding_window, verify_attention
 from trainer.serving.captured.kv_cache import PAD_TO, RowKV
 from trainer.serving.captured.linear_states import (
     LinearStates,
@@ -69,6 +68,7 @@ class BatchedSpecDecoder:
         if why:
             raise ValueError(f"the batched loop cannot run this target: {why}")
         self.linear_ids = linear_layer_ids(self.cfg)
+        self.window = sliding_window(self.cfg)   # sliding layers: attention.layer_masks
         self.capacity = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -120,9 +120,10 @@ class BatchedSpecDecoder:
         tc = self.tcache
         pos = self.start[:, None] + self.slot[None]                       # [R, B] the block's positions
         tc.rows, tc.view, tc.wpos = None, view, pos
-        mask = self.kv_pos[None, None, None, :view] <= pos[:, None, :, None]
+        keys, queries = self.kv_pos[None, None, None, :view], pos[:, None, :, None]
+        keep = keys > queries - self.window if self.window is not None else None
+        mask = layer_masks(self.cfg, keys <= queries, keep, self.linear_ids)
         if tc.linear is not None:   # a hybrid: record the block, commit each row's accepted prefix below
-            mask = {"full_attention": mask, LINEAR: None}
             tc.linear.defer = True
         # a missing draft (-1) runs as token 0 and is rejected by the comparison below
         out = self.base(input_ids=self.tokens.clamp_min(0), position_ids=pos, attention_mask=mask, use_cache=True,
@@ -199,15 +200,16 @@ class BatchedSpecDecoder:
             # target prefill, right padded, in row chunks; first token and taps of each row
             chunk = max(1, self.prefill_tokens // width)
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()[None, None]
+            ar = torch.arange(width, device=dev)
+            keep = (ar[None, :] > ar[:, None] - self.window) if self.window is not None else None
             pos = torch.arange(width, device=dev)[None]
             first = torch.empty(r, dtype=torch.long, device=dev)
             taps = []
             for r0 in range(0, r, chunk):
                 r1 = min(r, r0 + chunk)
                 tc.rows = slice(r0, r1)
-                mask = causal.expand(r1 - r0, -1, -1, -1)
+                mask = layer_masks(self.cfg, causal.expand(r1 - r0, -1, -1, -1), keep, self.linear_ids)
                 if tc.linear is not None:   # a hybrid: each row's states after its own prompt, not the padding
-                    mask = {"full_attention": mask, LINEAR: None}
                     tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(r0, r1), True, last[r0:r1] + 1
                 o = self.base(input_ids=ids[r0:r1], position_ids=pos.expand(r1 - r0, -1),
                               attention_mask=mask, use_cache=True,

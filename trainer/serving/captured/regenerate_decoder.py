@@ -43,10 +43,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from trainer.model.families import LINEAR
 from trainer.model.hybrid import check_hybrid_transformers
 from trainer.model.target import decoder
-from trainer.serving.captured.attention import DECODE_KERNELS, decode_attention, register_attention
+from trainer.serving.captured.attention import (
+    DECODE_KERNELS,
+    decode_attention,
+    layer_masks,
+    register_attention,
+    sliding_window,
+)
 from trainer.serving.captured.fused_ops import fused_small_ops
 from trainer.serving.captured.kv_cache import PAD_TO, KVCache
 from trainer.serving.captured.linear_states import (
@@ -159,6 +164,9 @@ class GraphDecoder:
         if why:
             raise ValueError(f"the captured decoder cannot run this target: {why}")
         self.linear_ids = linear_layer_ids(self.cfg)
+        # a target whose layers slide (Mistral/Gemma-style, or Qwen3 with use_sliding_window): those layers see
+        # the last `window` positions only (attention.layer_masks), as `generate` runs them
+        self.window = sliding_window(self.cfg)
         self.state_inplace, self.state_dtype, self.recurrent_tile = (opts.state_inplace, opts.state_dtype,
                                                                      opts.recurrent_tile)
         self.cache: KVCache | None = None
@@ -231,10 +239,13 @@ class GraphDecoder:
         cache.view, cache.prefill, cache.rows = view, False, slice(None)
         self.mask.index_fill_(1, cache.slot, True)
         mask = self.mask[:, None, None, :view]
-        if self.float_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        if self.linear_ids:   # a hybrid: the mask of its attention layers; a decode step has no padding
-            mask = {"full_attention": mask, LINEAR: None}
+        keep = None
+        if self.window is not None:   # slots and positions differ by each row's padding alone
+            keep = torch.arange(view, device=self.device) > cache.slot - self.window
+        additive = (lambda m: torch.zeros(m.shape, dtype=self.dtype, device=self.device)   # noqa: E731
+                    .masked_fill_(~m, float("-inf"))) if self.float_mask else None
+        # a hybrid: the mask of its attention layers (a decode step has no padding for its linear layers)
+        mask = layer_masks(self.cfg, mask, keep, self.linear_ids, None, additive)
         h = self.base(input_ids=self.tok[:, None], position_ids=self.pos[:, None],
                       attention_mask=mask, use_cache=True,
                       **{self.cache_kw: cache}).last_hidden_state
@@ -315,6 +326,9 @@ class GraphDecoder:
             chunk = max(1, self.prefill_tokens // width)
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
             eye = torch.eye(width, dtype=torch.bool, device=dev)
+            if self.window is not None:   # key slot > query slot - W
+                ar = torch.arange(width, device=dev)
+                window = ar[None, :] > ar[:, None] - self.window
             last = torch.empty((b, self.head.weight.shape[0]), dtype=torch.float32, device=dev)
             cache.prefill = True
             for r0 in range(0, b, chunk):
@@ -322,10 +336,10 @@ class GraphDecoder:
                 c0 = width - -(-max(lens[r0:r1]) // PAD_TO) * PAD_TO if self.prefill_trim else 0
                 m = (causal[None, c0:, c0:] & self.mask[r0:r1, None, c0:width]) | eye[c0:, c0:]   # a padding row sees itself
                 cache.rows, cache.offset = slice(r0, r1), c0
-                mask = m[:, None]
                 if cache.linear is not None:   # a hybrid: its linear layers zero the left padding's inputs
                     cache.linear.rows, cache.linear.fresh = slice(r0, r1), True
-                    mask = {"full_attention": mask, LINEAR: self.mask[r0:r1, c0:width]}
+                keep = window[c0:, c0:] if self.window is not None else None
+                mask = layer_masks(self.cfg, m[:, None], keep, self.linear_ids, self.mask[r0:r1, c0:width])
                 h = self.base(input_ids=ids[r0:r1, c0:], position_ids=pos[r0:r1, c0:], attention_mask=mask,
                               use_cache=True, **{self.cache_kw: cache}).last_hidden_state
                 last[r0:r1] = self.head(h[:, -1]).float()

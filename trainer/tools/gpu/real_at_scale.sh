@@ -36,8 +36,8 @@ a)
     T=$S/tiny; rm -rf "$T"
     python3 -m trainer.tools.tiny --arch llama "$T" >/dev/null && for arch in dflash dflash2; do
         python3 -m trainer --target-model "$T/target" --data-dir "$T/data" --output-dir "$T/run-$arch" \
-            --target-gpus 0 --drafter-gpus 0 --arch "$arch" --max-steps 30 --block-size 8 --max-anchors 16 \
-            --token-budget 2048 --max-seq-len 512 --save-interval 30 --epochs 100 --compile none > "$T/train-$arch.log" 2>&1 \
+            --target-gpus 0 --drafter-gpus 0 --arch "$arch" --max-steps 20 --block-size 8 --max-anchors 16 \
+            --token-budget 2048 --max-seq-len 512 --save-interval 20 --epochs 100 --compile none > "$T/train-$arch.log" 2>&1 \
             || { echo "train $arch failed"; tail -5 "$T/train-$arch.log"; continue; }
         python3 -m trainer.serving.evaluate --target-model "$T/target" --output-dir "$T/run-$arch" \
             --data-dir "$T/heldout" --device cuda:0 --max-prompts 8 --max-new-tokens 48 --speed-batch 1,4 \

@@ -5,7 +5,9 @@
 - the candidate selector's greedy path equals the reference's, and at T > 0 its q over the candidates
   equals the reference's at every step of the reference's sampled path;
 - the selector's training loss equals its definition (gold injected in place of the weakest candidate,
-  teacher-forced predecessors, K-way CE) in value and gradient.
+  teacher-forced predecessors, K-way CE) in value and gradient;
+- training is bit-deterministic on the CPU with more than one intra-op thread: two runs end with the same
+  weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -188,6 +190,40 @@ def test_the_selectors_gradients_are_the_same_on_every_run_with_two_threads():
             assert all(torch.equal(a, b) for a, b in zip(first, grads()))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.slow   # two short CPU runs on the tiny target
+def test_dflash2_training_on_the_cpu_is_bit_deterministic_with_two_threads(tiny_small_dir, tmp_path):
+    """Two runs of the same DFlash2 training (world size 1, CE + D-PACE, hard labels) with OMP_NUM_THREADS=2
+    end with the same weights, bit for bit, every tensor. With the codebooks read by indexing, whose CPU
+    backward accumulates repeated rows in a thread-dependent order, most weights differed in their last bits
+    after three steps (the lookup is F.embedding now, whose backward sums each row in one order). CI runs
+    with OMP_NUM_THREADS=1, which hides such an op, so each run is its own process with the variable set
+    (torch.set_num_threads in the test's own process did not bring the old failure back)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import safetensors.torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import losses, tiny_args
+
+    weights, curves = [], []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        r = subprocess.run([sys.executable, "-m", "trainer", *tiny_args(
+            tiny_small_dir, out, "--max-steps", "3", "--save-interval", "3", "--arch", "dflash2", "--loss",
+            "ce+dpace", "--no-use-soft-labels")], env=dict(os.environ, OMP_NUM_THREADS="2"),
+            capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        curves.append(losses(out))
+        weights.append(safetensors.torch.load_file(str(sorted(out.glob("step-*"))[-1] / "model.safetensors")))
+    a, b = weights
+    assert a.keys() == b.keys() and a["layers.0.attention_conv.base_kernel"].dtype == torch.float32
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert curves[0] == curves[1]
 
 
 @pytest.mark.parametrize("soft", [False, True])

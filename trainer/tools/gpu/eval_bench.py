@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402

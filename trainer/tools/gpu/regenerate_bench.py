@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
-from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.serving.regenerate import TargetGenerator  # noqa: E402
 from trainer.tools.bench import results_file  # noqa: E402
 from trainer.tools.bench_profile import kernel_profile  # noqa: E402

@@ -166,3 +166,14 @@ def test_the_package_build_ships_every_wing():
     # and every room inside a wing that is a package of its own (serving/captured/)
     on_disk = {".".join(p.parent.relative_to(TRAINER.parent).parts) for p in TRAINER.rglob("__init__.py")}
     assert found == on_disk, sorted(on_disk ^ found)
+
+
+def test_code_says_why_not_which_ticket():
+    """A comment or docstring in trainer/ gives the reason, not an issue number ("issue 29" means nothing to
+    the next maintainer; the commit body is where a ticket belongs). A peer's pull request cited as a source
+    (speculators' #980) is a citation, not a ticket of ours, and stays."""
+    import re
+    ticket = re.compile(r"\b[Ii]ssues? \d+")
+    bad = [f"{p.relative_to(TRAINER.parent)}:{i}" for p in sorted(TRAINER.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if ticket.search(line)]
+    assert not bad, bad

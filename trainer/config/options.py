@@ -51,8 +51,8 @@ CONTRACT_CHOICES = ("auto", "none")
 
 class ConfigError(ValueError):
     """Bad input; the message starts with the flag or file it is about. `leave_output`: the refusal leaves
-    the output dir as it is, status.json included (a resume onto another target: issue 30's contract);
-    other refusals at start say why in an existing status.json (__main__.record_bad_input)."""
+    the output dir as it is, status.json included (a resume onto another target must not touch the run it
+    would resume); other refusals at start say why in an existing status.json (__main__.record_bad_input)."""
 
     def __init__(self, message: str, *, leave_output: bool = False):
         super().__init__(message)
@@ -579,10 +579,11 @@ def parse_kernel_options(text: str) -> dict:
 
 
 def split_blocks(cfg) -> int:
-    """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's; issue 29): 0 one FlexAttention over the
-    whole mask, 1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp,
-    2 the same with the in-block part and the merge as drafter.BlockMerge. ConfigError names the flag for a
-    value or a combination that cannot train right. Read by validate_flags and by drafter_stage.build_drafter."""
+    """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's: the in-block part as a small dense
+    attention, without FlexAttention's mask work on its tiles): 0 one FlexAttention over the whole mask,
+    1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp, 2 the same
+    with the in-block part and the merge as drafter.BlockMerge. ConfigError names the flag for a value or a
+    combination that cannot train right. Read by validate_flags and by drafter_stage.build_drafter."""
     split = parse_kernel_options(cfg.flex_kernel_options).get("SPLIT_BLOCKS", 0)
     if split not in (0, 1, 2):   # True == 1, False == 0
         raise ConfigError(f"--flex-kernel-options: SPLIT_BLOCKS must be true, false, 0, 1 or 2, got {split}")

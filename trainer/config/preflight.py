@@ -32,7 +32,7 @@ from trainer.model.families import family_for, slow_linear_attention_message
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
     """A hybrid target (Gated DeltaNet layers) on GPUs needs its family's required kernel packages
     (flash-linear-attention: trainer/model/families.py): without them transformers runs its torch fallback,
-    slower, and out of GPU memory where every hidden state is kept (issue 39). Cheap: the package is looked
+    slower, and out of GPU memory where every hidden state is kept. Cheap: the package is looked
     up, not imported (the target rank checks what transformers
     really resolved when it loads the model: trainer/model/target.py)."""
     family = family_for(target_config)

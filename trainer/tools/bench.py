@@ -73,12 +73,12 @@ VARIANTS = {
     "flash": {"sdpa_backend": "flash"},
     "world": {"transport": "world"},
     "pad1": {"pad_multiple": 1},   # each batch padded to its exact longest length (the old behaviour)
-    # issue 15: each drafter change off alone, and all of them ("old": the drafter work as before)
+    # each drafter speed-up off alone, and all of them ("old": the drafter stage before them), to credit each
     "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
     "ctxcopy": {"flex_ctx_group": 16},       # context copies per 16 query tiles (the default at 19ee62b)
-    # issue 29: FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
+    # FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
     # by log-sum-exp (our key of --flex-kernel-options; combine with fk* variants by hand)
     "split": {"flex_kernel_options": "SPLIT_BLOCKS=true"},
     # the same, block part + merge with their own backward; refused with the drafter's layers compiled (wrong
@@ -529,7 +529,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
 
 def bench_serving(shape: str, device: torch.device, factory, prompts: int, prompt_len: int, max_new_tokens: int,
                   batch_sizes: list[int]) -> dict:
-    """Issue 12's GPU figures on a random-init target of `shape`: the generation-loop eval (dflash-eval's
+    """The serving-side GPU figures on a random-init target of `shape`: the generation-loop eval (dflash-eval's
     loop, one prompt at a time as serving verifies it) in verify steps/s, and regeneration
     (dflash-regenerate's batched greedy `generate`) in generated tokens/s per batch size. Random weights:
     acceptance is about 1 token per verify step, so verify steps/s is the loop's cost per step."""

@@ -45,7 +45,8 @@ def model_flops_target(lengths, shape: str, layers_run: int) -> float:
 
 
 def model_flops_drafter_before(plan, dcfg, soft: bool) -> float:
-    """The count the results before issue 15 used (for comparison only): fc 3x, the LM head on every
+    """The count the older results used, before attention counted visible pairs only (for comparing
+    with them): fc 3x, the LM head on every
     block row 2x, the soft-label logits once per block row."""
     h, vocab, k = dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids)
     rows = sum(len(c.q_seq) for c in plan.chunks)

@@ -1,4 +1,5 @@
-"""docs/contracts.md's tables of facts the code holds, rendered from the code so they cannot go stale (issue 42).
+"""docs/contracts.md's tables of facts the code holds, rendered from the code so they cannot go
+stale.
 
 * status fields: what status.json reports, from trainer/status/schema.py's ``STATUS_SCHEMA``;
 * dflash-train flags: every flag of the trainer's command line, from ``TrainConfig``'s fields through the

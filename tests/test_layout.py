@@ -5,6 +5,7 @@ imports (every `import`, at module level or inside a function):
   tools, so what a serving user runs cannot grow a dependency on the training job;
 - no import circle between modules, and no pair of wings importing each other;
 - the model wing stands on ops and the top floor alone (no flags, no process groups, no stage);
+- the status wing (status.json, sd_notify, dflash-status) stands on the top floor alone, one job per module;
 - the top floor holds only the entry points and the few facts every wing shares.
 """
 
@@ -14,8 +15,8 @@ import ast
 from pathlib import Path
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
-WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "tools"}
-TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "status"}
+WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "status", "tools"}
+TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "procs"}
 
 
 def modules() -> dict[str, Path]:
@@ -114,11 +115,12 @@ def wing_edges() -> dict[tuple[str, str], set[tuple[str, str]]]:
 
 
 def test_no_pair_of_wings_imports_each_other():
-    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops.
+    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops,
+    status.
     No arrow runs back up (issue 55: the last one, model -> config for the --draft-layer-types rule and the
     slow-kernel message, went when those facts moved into the model wing)."""
     edges = wing_edges()
-    # the top floor (entry points, and status/errors/fsutil/optional that every wing may use) is not a wing
+    # the top floor (entry points, and errors/fsutil/optional/procs that every wing may use) is not a wing
     both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b and "top" not in (a, b))
     assert both == [], {p: (edges[p], edges[p[::-1]]) for p in both}
 
@@ -134,6 +136,23 @@ def test_the_model_wing_stands_on_ops_and_the_top_floor_alone():
     assert not bad, bad
 
 
+def test_the_status_wing_stands_on_the_top_floor_alone_one_job_per_module():
+    """status/ is imported by every wing that reports (engine, distributed, config, the entry points), so it
+    imports none of them; and its modules keep one job each: the schema and the notify protocol import no
+    other room, the writer no health or CLI, and nothing but the CLI's own entry points imports the CLI
+    (the checkpoint format once imported the CLI module for pid_alive)."""
+    g = graph()
+    bad = sorted((a, b) for (a, b), pairs in wing_edges().items() if a == "status" and b != "top")
+    assert not bad, bad
+    rooms = {m: {d for d in deps if d.startswith("trainer.status.")} for m, deps in g.items()
+             if m.startswith("trainer.status.")}
+    assert rooms["trainer.status.schema"] == rooms["trainer.status.notify"] == set()
+    assert rooms["trainer.status.writer"] <= {"trainer.status.schema", "trainer.status.notify"}
+    users = sorted(m for m, deps in g.items() if "trainer.status.cli" in deps)
+    assert users == ["trainer.status.__main__"], users
+    assert '_run("trainer.status.cli"' in (TRAINER / "cli.py").read_text()   # the console script, by name
+
+
 def test_the_package_build_ships_every_wing():
     """pyproject's package discovery finds every subpackage (`packages = ["trainer"]` shipped the top floor
     alone, and the role's install of the trainer in the container would have lost the wings), a package
@@ -147,3 +166,14 @@ def test_the_package_build_ships_every_wing():
     # and every room inside a wing that is a package of its own (serving/captured/)
     on_disk = {".".join(p.parent.relative_to(TRAINER.parent).parts) for p in TRAINER.rglob("__init__.py")}
     assert found == on_disk, sorted(on_disk ^ found)
+
+
+def test_code_says_why_not_which_ticket():
+    """A comment or docstring in trainer/ gives the reason, not an issue number ("issue 29" means nothing to
+    the next maintainer; the commit body is where a ticket belongs). A peer's pull request cited as a source
+    (speculators' #980) is a citation, not a ticket of ours, and stays."""
+    import re
+    ticket = re.compile(r"\b[Ii]ssues? \d+")
+    bad = [f"{p.relative_to(TRAINER.parent)}:{i}" for p in sorted(TRAINER.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if ticket.search(line)]
+    assert not bad, bad

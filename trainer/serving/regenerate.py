@@ -170,7 +170,7 @@ class TargetGenerator:
         if decoder not in DECODERS:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
         if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
-            from trainer.model.hybrid import check_hybrid_transformers
+            from trainer.model.families import check_hybrid_transformers
             from trainer.serving.captured.linear_states import hybrid_unsupported
             check_hybrid_transformers(self.model)   # a transformers too old for it: no fallback, one line
             from trainer.model.target import decoder as decoder_stack
@@ -420,7 +420,7 @@ def resolve_switches(cfg: RegenerateConfig, devs: list[str], target_config: dict
     static_cache = gpus if cfg.static_cache == "auto" else cfg.static_cache == "on"
     decoder = ("captured" if gpus else "generate") if cfg.decoder == "auto" else cfg.decoder
     if decoder == "captured":   # a hybrid on a transformers older than our cache API: one line, nothing loaded
-        from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers
         try:
             check_hybrid_transformers(target_config, f"--target-model {target}")
         except HybridTransformersTooOld as e:

@@ -70,7 +70,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("dflash", "DFlashDraftModel", auto_map="modeling_dflash.DFlashDraftModel"),
     # DFlash2 (z-lab's DFlash2 release; trainer/model/dflash2.py): a grouped dynamic convolution inside each
     # block around every sublayer, and a candidate selector; the reference class, SGLang and vLLM hold the
-    # class, so no auto_map. Its eval walks the selector's path one prompt at a time.
+    # class, so no auto_map. Its eval walks the selector's path per row in the batched loop (the proposer's
+    # batched twin, dflash2_eval.DFlash2CachedModel) and verifies against the selector's q in its own single loop.
     Architecture("dflash2", "DFlash2DraftModel",
                  summary="a two-tap grouped dynamic convolution inside each block around every sublayer, and a "
                          "top-16 candidate selector trained beside the LM-head loss; the public checkpoint's sizes",
@@ -78,7 +79,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                               "selector_top_k": 16},
                  check="trainer.model.dflash2.check_config", sublayer_conv=True, loss_terms=("lm_head", "selector"),
                  proposer="trainer.serving.dflash2_eval.DFlash2Proposer",
-                 generate="trainer.serving.dflash2_eval.dflash2_generate", eval_loops=("single",)),
+                 generate="trainer.serving.dflash2_eval.dflash2_generate"),
 )}
 # --arch's default
 DEFAULT = "dflash"

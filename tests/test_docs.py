@@ -121,7 +121,8 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
 # runs (its flags are those of their day), so it is left out.
 CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
 CLIS = ("trainer.tools.bench", "trainer.serving.evaluate", "trainer.serving.regenerate", "trainer.serving.export", "trainer.data.prepare",
-        "trainer.tools.tiny", "trainer.status.cli", "trainer.tools.streamcheck_cli")
+        "trainer.tools.tiny", "trainer.status.cli", "trainer.tools.streamcheck_cli",
+        "trainer.tools.opreplay")
 VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
 
 

@@ -177,3 +177,60 @@ def test_code_says_why_not_which_ticket():
     bad = [f"{p.relative_to(TRAINER.parent)}:{i}" for p in sorted(TRAINER.rglob("*.py"))
            for i, line in enumerate(p.read_text().splitlines(), 1) if ticket.search(line)]
     assert not bad, bad
+
+
+# Guards for what has held. A module over 800 lines has more than one job; a function that keeps growing
+# (streamcheck.simulate went 134, 176, 194 lines over three rounds) wants its steps named. Today's longest
+# and widest are listed at their size: each may shrink, none may grow, and a new one stays under the ceiling.
+MODULE_LINES = 800
+FUNCTION_LINES = 100
+FUNCTION_PARAMS = 12
+LONG_FUNCTIONS = {   # module stem.qualified name: its lines today
+    "streamcheck.simulate": 194, "regenerate_bench.main": 185, "regenerate.regenerate": 150,
+    "regenerate_bench.attention_check": 142, "oprecord.install": 134, "plan.plan_micro_batch": 126,
+    "eval_bench.main": 126, "fp8_parity.main": 125, "bench.main": 111, "launch.launch": 101,
+}
+WIDE_FUNCTIONS = {   # module stem.qualified name: its parameters today (self and cls not counted)
+    "decode_attn._decode_attention_split_kv": 36,   # a Triton kernel: every stride is a parameter
+    "regenerate_decoder.GraphDecoder.__init__": 21, "plan.plan_micro_batch": 19, "loss.dflash_loss": 14,
+    "evaluate.evaluate_checkpoint": 14, "evaluate.evaluate_state": 14, "evaluate.evaluate": 13, "options.opt": 13,
+}
+
+
+def functions() -> dict[str, tuple[int, int]]:
+    """'module stem.qualified name' -> (lines, parameters) of every function in trainer/ (the stem, not the
+    path: a move between wings keeps the key)."""
+    out = {}
+    for path in TRAINER.rglob("*.py"):
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = f"{prefix}.{child.name}"
+                    if not isinstance(child, ast.ClassDef):
+                        a = child.args
+                        params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                        if params and params[0].arg in ("self", "cls"):
+                            params = params[1:]
+                        key = name if name not in out else f"{path.relative_to(TRAINER)}:{name}"
+                        out[key] = (child.end_lineno - child.lineno + 1, len(params))
+                    visit(child, name)
+                else:   # under an `if` or `try` (a kernel defined only where Triton imports)
+                    visit(child, prefix)
+        visit(ast.parse(path.read_text()), path.stem)
+    return out
+
+
+def test_no_module_is_over_800_lines():
+    big = {str(p.relative_to(TRAINER.parent)): n for p in TRAINER.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MODULE_LINES}
+    assert not big, f"modules over {MODULE_LINES} lines (split them by job): {big}"
+
+
+def test_the_longest_and_widest_functions_do_not_grow():
+    fns = functions()
+    for listed, ceiling, what in ((LONG_FUNCTIONS, FUNCTION_LINES, 0), (WIDE_FUNCTIONS, FUNCTION_PARAMS, 1)):
+        gone = sorted(set(listed) - set(fns))
+        assert not gone, f"listed but not found (renamed? update the list): {gone}"
+        over = {k: v[what] for k, v in fns.items() if v[what] > listed.get(k, ceiling)}
+        assert not over, (f"{'lines' if what == 0 else 'parameters'} over the ceiling ({ceiling}; a listed "
+                          f"function: its size today): {over}")

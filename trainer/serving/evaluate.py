@@ -328,13 +328,13 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
                         max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                         temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
                         out_dir: str | None = None, loop: str = "auto", batch_size: int = EVAL_BATCH,
-                        graphs: bool | None = None, speed_batches: list[int] | None = None) -> dict:
+                        graphs: bool | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
     loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
     "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
     `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too).
-    `speed_batches` (greedy only): also the wall-clock table and lossless check under "speed" (speed_section)."""
+    The wall-clock table and lossless check are speed_section's (dflash-eval adds them under "speed")."""
     from trainer.data.dataset import load_dataset
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -344,13 +344,8 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     check_drafter_on_target(src, target_model if target is None else target.config.to_dict())
     if target is None:
         target = load_target(target_model, dev, dtype)
-    dataset = load_dataset(eval_data)
-    res = evaluate_state(cfg, state, target, dataset, dev, dtype, max_prompts, max_new_tokens,
+    res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
                          temperature, seed, with_block_accuracy, loop, batch_size, graphs)
-    speed = (speed_section(target, hf_drafter(cfg, state, dev, dtype), cfg, dataset, max_prompts, max_new_tokens,
-                           speed_batches, graphs=graphs) if speed_batches and temperature <= 0 else None)
-    if speed is not None:
-        res["speed"] = speed
     from trainer.model.checkpoint_format import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)

@@ -195,10 +195,9 @@ class TargetGenerator:
         from trainer.serving.captured.regenerate_decoder import DecoderOptions, GraphDecoder
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
+            opts = DecoderOptions(fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8, state_inplace=True)
             self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens, self.temperature,
-                                      self.stop_ids, self.pad_id, DecoderOptions(
-                                          fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
-                                          state_inplace=True))
+                                      self.stop_ids, self.pad_id, opts)
             # state_inplace: a hybrid's recurrent states written in place by FLA's kernel (nothing changes
             # where FLA is absent or the target is dense): the same tokens as the copy on every row, and the
             # faster step (results/INDEX.md, h200-qwen3.6-27b-regenerate-step-variants)
@@ -508,7 +507,8 @@ def regenerate(
     prompts, source, num_records = load_prompts(data_dir, inputs, target, log)
     if not prompts:
         raise RegenerateError(f"{src}: no record has a prompt (tokens before its first supervised one)")
-    static_cache, decoder, fuse, decode_attention, kv_fp8 = resolve_switches(cfg, devs, target_config, target)
+    settings = GenerationSettings(max_new_tokens, temperature, batch_size,
+                                  *resolve_switches(cfg, devs, target_config, target))
     if num_records > len(prompts):
         log(f"{PROG}: {src}: {num_records - len(prompts)} of {num_records} records have no prompt "
             "(supervised from their first token), skipped")
@@ -523,10 +523,10 @@ def regenerate(
         "seed": int(seed),
         "batch_size": int(batch_size),
         "shard_size": int(shard_size),
-        "static_cache": bool(static_cache),
-        "decoder": decoder,
+        "static_cache": bool(settings.static_cache),
+        "decoder": settings.decoder,
     }
-    if kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
+    if settings.kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
         config["kv_cache"] = "fp8"
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
@@ -552,8 +552,6 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        settings = GenerationSettings(max_new_tokens, temperature, batch_size, static_cache, decoder=decoder,
-                                      fuse=fuse, decode_attention=decode_attention, kv_fp8=kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 

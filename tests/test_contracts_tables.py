@@ -1,5 +1,5 @@
 """docs/contracts.md says what status.json reports and which flags dflash-train takes, as the code has them
-(issue 42): its generated tables are what trainer/tools/contracts_tables.py renders from trainer/status.py's
+(issue 42): its generated tables are what trainer/tools/contracts_tables.py renders from trainer/status/schema.py's
 STATUS_SCHEMA and TrainConfig's options, and a status key written but not declared fails."""
 
 import dataclasses

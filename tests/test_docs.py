@@ -121,7 +121,8 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
 # runs (its flags are those of their day), so it is left out.
 CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
 CLIS = ("trainer.tools.bench", "trainer.serving.evaluate", "trainer.serving.regenerate", "trainer.serving.export", "trainer.data.prepare",
-        "trainer.tools.tiny", "trainer.status", "trainer.tools.streamcheck_cli")
+        "trainer.tools.tiny", "trainer.status.cli", "trainer.tools.streamcheck_cli",
+        "trainer.tools.opreplay")
 VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
 
 
@@ -397,3 +398,23 @@ def test_the_python_name_check_catches_stale_names():
             "config.layer_types", "dist.send", "status.json", "train_state.py", "flex_decoding.py",
             "trainer.checkpoint")
     assert _stale_python_names(" ".join(f"`{n}`," for n in fine)) == []
+
+
+def test_the_performance_archive_index_links_every_section():
+    """docs/performance-archive.md opens with an index by topic and date: each link names a section the
+    notebook has (GitHub's heading anchors), and each top-level section is linked from a row, so that a
+    section appended at the end gets its row too."""
+    text = (REPO / "docs" / "performance-archive.md").read_text()
+    body, fenced = [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and line.startswith("## ") and line != "## " + INDEX_HEADING:
+            body.append(line[3:])
+    slug = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-"): h for h in body}
+    index = text.split("## " + INDEX_HEADING, 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\]\(#([^)]+)\)", index)
+    assert sorted(set(links) - set(slug)) == [], "index links to no section"
+    assert sorted(slug[s] for s in set(slug) - set(links)) == [], "sections without a row in the index"
+
+
+INDEX_HEADING = "Index (by topic; the dates are those of the sections' runs and writing)"

@@ -95,3 +95,29 @@ def test_evaluate_runs_dflash2_in_the_batched_loop_with_the_single_loops_tau(tar
     for key in ("tau", "verify_steps", "new_tokens", "accept_length_histogram"):
         assert runs["single"][key] == runs["batched"][key], key
     assert (runs["single"]["loop"], runs["batched"]["loop"]) == ("single", "batched")
+
+
+def test_the_loops_an_architecture_runs_in_come_from_its_entry(target, drafter, tiny_small_dir, tmp_path, capsys,
+                                                               monkeypatch):
+    """dflash-eval asks the architecture table (trainer/model/architectures.py) which loops a drafter runs in: an
+    entry without the batched loop gets --loop batched (and the speed table, which times it) refused in one
+    line, and evaluate() refuses it too."""
+    import dataclasses
+
+    from trainer.model import architectures
+    from trainer.model.checkpoint_format import CheckpointManager
+    from trainer.serving.evaluate import main as eval_main
+    cfg, model = drafter
+    CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg.to_dict(), {})
+    monkeypatch.setitem(architectures.ARCHITECTURES, "dflash2",
+                        dataclasses.replace(architectures.ARCHITECTURES["dflash2"], eval_loops=("single",)))
+    args = ["--target-model", str(tiny_small_dir / "target"), "--checkpoint", str(tmp_path / "run"), "--data-dir",
+            str(tiny_small_dir / "heldout"), "--device", "cpu"]
+    for extra, needle in ((["--loop", "batched"], "--loop batched: a dflash2 drafter runs in the single loop"),
+                          ([], "--speed-batch: a dflash2 drafter has no batched loop to time")):
+        assert eval_main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+    with pytest.raises(ValueError, match="a dflash2 drafter runs in the single loop"):
+        evaluate(target, DFlash2Proposer(model), cfg, load_dataset(tiny_small_dir / "heldout"), torch.device("cpu"),
+                 max_prompts=1, max_new_tokens=4, loop="batched")

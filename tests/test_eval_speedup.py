@@ -179,13 +179,11 @@ def test_prompt_lookup_in_the_batched_loop_is_lossless_and_accepts_a_repeated_sp
     assert accepted >= max_new // 2, accepted         # the repeated span is found and accepted
 
 
-def test_evaluate_checkpoint_gives_the_speed_section_when_asked(target, tiny_small_dir, checkpoint, tmp_path):
-    from trainer.serving.evaluate import evaluate_checkpoint
-    kw = dict(device="cpu", max_prompts=2, max_new_tokens=8, with_block_accuracy=False, target=target)
-    res = evaluate_checkpoint(str(checkpoint), str(tiny_small_dir / "target"), str(tiny_small_dir / "heldout"),
-                              speed_batches=[2], out_dir=str(tmp_path), **kw)
-    assert res["speed"]["lossless"]["ok"] and [r["drafter"] for r in res["speed"]["rows"]] == ["target", "dflash",
-                                                                                             "ngram"]
-    assert json.loads((tmp_path / "eval.json").read_text())["speed"] == res["speed"]
-    assert "speed" not in evaluate_checkpoint(str(checkpoint), str(tiny_small_dir / "target"),
-                                              str(tiny_small_dir / "heldout"), **kw)
+def test_speed_section_is_the_library_entry_of_the_table(target, tiny_small_dir, checkpoint):
+    from trainer.serving.evaluate import hf_drafter, speed_section
+    from trainer.serving.export import read_checkpoint
+    cfg, state, _ = read_checkpoint(str(checkpoint))
+    speed = speed_section(target, hf_drafter(cfg, state, "cpu", torch.float32), cfg,
+                          load_dataset(tiny_small_dir / "heldout"), 2, 8, [2], ngram=(2, 2, 1))
+    assert speed["lossless"]["ok"] and [r["drafter"] for r in speed["rows"]] == ["target", "dflash", "ngram"]
+    assert speed["ngram"] == {"max_n": 2, "min_n": 2, "k": 1}

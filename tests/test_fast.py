@@ -296,8 +296,8 @@ def test_a_recompile_on_any_rank_is_counted_in_status_json(tmp_path, monkeypatch
     from trainer.distributed.groups import StopVote
     from trainer.distributed.topology import LocalRole, Topology
     from trainer.engine.report import Reporter
-    from trainer.status import main as status_main
     from trainer.status import read_status
+    from trainer.status.cli import main as status_main
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     cfg = parse_args(["--target-model", "t", "--data-dir", "d", "--output-dir", str(tmp_path), "--target-gpus", "cpu",
                       "--drafter-gpus", "cpu"])

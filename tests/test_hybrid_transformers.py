@@ -1,4 +1,4 @@
-"""A hybrid target on a transformers older than our cache API stops in one line (trainer/model/hybrid.py).
+"""A hybrid target on a transformers older than our cache API stops in one line (trainer/model/families.py: check_hybrid_transformers).
 
 The H200 run of trainer/tools/gpu/regenerate_bench.py --shape qwen3.6-27b on transformers 5.17 failed in every
 variant with `AttributeError: '_KVCache' object has no attribute 'has_previous_state'`: 5.17's Gated
@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.model import families, hybrid
+from trainer.model import families
 
 OLD = "5.17.0"
 
 
 @pytest.fixture
 def old(monkeypatch):
-    monkeypatch.setattr(hybrid, "installed_transformers", lambda: OLD)
+    monkeypatch.setattr(families, "installed_transformers", lambda: OLD)
 
 
 def one_line(err: str) -> str:
@@ -89,14 +89,14 @@ def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybr
                   lambda: BatchedSpecDecoder(model, drafter, "cpu", 2, 4, []),
                   lambda: generate_each(model, drafter, [[1, 2, 3]], 4),
                   lambda: TargetGenerator(model, "cpu", 4, 0.0, 2, decoder="captured")):
-        with pytest.raises(hybrid.HybridTransformersTooOld) as e:
+        with pytest.raises(families.HybridTransformersTooOld) as e:
             build()
         assert needs(str(e.value)) and "\n" not in str(e.value) and isinstance(e.value, ValueError)
     assert TargetGenerator(model, "cpu", 4, 0.0, 2, decoder="generate").decoder == "generate"
-    with pytest.raises(hybrid.HybridTransformersTooOld):   # config.json's form: layer_types under text_config
-        hybrid.check_hybrid_transformers(model.config.to_dict())
+    with pytest.raises(families.HybridTransformersTooOld):   # config.json's form: layer_types under text_config
+        families.check_hybrid_transformers(model.config.to_dict())
     from trainer.config.preflight import check_model_dir
-    hybrid.check_hybrid_transformers(check_model_dir(str(tiny_small_dir / "target")))   # dense: nothing
+    families.check_hybrid_transformers(check_model_dir(str(tiny_small_dir / "target")))   # dense: nothing
 
 
 def test_the_gpu_scripts_stop_before_building_a_hybrid_target(old, capsys, monkeypatch):
@@ -115,6 +115,6 @@ def test_the_gpu_scripts_stop_before_building_a_hybrid_target(old, capsys, monke
 
 
 def test_the_release_comparison_and_the_installed_transformers_pass():
-    assert hybrid._release("5.25.0.dev0") == (5, 25, 0) and hybrid._release("5.24.9") < hybrid._release("5.25")
-    assert hybrid._release("5.25.0rc1") >= hybrid._release(families.HYBRID_TRANSFORMERS)
-    hybrid.check_hybrid_transformers(True)   # this venv's transformers (pyproject's floor) is new enough
+    assert families.release("5.25.0.dev0") == (5, 25, 0) and families.release("5.24.9") < families.release("5.25")
+    assert families.release("5.25.0rc1") >= families.release(families.HYBRID_TRANSFORMERS)
+    families.check_hybrid_transformers(True)   # this venv's transformers (pyproject's floor) is new enough

@@ -5,6 +5,7 @@ imports (every `import`, at module level or inside a function):
   tools, so what a serving user runs cannot grow a dependency on the training job;
 - no import circle between modules, and no pair of wings importing each other;
 - the model wing stands on ops and the top floor alone (no flags, no process groups, no stage);
+- the status wing (status.json, sd_notify, dflash-status) stands on the top floor alone, one job per module;
 - the top floor holds only the entry points and the few facts every wing shares.
 """
 
@@ -14,8 +15,8 @@ import ast
 from pathlib import Path
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
-WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "tools"}
-TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "status"}
+WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "status", "tools"}
+TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "procs"}
 
 
 def modules() -> dict[str, Path]:
@@ -114,11 +115,12 @@ def wing_edges() -> dict[tuple[str, str], set[tuple[str, str]]]:
 
 
 def test_no_pair_of_wings_imports_each_other():
-    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops.
+    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops,
+    status.
     No arrow runs back up (issue 55: the last one, model -> config for the --draft-layer-types rule and the
     slow-kernel message, went when those facts moved into the model wing)."""
     edges = wing_edges()
-    # the top floor (entry points, and status/errors/fsutil/optional that every wing may use) is not a wing
+    # the top floor (entry points, and errors/fsutil/optional/procs that every wing may use) is not a wing
     both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b and "top" not in (a, b))
     assert both == [], {p: (edges[p], edges[p[::-1]]) for p in both}
 
@@ -134,6 +136,23 @@ def test_the_model_wing_stands_on_ops_and_the_top_floor_alone():
     assert not bad, bad
 
 
+def test_the_status_wing_stands_on_the_top_floor_alone_one_job_per_module():
+    """status/ is imported by every wing that reports (engine, distributed, config, the entry points), so it
+    imports none of them; and its modules keep one job each: the schema and the notify protocol import no
+    other room, the writer no health or CLI, and nothing but the CLI's own entry points imports the CLI
+    (the checkpoint format once imported the CLI module for pid_alive)."""
+    g = graph()
+    bad = sorted((a, b) for (a, b), pairs in wing_edges().items() if a == "status" and b != "top")
+    assert not bad, bad
+    rooms = {m: {d for d in deps if d.startswith("trainer.status.")} for m, deps in g.items()
+             if m.startswith("trainer.status.")}
+    assert rooms["trainer.status.schema"] == rooms["trainer.status.notify"] == set()
+    assert rooms["trainer.status.writer"] <= {"trainer.status.schema", "trainer.status.notify"}
+    users = sorted(m for m, deps in g.items() if "trainer.status.cli" in deps)
+    assert users == ["trainer.status.__main__"], users
+    assert '_run("trainer.status.cli"' in (TRAINER / "cli.py").read_text()   # the console script, by name
+
+
 def test_the_package_build_ships_every_wing():
     """pyproject's package discovery finds every subpackage (`packages = ["trainer"]` shipped the top floor
     alone, and the role's install of the trainer in the container would have lost the wings), a package
@@ -147,3 +166,71 @@ def test_the_package_build_ships_every_wing():
     # and every room inside a wing that is a package of its own (serving/captured/)
     on_disk = {".".join(p.parent.relative_to(TRAINER.parent).parts) for p in TRAINER.rglob("__init__.py")}
     assert found == on_disk, sorted(on_disk ^ found)
+
+
+def test_code_says_why_not_which_ticket():
+    """A comment or docstring in trainer/ gives the reason, not an issue number ("issue 29" means nothing to
+    the next maintainer; the commit body is where a ticket belongs). A peer's pull request cited as a source
+    (speculators' #980) is a citation, not a ticket of ours, and stays."""
+    import re
+    ticket = re.compile(r"\b[Ii]ssues? \d+")
+    bad = [f"{p.relative_to(TRAINER.parent)}:{i}" for p in sorted(TRAINER.rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if ticket.search(line)]
+    assert not bad, bad
+
+
+# Guards for what has held. A module over 800 lines has more than one job; a function that keeps growing
+# (streamcheck.simulate went 134, 176, 194 lines over three rounds) wants its steps named. Today's longest
+# and widest are listed at their size: each may shrink, none may grow, and a new one stays under the ceiling.
+MODULE_LINES = 800
+FUNCTION_LINES = 100
+FUNCTION_PARAMS = 12
+LONG_FUNCTIONS = {   # module stem.qualified name: its lines today
+    "streamcheck.simulate": 194, "regenerate_bench.main": 185, "regenerate.regenerate": 150,
+    "regenerate_bench.attention_check": 142, "oprecord.install": 134, "plan.plan_micro_batch": 126,
+    "eval_bench.main": 126, "fp8_parity.main": 125, "bench.main": 111, "launch.launch": 101,
+}
+WIDE_FUNCTIONS = {   # module stem.qualified name: its parameters today (self and cls not counted)
+    "decode_attn._decode_attention_split_kv": 36,   # a Triton kernel: every stride is a parameter
+    "regenerate_decoder.GraphDecoder.__init__": 21, "plan.plan_micro_batch": 19, "loss.dflash_loss": 14,
+    "evaluate.evaluate_checkpoint": 14, "evaluate.evaluate_state": 14, "evaluate.evaluate": 13, "options.opt": 13,
+}
+
+
+def functions() -> dict[str, tuple[int, int]]:
+    """'module stem.qualified name' -> (lines, parameters) of every function in trainer/ (the stem, not the
+    path: a move between wings keeps the key)."""
+    out = {}
+    for path in TRAINER.rglob("*.py"):
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = f"{prefix}.{child.name}"
+                    if not isinstance(child, ast.ClassDef):
+                        a = child.args
+                        params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                        if params and params[0].arg in ("self", "cls"):
+                            params = params[1:]
+                        key = name if name not in out else f"{path.relative_to(TRAINER)}:{name}"
+                        out[key] = (child.end_lineno - child.lineno + 1, len(params))
+                    visit(child, name)
+                else:   # under an `if` or `try` (a kernel defined only where Triton imports)
+                    visit(child, prefix)
+        visit(ast.parse(path.read_text()), path.stem)
+    return out
+
+
+def test_no_module_is_over_800_lines():
+    big = {str(p.relative_to(TRAINER.parent)): n for p in TRAINER.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MODULE_LINES}
+    assert not big, f"modules over {MODULE_LINES} lines (split them by job): {big}"
+
+
+def test_the_longest_and_widest_functions_do_not_grow():
+    fns = functions()
+    for listed, ceiling, what in ((LONG_FUNCTIONS, FUNCTION_LINES, 0), (WIDE_FUNCTIONS, FUNCTION_PARAMS, 1)):
+        gone = sorted(set(listed) - set(fns))
+        assert not gone, f"listed but not found (renamed? update the list): {gone}"
+        over = {k: v[what] for k, v in fns.items() if v[what] > listed.get(k, ceiling)}
+        assert not over, (f"{'lines' if what == 0 else 'parameters'} over the ceiling ({ceiling}; a listed "
+                          f"function: its size today): {over}")

@@ -1,4 +1,4 @@
-"""status.json writer, systemd notify protocol and the dflash-status command."""
+"""status.json writer, systemd notify protocol and the dflash-status command (the trainer/status package)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from trainer import status as st
-from trainer.status import Notifier, StatusWriter, main, sd_notify, watchdog_interval
+from trainer.status import Notifier, StatusWriter, sd_notify, watchdog_interval
+from trainer.status import cli as status_cli
+from trainer.status import notify as status_notify
+from trainer.status.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,7 +206,7 @@ def test_sd_notify_abstract_namespace(monkeypatch):
 
 
 def test_sd_notify_errors_never_raise(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(st, "_notify_error_logged", False)
+    monkeypatch.setattr(status_notify, "_notify_error_logged", False)
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens.sock"))
     assert sd_notify("READY=1") is False
     assert sd_notify("WATCHDOG=1") is False
@@ -366,8 +369,7 @@ ACTIVE = {"ActiveState": "active", "SubState": "running", "NRestarts": 0, "Resul
 
 
 def _verdict(tmp_path, capsys, monkeypatch, unit: dict, status: dict | None, *extra: str) -> tuple[int, dict]:
-    import trainer.status as ts
-    monkeypatch.setattr(ts, "unit_state", lambda name: dict(unit))
+    monkeypatch.setattr(status_cli, "unit_state", lambda name: dict(unit))
     f = tmp_path / "status.json"
     if status is None:
         f.unlink(missing_ok=True)
@@ -489,7 +491,7 @@ def test_every_key_a_writer_puts_in_status_json_is_declared():
     assert {"trainer/engine/train.py", "trainer/engine/report.py"} <= set(written), f"a status writer not found: the scan is broken ({sorted(written)})"
     assert {"phase", "error", "nan_streak", "world_size", "ranks", "eval"} <= set().union(*written.values())
     undeclared = {f: sorted(k - STATUS_KEYS) for f, k in written.items() if k - STATUS_KEYS}
-    assert not undeclared, (f"status.json keys written but not declared in trainer/status.py STATUS_SCHEMA: "
+    assert not undeclared, (f"status.json keys written but not declared in trainer/status/schema.py STATUS_SCHEMA: "
                             f"{undeclared}; declare them, then .venv/bin/python trainer/tools/contracts_tables.py --write")
 
 
@@ -521,7 +523,7 @@ def test_the_writer_refuses_an_undeclared_key_under_the_tests(tmp_path):
     p = tmp_path / "status.json"
     w = StatusWriter(p, "r")                           # strict by default under pytest
     assert w.strict
-    with pytest.raises(UndeclaredStatusField, match=r"gpu_temp not declared in trainer/status.py STATUS_SCHEMA.*"
+    with pytest.raises(UndeclaredStatusField, match=r"gpu_temp not declared in trainer/status/schema.py STATUS_SCHEMA.*"
                                                     r"trainer/tools/contracts_tables.py --write"):
         w.update(phase="training", gpu_temp=71)
     assert not p.exists() and "gpu_temp" not in w.snapshot()   # nothing merged, nothing written

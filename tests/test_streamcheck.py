@@ -217,7 +217,7 @@ from pathlib import Path  # noqa: E402
 
 from trainer.distributed.streamcheck import load_programs, window  # noqa: E402
 from trainer.tools import opreplay  # noqa: E402
-from trainer.tools.streamcheck_cli import run_plan  # noqa: E402
+from trainer.tools.opreplay import run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the two orders: what shipped before this check existed, and what ships now (the defaults)
@@ -478,7 +478,7 @@ def test_an_in_training_eval_is_recorded_whole(tmp_path):
 
 
 def test_the_rules_import_nothing_of_the_trainer():
-    """The NCCL-rules model sits at the bottom: its CLI (streamcheck_cli) is what reaches up to the loop."""
+    """The NCCL-rules model sits at the bottom: its replay (opreplay) is what reaches up to the loop."""
     import subprocess
     import sys
     code = ("import sys, trainer, trainer.distributed; before = set(sys.modules); "

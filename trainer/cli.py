@@ -17,7 +17,7 @@ def train(argv=None) -> int:
 
 
 def status(argv=None) -> int:
-    return _run("trainer.status", argv)
+    return _run("trainer.status.cli", argv)
 
 
 def prepare(argv=None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from trainer.status import pid_alive
+from trainer.procs import pid_alive
 
 
 class TrainingFailed(RuntimeError):

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.model import architectures
+
 # choices of the speed options (trainer/ops/compiling.py; the transport's in trainer/distributed/groups.py); here, torch-free
 COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
@@ -37,8 +39,8 @@ FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 NOISE_TYPES = ("uniform", "gaussian", "none")
 # --loss: the CE weighted per slot by exp(-(k-1)/gamma), or by D-PACE (trainer/ops/loss.py says how)
 LOSS_CHOICES = ("ce", "ce+dpace")
-# --arch: DFlash, or DFlash2 (trainer/model/dflash2.py: block-local convolutions and a candidate selector)
-ARCH_CHOICES = ("dflash", "dflash2")
+# --arch: the drafter architectures' table (trainer/model/architectures.py)
+ARCH_CHOICES = architectures.names()
 # the bounds of one tau evaluation (trainer/serving/evaluate.py and dflash-eval default to them too)
 EVAL_PROMPTS = 16
 EVAL_MAX_NEW_TOKENS = 128
@@ -49,8 +51,8 @@ CONTRACT_CHOICES = ("auto", "none")
 
 class ConfigError(ValueError):
     """Bad input; the message starts with the flag or file it is about. `leave_output`: the refusal leaves
-    the output dir as it is, status.json included (a resume onto another target: issue 30's contract);
-    other refusals at start say why in an existing status.json (__main__.record_bad_input)."""
+    the output dir as it is, status.json included (a resume onto another target must not touch the run it
+    would resume); other refusals at start say why in an existing status.json (__main__.record_bad_input)."""
 
     def __init__(self, message: str, *, leave_output: bool = False):
         super().__init__(message)
@@ -115,10 +117,7 @@ class TrainConfig:
                           "D-PACE from the drafter's own confidence (speculators' default since #980; needs "
                           "--no-use-soft-labels)", group=RUN, choices=LOSS_CHOICES)
     dpace_alpha: float = opt(0.5, "D-PACE's confidence smoothing (--loss ce+dpace), in (0, 1]", group=RUN, gt=0)
-    arch: str = opt("dflash", "drafter architecture: dflash, or dflash2 (a two-tap grouped dynamic convolution "
-                              "inside each block around every sublayer, and a top-16 candidate selector trained "
-                              "beside the LM-head loss; the public checkpoint's sizes)", group=RUN,
-                    choices=ARCH_CHOICES)
+    arch: str = opt(architectures.DEFAULT, architectures.help_text(), group=RUN, choices=ARCH_CHOICES)
     # ---- operations ----
     max_steps: int = opt(0, "stop after N optimizer steps (0: the epochs decide)", ge=0)
     seed: int = opt(0, "seed of the batch plan, anchors, noise and init")
@@ -580,10 +579,11 @@ def parse_kernel_options(text: str) -> dict:
 
 
 def split_blocks(cfg) -> int:
-    """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's; issue 29): 0 one FlexAttention over the
-    whole mask, 1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp,
-    2 the same with the in-block part and the merge as drafter.BlockMerge. ConfigError names the flag for a
-    value or a combination that cannot train right. Read by validate_flags and by drafter_stage.build_drafter."""
+    """--flex-kernel-options SPLIT_BLOCKS (ours, not FlexAttention's: the in-block part as a small dense
+    attention, without FlexAttention's mask work on its tiles): 0 one FlexAttention over the whole mask,
+    1 the context part through FlexAttention and the in-block part apart, merged by log-sum-exp, 2 the same
+    with the in-block part and the merge as drafter.BlockMerge. ConfigError names the flag for a value or a
+    combination that cannot train right. Read by validate_flags and by drafter_stage.build_drafter."""
     split = parse_kernel_options(cfg.flex_kernel_options).get("SPLIT_BLOCKS", 0)
     if split not in (0, 1, 2):   # True == 1, False == 0
         raise ConfigError(f"--flex-kernel-options: SPLIT_BLOCKS must be true, false, 0, 1 or 2, got {split}")

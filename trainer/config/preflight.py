@@ -26,14 +26,13 @@ from trainer.config.options import (
     validate_flags,
 )
 from trainer.model.contract import DRAFT_LAYER_TYPES
-from trainer.model.families import family_for
-from trainer.model.hybrid import slow_linear_attention_message
+from trainer.model.families import family_for, slow_linear_attention_message
 
 
 def check_linear_attention_kernels(cfg, target_config: dict) -> None:
     """A hybrid target (Gated DeltaNet layers) on GPUs needs its family's required kernel packages
     (flash-linear-attention: trainer/model/families.py): without them transformers runs its torch fallback,
-    slower, and out of GPU memory where every hidden state is kept (issue 39). Cheap: the package is looked
+    slower, and out of GPU memory where every hidden state is kept. Cheap: the package is looked
     up, not imported (the target rank checks what transformers
     really resolved when it loads the model: trainer/model/target.py)."""
     family = family_for(target_config)
@@ -58,8 +57,8 @@ def validate(cfg: TrainConfig, gpu_count: int | None = None, read_shards: bool |
     tcfg = facts["target_config"]
     if gpu_count != -1:   # the Ansible controller (-1) has not the trainer's packages: the host checks this
         check_linear_attention_kernels(cfg, tcfg)
-        if cfg.eval_data_dir:   # the in-training and final tau generate with the target (trainer/model/hybrid.py)
-            from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        if cfg.eval_data_dir:   # the in-training and final tau generate with the target (families.check_hybrid_transformers)
+            from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers
             try:
                 check_hybrid_transformers(tcfg, f"--target-model {cfg.target_model}")
             except HybridTransformersTooOld as e:

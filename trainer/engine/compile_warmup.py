@@ -116,7 +116,7 @@ LOAD_S = 1800.0
 def hybrid_target(cfg) -> bool:
     """Whether --target-model's config.json declares linear-attention layers (False when unreadable: the
     preflight names a missing or broken target)."""
-    from trainer.model.hybrid import is_hybrid
+    from trainer.model.families import is_hybrid
     if not cfg.target_model:
         return False
     try:

@@ -238,12 +238,12 @@ class DrafterStage:
                 soft = final[dev["soft_unique"]] if final is not None and "soft_unique" in dev else None
                 layout = (dev["loss_rows"], c.loss_bounds, dev.get("soft_local"))
                 dpace = cfg.dpace_alpha if cfg.loss == "ce+dpace" else None
-                top_k = self.dcfg.selector_top_k if self.dcfg.is_dflash2 else 0
+                top_k = self.dcfg.selector_top_k if self.dcfg.architecture.selector else 0
                 out = dflash_loss(hidden, self.lm_head, dev["labels"], dev["row_weight"], norm, soft_rows=soft,
                                   fused=self.fused_loss, layout=layout, fp32_logits=self.fp32_logits, block_size=bs,
                                   dpace_alpha=dpace, top_k=top_k)
                 loss, correct = out[:2]
-                if top_k:   # DFlash2: the candidate selector's K-way loss on the same rows, same weights
+                if top_k:   # the candidate selector's K-way loss (DFlash2's) on the same rows, same weights
                     sel, _ = selector_loss(self.model.candidate_selector, hidden, self.lm_head, out[2], out[3],
                                            dev["prev_tokens"], dev["row_weight"], norm, dev["loss_rows"], bs, dpace)
                     loss = loss + sel
@@ -276,7 +276,7 @@ class DrafterStage:
         hidden = self.model(x, self.embed[zeros(bs)], meta, backend="sdpa")
         self._final_backward(True)
         nothing = hidden.float().sum() * 0.0
-        if self.dcfg.is_dflash2:   # the selector is used outside forward: its parameters need their zeros too
+        if self.dcfg.architecture.selector:   # used outside forward: its parameters need their zeros too
             nothing = nothing + sum(p.float().sum() for p in self.model.candidate_selector.parameters()) * 0.0
         nothing.backward()
         check_unit_gradients(self.model)

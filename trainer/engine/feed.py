@@ -24,6 +24,7 @@ from trainer.distributed.dispatch import DispatchPlan
 from trainer.distributed.topology import Topology
 from trainer.engine.metrics import Profiler
 from trainer.errors import BadInput, TrainingFailed
+from trainer.model.architectures import architecture
 from trainer.ops.plan import MicroPlan, plan_micro_batch
 
 log = logging.getLogger("trainer")
@@ -116,7 +117,7 @@ class Feed:
                                 block_size=cfg.block_size, max_anchors=max_anchors, mask_token_id=self.mask_token,
                                 gamma=cfg.gamma, soft_labels=cfg.use_soft_labels, chunk_rows=cfg.drafter_chunk_rows,
                                 flex=self.flex, dedup=cfg.loss_dedup, full_blocks=cfg.flex_full_blocks,
-                                ctx_group=cfg.flex_ctx_group, loss=cfg.loss, selector=cfg.arch == "dflash2")
+                                ctx_group=cfg.flex_ctx_group, loss=cfg.loss, selector=architecture(cfg.arch).selector)
 
     def make_item(self, seq: int) -> WorkItem:
         cfg = self.cfg

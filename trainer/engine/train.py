@@ -64,7 +64,6 @@ from trainer.engine.train_state import (
 )
 from trainer.errors import BadInput, TrainingFailed
 from trainer.model import identity
-from trainer.model.dflash2 import as_dflash2
 from trainer.model.drafter import DFlashConfig
 from trainer.ops.compiling import compile_reason, note_new_graphs, resolve_compile
 
@@ -166,11 +165,10 @@ class Trainer:
                                              layer_types=cfg.draft_layer_types, sliding_window=cfg.sliding_window,
                                              num_heads=cfg.draft_heads, num_kv_heads=cfg.draft_kv_heads,
                                              head_dim=cfg.draft_head_dim)
-        if cfg.arch == "dflash2":
-            try:
-                self.dcfg = as_dflash2(self.dcfg)
-            except ValueError as e:
-                raise BadInput(f"--arch dflash2: {e}") from None
+        try:
+            self.dcfg = self.dcfg.with_architecture(cfg.arch)
+        except ValueError as e:
+            raise BadInput(f"--arch {cfg.arch}: {e}") from None
         log.info("drafter: %d layers, taps %s, block %d, mask token %d", self.dcfg.num_hidden_layers,
                  self.dcfg.target_layer_ids, cfg.block_size, mask_token)
         rows, k, hidden = self.feed.rows, len(self.dcfg.target_layer_ids), self.dcfg.hidden_size

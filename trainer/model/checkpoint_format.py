@@ -41,9 +41,10 @@ import safetensors.torch
 import torch
 
 from trainer.fsutil import fsync_dir, fsync_path
+from trainer.model.architectures import for_config
 from trainer.model.identity import RECORD_KEY
 from trainer.model.identity import for_checkpoint as identity_for_checkpoint
-from trainer.status import pid_alive
+from trainer.procs import pid_alive
 
 # the name the journal has always shown for these lines (docs/reliability.md quotes one)
 log = logging.getLogger("trainer.checkpoint")
@@ -231,7 +232,7 @@ def check_resume_keeps(cfg, checkpoint_dir: str | os.PathLike) -> None:
     if saved.get("block_size") is None:
         saved["block_size"] = drafter.get("block_size")
     if saved.get("arch") is None and drafter.get("architectures"):
-        saved["arch"] = "dflash2" if drafter.get("conv_kernel_size") else "dflash"
+        saved["arch"] = for_config(drafter).name
     for flag, name in RESUME_KEEPS:
         theirs, ours = saved.get(name), getattr(cfg, name)
         if theirs is not None and theirs != ours:

@@ -36,7 +36,7 @@ class Contract:
     """What the drafters published for one target family share, for one drafter architecture."""
     family: str                        # the target's model_type
     published: str                     # the drafter that defines it (for the log)
-    arch: str = "dflash"               # dflash | dflash2
+    arch: str = "dflash"               # an --arch (trainer/model/architectures.py)
     mask_token_id: int | None = None   # used where the target's vocabulary has that row
     heads: tuple[int, int, int] | None = None   # (query heads, kv heads, head dim); None: the target's
     # the narrowest target the family's drafters are published for: below it (a tiny stand-in) nothing says
@@ -47,7 +47,7 @@ class Contract:
     taps: tuple[int, ...] | None = None   # for a target of `taps_of` layers (else the rule)
     taps_of: int | None = None
     block_size: int | None = None      # recorded; a fresh run keeps its --block-size
-    dflash2: dict = field(default_factory=dict)
+    arch_config: dict = field(default_factory=dict)   # the values of the keys its architecture adds
 
     def draft_layer_types(self, num_layers: int) -> list[str] | None:
         return draft_layers(self.layer_types, num_layers)

@@ -25,30 +25,27 @@ as the unary loss is. Names of the parameters are the public checkpoint's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# the public 27B-class checkpoint's values (z-lab's DFlash2 release; speculators' defaults too)
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-ARCHITECTURE = "DFlash2DraftModel"
-
 
 def as_dflash2(cfg, **values):
-    """A drafter.DFlashConfig made DFlash2's: DFLASH2_DEFAULTS updated by `values`. ValueError naming what does
-    not fit the drafter (a group size that does not divide the width, more taps than a block has slots,
-    more candidates than the vocabulary)."""
-    v = {**DFLASH2_DEFAULTS, **values}
-    if cfg.hidden_size % v["conv_group_size"]:
+    """A drafter.DFlashConfig made DFlash2's: its entry's keys (trainer/model/architectures.py: the public
+    27B-class checkpoint's values, speculators' defaults too) updated by `values`; check_config's ValueError."""
+    return cfg.with_architecture("dflash2", **values)
+
+
+def check_config(cfg) -> None:
+    """ValueError naming what in a DFlash2 drafter.DFlashConfig does not fit the drafter: a group size that
+    does not divide the width, more taps than a block has slots, more candidates than the vocabulary."""
+    if cfg.hidden_size % cfg.conv_group_size:
         raise ValueError(f"the hidden size {cfg.hidden_size} is not a multiple of the conv group size "
-                         f"{v['conv_group_size']}")
-    if not 1 <= v["conv_kernel_size"] <= cfg.block_size:
-        raise ValueError(f"conv kernel size {v['conv_kernel_size']} must be in [1, block size {cfg.block_size}]")
-    if not 1 <= v["selector_top_k"] <= cfg.vocab_size:
-        raise ValueError(f"selector top-k {v['selector_top_k']} must be in [1, vocabulary {cfg.vocab_size}]")
-    return dataclasses.replace(cfg, **v, architectures=[ARCHITECTURE])
+                         f"{cfg.conv_group_size}")
+    if not 1 <= cfg.conv_kernel_size <= cfg.block_size:
+        raise ValueError(f"conv kernel size {cfg.conv_kernel_size} must be in [1, block size {cfg.block_size}]")
+    if not 1 <= cfg.selector_top_k <= cfg.vocab_size:
+        raise ValueError(f"selector top-k {cfg.selector_top_k} must be in [1, vocabulary {cfg.vocab_size}]")
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ the rows of its own block up to its own slot.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -30,11 +31,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from trainer.model.architectures import Architecture, architecture, config_keys, for_config, resolve
 from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv
 from trainer.model.identity import tap_layers  # the rule lives with the target identity (torch-free)
 from trainer.ops.plan import ATTENTION_ARRAYS, FLEX_BLOCK
-
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -58,8 +58,9 @@ class DFlashConfig:
     # per draft layer "full_attention" | "sliding_attention" (None: all full); the sliding ones' window
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    # DFlash2 (trainer/model/dflash2.py; dflash2.as_dflash2 sets them): the convolution's taps and channels per
-    # dynamic kernel, the selector's rank and candidates per position. None: DFlash
+    # the keys an architecture adds (trainer/model/architectures.py; with_architecture sets them), None where
+    # this one does not: DFlash2's convolution taps and channels per dynamic kernel, its selector's rank and
+    # candidates per position
     conv_kernel_size: int | None = None
     conv_group_size: int | None = None
     selector_rank: int | None = None
@@ -108,13 +109,32 @@ class DFlashConfig:
         d = asdict(self)
         d["dflash_config"] = {"block_size": self.block_size, "target_layer_ids": self.target_layer_ids,
                               "mask_token_id": self.mask_token_id}
-        if self.is_dflash2:
-            d["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_KEYS})
+        d["dflash_config"].update({k: getattr(self, k) for k in self.architecture.config_keys})
         return d
 
     @property
+    def architecture(self) -> Architecture:
+        """The architecture this config builds (architectures.for_config: its `architectures` class name)."""
+        return for_config(self.__dict__)
+
+    @property
     def is_dflash2(self) -> bool:
-        return self.conv_kernel_size is not None
+        """What trainer/serving/evaluate.py asks; everything else reads `architecture`."""
+        return self.architecture.name == "dflash2"
+
+    def with_architecture(self, name: str, **values) -> "DFlashConfig":
+        """This config made --arch `name`'s: its added keys at their defaults updated by `values` (the keys
+        of the others cleared), its class name recorded. ValueError naming what does not fit (a key it
+        does not add, or what its check refuses)."""
+        arch = architecture(name)
+        unknown = sorted(set(values) - set(arch.config_keys))
+        if unknown:
+            raise ValueError(f"{name} has no {', '.join(unknown)} (its keys: {', '.join(arch.config_keys) or 'none'})")
+        cfg = dataclasses.replace(self, **{**dict.fromkeys(config_keys()), **arch.config_keys, **values},
+                                  architectures=[arch.hf_class])
+        if arch.check:
+            resolve(arch.check)(cfg)
+        return cfg
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
@@ -501,8 +521,8 @@ class DFlashLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg, layer)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg.qwen3_config())
-        self.attention_conv = self.mlp_conv = None   # DFlash2: a convolution around each sublayer
-        if cfg.is_dflash2:
+        self.attention_conv = self.mlp_conv = None   # a convolution around each sublayer (DFlash2's)
+        if cfg.architecture.sublayer_conv:
             self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
@@ -530,7 +550,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.qwen3_config())
-        if cfg.is_dflash2:   # used by the loss (dflash2.selector_loss) and at inference, not in forward
+        if cfg.architecture.selector:   # used by the loss (dflash2.selector_loss) and at inference, not in forward
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
                                                         cfg.selector_top_k)
 

@@ -14,7 +14,7 @@ What an entry holds:
   linear_kernels     the packages whose kernels those layers run on a GPU (trainer/model/target.py checks
                      them at load, preflight looks them up), and
   generation_transformers  the oldest transformers whose generation our caches answer
-                     (trainer/model/hybrid.py stops an older one in one line); None: any release
+                     (check_hybrid_transformers stops an older one in one line); None: any release
   vision_prefixes    the submodule names of a vision tower the target rank drops before the GPU
   auto_draft_layers  --draft-layer-types auto: "last-full" (sliding but the last) or None (all full)
   contracts          --arch -> the contract of the family's published drafters (trainer/model/contract.py's
@@ -32,11 +32,26 @@ qwen3_8_27b_dflash2.yaml):
            Qwen3.5-4B's and 35B-A3B's drafters keep MASK 248070 and 32 heads of 128 too.
   qwen3    z-lab/Qwen3-8B-DFlash-b16: MASK 151669 (the first row past the tokenizer's 151,669 tokens).
 
+A hybrid target (Qwen3.5/3.6: Gated DeltaNet linear-attention layers beside full attention) runs transformers'
+own layers inside our loops, and those layers ask the cache for their conv and recurrent states. Our caches
+answer the API of transformers >= the floor the family's entry names (HYBRID_TRANSFORMERS), in
+trainer/serving/captured/linear_states.py's hybrid state store: get_/update_conv_state, get_/update_recurrent_state,
+get_recurrent_states_to_keep; modeling_dflash.target_cache: DynamicCache.activate_past_recording(
+recurrent_states_to_keep=). Older releases ask another one (5.17: cache.has_previous_state(...),
+layers[i].conv_states[0]) and fail mid-generation with an AttributeError. `check_hybrid_transformers` stops
+first, in one line; every hybrid generation path calls it: dflash-eval (both loops) and the in-training eval
+(--eval-data-dir, at validation), dflash-regenerate's captured decoder (with or without graphs), the captured
+decoders (trainer/serving/captured/) and evaluate.generate_each (so the GPU eval and regenerate benches too).
+A dense target passes on any release; transformers' version is read only for a hybrid. Here too the one line
+that refuses a hybrid whose fast linear-attention kernels are missing on a GPU
+(`slow_linear_attention_message`: preflight's cheap check and target.check_fast_kernels both say it).
+
 Standard library only: preflight and the Ansible controller's flag check import it without torch.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from trainer.model.contract import DRAFT_LAYER_TYPES, SLIDING, Contract, draft_layers
@@ -97,7 +112,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                    "qwen3_5", "Qwen3.8-27B DFlash2", "dflash2", mask_token_id=248070, heads=(32, 8, 128),
                    heads_min_hidden=2048, layer_types="all-sliding", sliding_window=2048,
                    taps=(5, 19, 33, 47, 61), taps_of=64, block_size=8,
-                   dflash2={"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256,
+                   arch_config={"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256,
                             "selector_top_k": 16}),
            }),
     # Qwen3 (dense): the tokenizer's 151,669 tokens leave spare rows; the published MASK is the first
@@ -171,3 +186,60 @@ def layer_types_for(text: str, num_layers: int, target_config: dict | None) -> l
     types = [DRAFT_LAYER_TYPES[t] for t in kinds]
     return types if SLIDING in types else None
 
+
+# ------------------------------------------------------------------ the transformers a hybrid generates with
+
+
+class HybridTransformersTooOld(ValueError):
+    """A hybrid target met a transformers older than its family's floor (families.HYBRID_TRANSFORMERS; the
+    CLIs print it as their one line and exit 2)."""
+
+
+def installed_transformers() -> str:
+    """The transformers this process imports (its __version__)."""
+    import transformers
+    return transformers.__version__
+
+
+def is_hybrid(target) -> bool:
+    """True for a target with linear-attention layers (its family says so: families.family_for): `target` a
+    model, its config, config.json's dict (text_config or flat), or a bool said by the caller."""
+    if isinstance(target, bool):
+        return target
+    return family_for(target).linear_attention
+
+
+def generation_floor(target) -> str | None:
+    """The oldest transformers `target`'s generation works with here (see is_hybrid for `target`); None:
+    any release."""
+    if isinstance(target, bool):
+        return GENERIC_HYBRID.generation_transformers if target else None
+    return family_for(target).generation_transformers
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'5.25.0.dev0' -> (5, 25, 0): the leading release numbers (a dev or rc build of 5.25 counts as 5.25)."""
+    m = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(x) for x in m.group().split(".")) if m else ()
+
+
+def check_hybrid_transformers(target, what: str = "the target") -> None:
+    """Raise HybridTransformersTooOld (one line: the installed release and the needed one) when `target`
+    (see is_hybrid) is a hybrid and the installed transformers is older than its family's floor
+    (generation_floor); else nothing. `what` names the target in the message (e.g. "--target-model DIR")."""
+    floor = generation_floor(target)
+    if floor is None:
+        return
+    have = installed_transformers()
+    if release(have) < release(floor):
+        raise HybridTransformersTooOld(
+            f"{what} is a hybrid (Gated DeltaNet linear-attention layers): its generation here needs "
+            f"transformers >= {floor}, installed {have} (pip install 'transformers>={floor}')")
+
+
+def slow_linear_attention_message(path: str, missing: list[str]) -> str:
+    """The one line that refuses a hybrid target whose fast kernels are missing on a GPU."""
+    return (f"--target-model: {path} has Gated DeltaNet (linear-attention) layers and {', '.join(missing)} is not "
+            f"installed: transformers' torch fallback is slower and runs out of GPU memory where every "
+            f"hidden state is kept (pip install {' '.join(missing)}; or --allow-slow-linear-attention to run it "
+            f"anyway)")

@@ -29,13 +29,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.model.architectures import ARCHITECTURES, architecture, config_keys, for_config
+
 FLAG = "--init-drafter"
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # tensors a peer's checkpoint holds that a run takes from the target (or that a full vocabulary needs not)
 TARGET_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight",
                 "d2t", "t2d")
 PREFIXES = ("draft_model.",)
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class PublishedError(ValueError):
@@ -47,7 +47,7 @@ class Published:
     """A published drafter's contract in our terms, and where its weights are."""
     path: Path
     layout: str                     # z-lab | speculators
-    arch: str                       # dflash | dflash2
+    arch: str                       # an --arch (trainer/model/architectures.py)
     hidden_size: int
     intermediate_size: int
     vocab_size: int
@@ -59,7 +59,7 @@ class Published:
     num_target_layers: int | None
     mask_token_id: int | None
     block_size: int
-    dflash2: dict = field(default_factory=dict)
+    arch_config: dict = field(default_factory=dict)   # the values of the keys its architecture adds
     taps_note: str = ""             # how the taps were read
     files: list[Path] = field(default_factory=list)
 
@@ -118,11 +118,11 @@ def _shape(d: Path, t: dict, layers: int) -> dict:
 def _zlab(d: Path, cfg: dict, files: list[Path]) -> Published:
     sub = cfg.get("dflash_config") or {}
     archs = cfg.get("architectures") or []
-    if not any(a in ("DFlashDraftModel", DFLASH2_ARCHITECTURE) for a in archs) and not sub:
+    if not any(a.hf_class in archs for a in ARCHITECTURES.values()) and not sub:
         raise PublishedError(f"{FLAG}: {d}/config.json names neither a DFlash drafter (architectures {archs}) "
                              "nor a dflash_config")
-    dflash2 = {k: int(sub[k]) for k in DFLASH2_KEYS if sub.get(k) is not None}
-    arch = "dflash2" if DFLASH2_ARCHITECTURE in archs or dflash2 else "dflash"
+    arch_config = {k: int(sub[k]) for k in config_keys() if sub.get(k) is not None}
+    arch = for_config({"architectures": archs, **arch_config}).name
     layers = int(cfg["num_hidden_layers"])
     target_layers = cfg.get("num_target_layers", sub.get("num_target_layers"))
     taps = sub.get("target_layer_ids") or cfg.get("target_layer_ids")
@@ -135,7 +135,7 @@ def _zlab(d: Path, cfg: dict, files: list[Path]) -> Published:
     return Published(d, "z-lab", arch, **_shape(d, cfg, layers), taps=[int(t) for t in taps],
                      num_target_layers=int(target_layers) if target_layers is not None else None,
                      mask_token_id=sub.get("mask_token_id", cfg.get("mask_token_id")), block_size=int(block),
-                     dflash2=dflash2, taps_note=note, files=files)
+                     arch_config=arch_config, taps_note=note, files=files)
 
 
 def _speculators(d: Path, cfg: dict, files: list[Path]) -> Published:
@@ -196,11 +196,10 @@ def check(pub: Published, cfg, target_config: dict) -> list[str]:
     taps = list(cfg.target_layers or [])
     if len(taps) != len(pub.taps):
         refuse("--target-layers", "taps", taps, pub.taps)
-    if pub.arch == "dflash2":
-        from trainer.model.dflash2 import DFLASH2_DEFAULTS
-        for k, v in pub.dflash2.items():
-            if DFLASH2_DEFAULTS.get(k) != v:
-                refuse(FLAG, k, DFLASH2_DEFAULTS.get(k), v)
+    ours_keys = architecture(pub.arch).config_keys   # the run builds them at its architecture's defaults
+    for k, v in pub.arch_config.items():
+        if ours_keys.get(k) != v:
+            refuse(FLAG, k, ours_keys.get(k), v)
     changed = []
     names = {v: k for k, v in DRAFT_LAYER_TYPES.items()}
     types = [DRAFT_LAYER_TYPES[t] for t in cfg.draft_layer_types.split(",")]

@@ -56,7 +56,7 @@ def check_fast_kernels(model, path: str, device_type: str, allow: bool) -> None:
         return
     if not allow:
         from trainer.errors import BadInput
-        from trainer.model.hybrid import slow_linear_attention_message
+        from trainer.model.families import slow_linear_attention_message
         raise BadInput(slow_linear_attention_message(path, missing))
     log.warning("target %s: linear-attention layers run the torch fallback (%s missing; "
                 "--allow-slow-linear-attention given)", path, ", ".join(missing))

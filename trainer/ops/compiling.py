@@ -77,7 +77,7 @@ def resolve_compile(opt: str, on_cpu: bool, hybrid: bool = False) -> str:
     """'auto' = everything compiled on GPUs (a dense target and the drafter both gain, see
     docs/performance.md), nothing on the CPU (compile time dominates tiny CPU runs). On a hybrid target
     (linear-attention layers) 'auto' compiles the drafter only: the compiled hybrid target has never
-    finished a warmup on a GPU (issue 54) and every hybrid rate measured is for an eager target; until it
+    finished a warmup on a GPU and every hybrid rate measured is for an eager target; until it
     is measured, `--compile all` or `target` asks for it. Say why in the log with `compile_reason`."""
     if opt == "auto":
         return "none" if on_cpu else ("drafter" if hybrid else "all")

@@ -1,4 +1,4 @@
-"""Split-KV ("flash-decoding") attention of one query token per row, for the captured decoder (issue 29, goal 3).
+"""Split-KV ("flash-decoding") attention of one query token per row, for the captured decoder.
 
 A decode step's attention reads the whole KV prefix to produce one output row per query head: it is a
 memory-bound read of K and V. PyTorch's SDPA (cuDNN flash on an H200) runs it with 64-row query tiles of

@@ -67,8 +67,6 @@ class DFlash2CachedModel(DFlashDraftModel):
     """A DFlash2 drafter in modeling_dflash's call convention (its context K/V cached by the caller), with its
     candidate selector: the batched loop's drafter. Same parameter names as the trainer's class."""
 
-    is_dflash2 = True
-
     def __init__(self, config, dcfg):
         super().__init__(config)
         self.layers = nn.ModuleList(
@@ -114,11 +112,10 @@ class DFlash2CachedModel(DFlashDraftModel):
 class DFlash2Proposer:
     """A DFlash2 DFlashDrafter as the generation loop uses it (block_size, extract_taps, propose)."""
 
-    is_dflash2 = True
-
     def __init__(self, model: DFlashDrafter):
-        if not model.cfg.is_dflash2:
-            raise ValueError("DFlash2Proposer needs a DFlash2 drafter (its config has no conv_kernel_size)")
+        if not model.cfg.architecture.selector:
+            raise ValueError(f"DFlash2Proposer needs a drafter with a candidate selector, got a "
+                             f"{model.cfg.architecture.name} drafter")
         self.model = model.eval()
         self.cfg = model.cfg
         self.block_size = model.cfg.block_size

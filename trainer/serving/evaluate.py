@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from trainer.config.options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS, ConfigError, check_ranges, opt, parse_options
+from trainer.model.architectures import resolve
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta
 from trainer.model.modeling_dflash import DFlashDraftModel, dflash_generate
 from trainer.serving.export import ExportError, hf_config_dict, read_checkpoint
@@ -68,13 +69,14 @@ from trainer.ops.plan import anchor_candidates  # noqa: E402
 
 
 def hf_drafter(cfg: DFlashConfig, state: dict[str, torch.Tensor], device, dtype) -> DFlashDraftModel:
-    """The servable drafter class with these weights, loaded strictly (a name mismatch raises). DFlash2
-    (cfg.is_dflash2): the trainer's class behind dflash2_eval.DFlash2Proposer, whose loop runs the selector."""
-    if cfg.is_dflash2:
-        from trainer.serving.dflash2_eval import DFlash2Proposer
+    """The servable drafter class with these weights, loaded strictly (a name mismatch raises). An architecture
+    whose entry names a proposer (trainer/model/architectures.py; DFlash2's dflash2_eval.DFlash2Proposer): the
+    trainer's class behind it."""
+    entry = cfg.architecture
+    if entry.proposer:
         model = DFlashDrafter(cfg)
         model.load_state_dict(state, strict=True)
-        return DFlash2Proposer(model.to(device=device, dtype=dtype).requires_grad_(False))
+        return resolve(entry.proposer)(model.to(device=device, dtype=dtype).requires_grad_(False))
     from transformers import Qwen3Config
     model = DFlashDraftModel(Qwen3Config(**hf_config_dict(cfg)))
     model.load_state_dict(state, strict=True)
@@ -90,7 +92,8 @@ def load_drafter(checkpoint: str, device, dtype=torch.float32) -> tuple[DFlashDr
 
 
 def _as_hf(drafter, cfg: DFlashConfig) -> DFlashDraftModel:
-    if isinstance(drafter, DFlashDraftModel) or getattr(drafter, "is_dflash2", False):
+    """The trainer's class as hf_drafter gives it; a servable drafter or proposer as it is."""
+    if not isinstance(drafter, DFlashDrafter):
         return drafter
     p = next(drafter.parameters())
     return hf_drafter(cfg, {k: v.detach() for k, v in drafter.state_dict().items()}, p.device, p.dtype)
@@ -151,6 +154,13 @@ def runnable_loop(target, loop: str) -> str:
     return loop
 
 
+def architecture_of(drafter):
+    """The architectures.py entry of a proposer that wraps the trainer's class (its `cfg`); None for the servable
+    class (DFlash's AutoModel, whose loops are modeling_dflash's)."""
+    cfg = getattr(drafter, "cfg", None)
+    return cfg.architecture if isinstance(cfg, DFlashConfig) else None
+
+
 @torch.no_grad()
 def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                   temperature: float = 0.0, stop_ids: list[int] | None = None, seed: int = 0, loop: str = "single",
@@ -164,13 +174,15 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
     loop = runnable_loop(target, resolve_loop(loop, temperature))
-    if getattr(drafter, "is_dflash2", False) and loop == "single":   # the selector's loop, one prompt at a time
-        from trainer.serving.dflash2_eval import dflash2_generate
+    entry = architecture_of(drafter)
+    if entry is not None and loop not in entry.eval_loops:
+        raise ValueError(f"--loop {loop}: a {entry.name} drafter runs in the {' or '.join(entry.eval_loops)} loop")
+    if entry is not None and entry.generate and loop == "single":   # its own loop (DFlash2's: the selector's)
+        generate = resolve(entry.generate)
         gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
         return [(r.accept_lengths, r.output_ids.shape[1] - r.num_prompt_tokens)
-                for r in (dflash2_generate(drafter, target, torch.as_tensor(np.asarray(p), dtype=torch.long,
-                                                                            device=dev)[None],
-                                           max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
+                for r in (generate(drafter, target, torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None],
+                                   max_new_tokens, stop_ids, temperature, gen) for p in prompts)]
     if loop == "batched":   # DFlash's drafter, or DFlash2's with its selector (proposers.DrafterProposer)
         from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
         dec = BatchedSpecDecoder(target, drafter, dev, min(batch_size, len(prompts)), max_new_tokens, stop_ids,
@@ -289,8 +301,8 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
     res = speculative_eval(target, hf, prompts, max_new_tokens, temperature, seed=seed, loop=loop,
                            batch_size=batch_size, graphs=graphs)
     if with_block_accuracy:
-        packed = drafter if isinstance(drafter, DFlashDrafter) else (hf.model if getattr(hf, "is_dflash2", False)
-                                                                     else None)
+        packed = drafter if isinstance(drafter, DFlashDrafter) else getattr(hf, "model", None)
+        packed = packed if isinstance(packed, DFlashDrafter) else None
         if packed is None:
             packed = DFlashDrafter(dcfg).to(device=device, dtype=next(hf.parameters()).dtype)
             packed.load_state_dict(hf.state_dict(), strict=True)
@@ -316,13 +328,13 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
                         max_prompts: int = EVAL_PROMPTS, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
                         temperature: float = 0.0, seed: int = 0, with_block_accuracy: bool = True, target=None,
                         out_dir: str | None = None, loop: str = "auto", batch_size: int = EVAL_BATCH,
-                        graphs: bool | None = None, speed_batches: list[int] | None = None) -> dict:
+                        graphs: bool | None = None) -> dict:
     """Evaluate a drafter given by paths: `checkpoint` is a step-* dir, an output dir (newest step) or a
     dflash-export dir; `target_model` an HF model dir; `eval_data` held-out shards. `target`: an already
     loaded target to reuse (then `target_model` is not read). Returns the dict of `evaluate` plus
     "checkpoint" (the directory read) and "step" (None for an export); with `out_dir`, also writes it to
     `out_dir/eval.json`. `loop` auto: the batched loop for greedy evals (dflash-eval's default too).
-    `speed_batches` (greedy only): also the wall-clock table and lossless check under "speed" (speed_section)."""
+    The wall-clock table and lossless check are speed_section's (dflash-eval adds them under "speed")."""
     from trainer.data.dataset import load_dataset
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -332,13 +344,8 @@ def evaluate_checkpoint(checkpoint: str, target_model: str, eval_data: str, *, d
     check_drafter_on_target(src, target_model if target is None else target.config.to_dict())
     if target is None:
         target = load_target(target_model, dev, dtype)
-    dataset = load_dataset(eval_data)
-    res = evaluate_state(cfg, state, target, dataset, dev, dtype, max_prompts, max_new_tokens,
+    res = evaluate_state(cfg, state, target, load_dataset(eval_data), dev, dtype, max_prompts, max_new_tokens,
                          temperature, seed, with_block_accuracy, loop, batch_size, graphs)
-    speed = (speed_section(target, hf_drafter(cfg, state, dev, dtype), cfg, dataset, max_prompts, max_new_tokens,
-                           speed_batches, graphs=graphs) if speed_batches and temperature <= 0 else None)
-    if speed is not None:
-        res["speed"] = speed
     from trainer.model.checkpoint_format import STEP_DIR_RE
     m = STEP_DIR_RE.match(src.name)
     res.update(checkpoint=str(src), step=int(m.group(1)) if m else None)
@@ -379,7 +386,7 @@ def speed_section(target, drafter, cfg: DFlashConfig, dataset, max_prompts: int,
         return None
     hf = _as_hf(drafter, cfg)
     max_n, min_n, k = ngram
-    proposers = {"dflash2" if cfg.is_dflash2 else "dflash": hf,
+    proposers = {cfg.architecture.name: hf,
                  "ngram": NgramProposer(cfg.block_size, max_n, min_n, k or None)}
     prompts = heldout_prompts(dataset, max_prompts)
     out = speed_table(target, proposers, prompts, max_new_tokens, stop_token_ids(target), batches, graphs)
@@ -483,6 +490,13 @@ def main(argv=None) -> int:
         check_hybrid_transformers(check_model_dir(a.target_model), f"--target-model {a.target_model}")
         ds = load_dataset(a.data_dir)
         cfg, state, ckpt = read_checkpoint(src)
+        loops = cfg.architecture.eval_loops
+        if a.loop != "auto" and a.loop not in loops:
+            raise ValueError(f"--loop {a.loop}: a {cfg.architecture.name} drafter runs in the {' or '.join(loops)} "
+                             "loop")
+        if speed_batches and "batched" not in loops:
+            raise ValueError(f"--speed-batch: a {cfg.architecture.name} drafter has no batched loop to time "
+                             "(--speed-batch '')")
         if speed_batches:
             from trainer.serving.captured.proposers import NgramProposer
             try:

@@ -34,13 +34,11 @@ import safetensors.torch
 import torch
 
 from trainer.model import modeling_dflash
+from trainer.model.architectures import config_keys, for_config
 from trainer.model.checkpoint_format import CONFIG_FILE, MODEL_FILE, STEP_DIR_RE, CheckpointManager
-from trainer.model.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from trainer.model.drafter import DFLASH2_KEYS, DFlashConfig
+from trainer.model.drafter import DFlashConfig
 
 PROG = "dflash-export"
-MODELING_FILE = "modeling_dflash.py"
-ARCHITECTURE = "DFlashDraftModel"
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -71,7 +69,7 @@ def drafter_config_from_json(d: dict) -> DFlashConfig:
     or an export's HF config.json (taps, mask id under dflash_config; num_target_layers)."""
     sub = d.get("dflash_config") or {}
     flat = dict(d)
-    for key in ("target_layer_ids", "mask_token_id", "block_size", *DFLASH2_KEYS):
+    for key in ("target_layer_ids", "mask_token_id", "block_size", *config_keys()):
         if key not in flat and key in sub:
             flat[key] = sub[key]
     if "target_num_hidden_layers" not in flat:
@@ -86,7 +84,7 @@ def drafter_config_from_json(d: dict) -> DFlashConfig:
     missing = [k for k in required if flat.get(k) is None]
     if missing:
         raise ExportError(f"drafter config lacks {', '.join(missing)}")
-    flat["architectures"] = [DFLASH2_ARCHITECTURE if flat.get("conv_kernel_size") else ARCHITECTURE]
+    flat["architectures"] = [for_config(flat).hf_class]
     flat["model_type"] = "qwen3"
     if "sliding_attention" not in (flat.get("layer_types") or ()):   # an export's all-full list: the default
         flat["layer_types"], flat["sliding_window"] = None, None
@@ -122,11 +120,12 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
       training ran (trainer/model/drafter.py); use_sliding_window says whether any layer slides;
     - eagle_aux_hidden_state_layer_ids = taps + 1: vLLM's capture points ("before layer i"), the form
       speculators writes for DFlash too; vLLM versions before the dflash_config fallback read only it;
-    - DFlash2 (architectures DFlash2DraftModel): dflash_config.{conv_kernel_size, conv_group_size,
-      selector_rank, selector_top_k}, where the reference class, SGLang and vLLM read them; no auto_map
-      (modeling_dflash.py is DFlash's);
+    - architectures: the drafter architecture's class name (trainer/model/architectures.py: DFlashDraftModel,
+      DFlash2DraftModel), and the keys it adds under dflash_config (DFlash2's conv_* and selector_*), where
+      the reference class, SGLang and vLLM read them;
     - dtype / torch_dtype: `dtype="auto"` loads bf16 weights as bf16;
-    - auto_map: AutoModel(trust_remote_code=True) builds modeling_dflash.DFlashDraftModel."""
+    - auto_map, where the architecture ships its AutoModel code (DFlash's): AutoModel(trust_remote_code=True)
+      builds modeling_dflash.DFlashDraftModel."""
     theta = float(cfg.rope_theta)
     scaling = {k: v for k, v in (cfg.rope_scaling or {}).items() if k != "rope_theta"} or None
     rope_parameters = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
@@ -138,10 +137,11 @@ def hf_config_dict(cfg: DFlashConfig, dtype: torch.dtype = EXPORT_DTYPE, mask_to
               "mask_token_id": cfg.mask_token_id, "num_target_layers": cfg.target_num_hidden_layers}
     if mask_token:
         dflash["mask_token"] = mask_token
-    arch = {"architectures": [ARCHITECTURE], "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"}}
-    if cfg.is_dflash2:
-        dflash.update({k: int(getattr(cfg, k)) for k in DFLASH2_KEYS})
-        arch = {"architectures": [DFLASH2_ARCHITECTURE]}
+    entry = cfg.architecture
+    dflash.update({k: int(getattr(cfg, k)) for k in entry.config_keys})
+    arch = {"architectures": [entry.hf_class]}
+    if entry.auto_map:
+        arch["auto_map"] = {"AutoModel": entry.auto_map}
     return {
         **arch,
         "model_type": "qwen3",
@@ -256,8 +256,9 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, target_model:
         tensors = {n: t.detach().to(EXPORT_DTYPE).contiguous() for n, t in sorted(state.items())}
         safetensors.torch.save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, EXPORT_DTYPE, mask_token), indent=2) + "\n")
-        if not cfg.is_dflash2:   # the AutoModel class of a DFlash export (config.json's auto_map)
-            shutil.copyfile(Path(modeling_dflash.__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
+        if cfg.architecture.auto_map:   # the AutoModel class config.json's auto_map names
+            code = f"{cfg.architecture.auto_map.split('.')[0]}.py"
+            shutil.copyfile(Path(modeling_dflash.__file__).with_name(code), tmp / code)
         step = STEP_DIR_RE.match(ckpt.name)
         (tmp / "export.json").write_text(json.dumps(
             {"source": str(ckpt.resolve()), "step": int(step.group(1)) if step else None,

@@ -132,8 +132,7 @@ DECODE_ATTENTIONS = ("sdpa", "triton")   # the captured decoder's decode attenti
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """What each device's TargetGenerator runs, the switches resolved (resolve_switches): one named object
-    from the command line to every worker process (TargetGenerator(target, device, **asdict(settings)))."""
+    """A device's TargetGenerator(target, device, **asdict(settings)), switches resolved (resolve_switches)."""
     max_new_tokens: int
     temperature: float
     batch_size: int
@@ -173,7 +172,7 @@ class TargetGenerator:
         if decoder not in DECODERS:
             raise RegenerateError(f"--decoder: one of {', '.join(DECODERS)}, got {decoder!r}")
         if decoder == "captured":   # a hybrid target the captured decoder cannot hold: one line, then generate
-            from trainer.model.hybrid import check_hybrid_transformers
+            from trainer.model.families import check_hybrid_transformers
             from trainer.serving.captured.linear_states import hybrid_unsupported
             check_hybrid_transformers(self.model)   # a transformers too old for it: no fallback, one line
             from trainer.model.target import decoder as decoder_stack
@@ -198,10 +197,9 @@ class TargetGenerator:
         from trainer.serving.captured.regenerate_decoder import DecoderOptions, GraphDecoder
 
         if self._fast is None or self._fast.stop_ids != list(self.stop_ids):
-            options = DecoderOptions(fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8,
-                                     state_inplace=True)
-            self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens,
-                                      self.temperature, self.stop_ids, self.pad_id, options)
+            opts = DecoderOptions(fuse=self.fuse, decode_kernel=self.decode_attention, kv_fp8=self.kv_fp8, state_inplace=True)
+            self._fast = GraphDecoder(self.model, self.device, self.batch_size, self.max_new_tokens, self.temperature,
+                                      self.stop_ids, self.pad_id, opts)
             # state_inplace: a hybrid's recurrent states written in place by FLA's kernel (nothing changes
             # where FLA is absent or the target is dense): the same tokens as the copy on every row, and the
             # faster step (results/INDEX.md, h200-qwen3.6-27b-regenerate-step-variants)
@@ -425,7 +423,7 @@ def resolve_switches(cfg: RegenerateConfig, devs: list[str], target_config: dict
     static_cache = gpus if cfg.static_cache == "auto" else cfg.static_cache == "on"
     decoder = ("captured" if gpus else "generate") if cfg.decoder == "auto" else cfg.decoder
     if decoder == "captured":   # a hybrid on a transformers older than our cache API: one line, nothing loaded
-        from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers
+        from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers
         try:
             check_hybrid_transformers(target_config, f"--target-model {target}")
         except HybridTransformersTooOld as e:
@@ -516,7 +514,8 @@ def regenerate(
     prompts, source, num_records = load_prompts(data_dir, inputs, target, log)
     if not prompts:
         raise RegenerateError(f"{src}: no record has a prompt (tokens before its first supervised one)")
-    static_cache, decoder, fuse, decode_attention, kv_fp8 = resolve_switches(cfg, devs, target_config, target)
+    settings = GenerationSettings(max_new_tokens, temperature, batch_size,
+                                  *resolve_switches(cfg, devs, target_config, target))
     if num_records > len(prompts):
         log(f"{PROG}: {src}: {num_records - len(prompts)} of {num_records} records have no prompt "
             "(supervised from their first token), skipped")
@@ -536,10 +535,10 @@ def regenerate(
         "seed": int(seed),
         "batch_size": int(batch_size),
         "shard_size": int(shard_size),
-        "static_cache": bool(static_cache),
-        "decoder": decoder,
+        "static_cache": bool(settings.static_cache),
+        "decoder": settings.decoder,
     }
-    if kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
+    if settings.kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
         config["kv_cache"] = "fp8"
     if samples > 1:   # recorded only when used: outputs written before the option resume unchanged
         config["samples_per_prompt"] = int(samples)
@@ -567,8 +566,6 @@ def regenerate(
             log(f"{PROG}: resuming {out}: {skipped} of {num_shards} shard(s) already finished, kept")
         progress = _Progress(sum(min(shard_size, len(prompts) - k * shard_size) for k in todo), log,
                              progress_every)
-        settings = GenerationSettings(max_new_tokens, temperature, batch_size, static_cache=static_cache,
-                                      decoder=decoder, fuse=fuse, decode_attention=decode_attention, kv_fp8=kv_fp8)
         lock = threading.Lock()
         eos_hits = [0]
 

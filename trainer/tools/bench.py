@@ -35,6 +35,7 @@ import torch
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Dataset
 from trainer.engine.runlog import format_table, setup_console
+from trainer.model import architectures
 from trainer.model.target import decoder
 from trainer.ops.compiling import compile_counters
 from trainer.tools.bench_checks import check_flex_on_gpu, probe_shape_cache
@@ -72,12 +73,12 @@ VARIANTS = {
     "flash": {"sdpa_backend": "flash"},
     "world": {"transport": "world"},
     "pad1": {"pad_multiple": 1},   # each batch padded to its exact longest length (the old behaviour)
-    # issue 15: each drafter change off alone, and all of them ("old": the drafter work as before)
+    # each drafter speed-up off alone, and all of them ("old": the drafter stage before them), to credit each
     "nodedup": {"loss_dedup": False},        # LM head on every row, soft-label targets per block row
     "nofull": {"flex_full_blocks": False},   # no FlexAttention full-block lists (mask_mod on every tile)
     "bf16logits": {"fp32_logits": False},    # LM-head logits rounded to bf16 before the softmax
     "ctxcopy": {"flex_ctx_group": 16},       # context copies per 16 query tiles (the default at 19ee62b)
-    # issue 29: FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
+    # FlexAttention on the context keys only, the in-block part as a dense batched attention, merged
     # by log-sum-exp (our key of --flex-kernel-options; combine with fk* variants by hand)
     "split": {"flex_kernel_options": "SPLIT_BLOCKS=true"},
     # the same, block part + merge with their own backward; refused with the drafter's layers compiled (wrong
@@ -87,9 +88,9 @@ VARIANTS = {
     # FP8 training of the drafter's linear layers (torchao float8 recipes)
     "fp8": {"fp8": "tensorwise"},
     "fp8row": {"fp8": "rowwise"},
-    # issue 43: the DFlash2 drafter (block-local convolutions around every sublayer, the candidate selector's
-    # loss beside the LM head's), and the D-PACE loss (hard labels: it is defined on them)
-    "dflash2": {"arch": "dflash2"},
+    # each drafter architecture but the default (trainer/model/architectures.py: DFlash2's block-local
+    # convolutions and candidate selector), and the D-PACE loss (hard labels: it is defined on them)
+    **{name: {"arch": name} for name in architectures.names() if name != architectures.DEFAULT},
     "dpace": {"loss": "ce+dpace", "use_soft_labels": False},
     # FlexAttention kernel options for the drafter's 128-row tiles (PyTorch's H100 defaults for bf16, head
     # dim 128: forward 128x64, 8 warps, 3 stages; backward 64/128/128/64, 8 warps, 3 stages)
@@ -528,7 +529,7 @@ def run_setting(args, shape: str, setting: str, dtype, factory, save=lambda r: N
 
 def bench_serving(shape: str, device: torch.device, factory, prompts: int, prompt_len: int, max_new_tokens: int,
                   batch_sizes: list[int]) -> dict:
-    """Issue 12's GPU figures on a random-init target of `shape`: the generation-loop eval (dflash-eval's
+    """The serving-side GPU figures on a random-init target of `shape`: the generation-loop eval (dflash-eval's
     loop, one prompt at a time as serving verifies it) in verify steps/s, and regeneration
     (dflash-regenerate's batched greedy `generate`) in generated tokens/s per batch size. Random weights:
     acceptance is about 1 token per verify step, so verify steps/s is the loop's cost per step."""

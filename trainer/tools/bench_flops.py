@@ -45,7 +45,8 @@ def model_flops_target(lengths, shape: str, layers_run: int) -> float:
 
 
 def model_flops_drafter_before(plan, dcfg, soft: bool) -> float:
-    """The count the results before issue 15 used (for comparison only): fc 3x, the LM head on every
+    """The count the older results used, before attention counted visible pairs only (for comparing
+    with them): fc 3x, the LM head on every
     block row 2x, the soft-label logits once per block row."""
     h, vocab, k = dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids)
     rows = sum(len(c.q_seq) for c in plan.chunks)
@@ -64,11 +65,12 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
     input, the tapped hidden states, needs no gradient: forward + weight gradient); 2x for the frozen LM
     head on the rows that carry a loss (forward + grad w.r.t. its input); 1x for the soft-label target
     logits once per unique position of the micro-batch (len(plan.final_gather)); attention over the
-    visible (query, key) pairs only. DFlash2 (dcfg.is_dflash2) adds per layer its two convolutions' kernel
+    visible (query, key) pairs only. An architecture with convolutions around its sublayers (DFlash2,
+    dcfg.architecture.sublayer_conv) adds per layer their kernel
     projections (H -> 2 x 2KG on every block row: the input side's and the output side's kernels of the
     attention and the MLP convolution) and, on the rows with a loss, the selector: the K candidates' unary
     scores 2x (frozen head rows; forward + grad w.r.t. the hidden state), its rank-r projection and pair
-    scores 3x; the convolutions' and top-K's elementwise work is not counted.
+    scores 3x (dcfg.architecture.selector); the convolutions' and top-K's elementwise work is not counted.
     executed=True: what the code runs. The LM head on plan.loss_rows (all block rows with --no-loss-dedup),
     the soft-label logits on each loss chunk's soft rows (plan.soft_unique: unique per loss chunk, or one
     per row with --no-loss-dedup), attention over the listed FlexAttention tiles (or every pair, SDPA's
@@ -92,9 +94,10 @@ def model_flops_drafter(plan, dcfg, soft: bool, executed: bool = False) -> float
     fc = ctx * 2 * k * h * h
     head = 2 * h * vocab
     selector = 0
-    if dcfg.is_dflash2:
+    if dcfg.architecture.sublayer_conv:
         kg = 2 * dcfg.conv_kernel_size * (h // dcfg.conv_group_size)
         layers += dcfg.num_hidden_layers * 2 * rows * 2 * h * kg
+    if dcfg.architecture.selector:
         top, r = dcfg.selector_top_k, dcfg.selector_rank
         selector = head_rows * (2 * 2 * h * top + 3 * (2 * h * r + 2 * r * top))
     return 3 * layers + 2 * fc + 2 * head * head_rows + (head * soft_rows if soft else 0) + selector

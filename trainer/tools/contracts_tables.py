@@ -1,6 +1,7 @@
-"""docs/contracts.md's tables of facts the code holds, rendered from the code so they cannot go stale (issue 42).
+"""docs/contracts.md's tables of facts the code holds, rendered from the code so they cannot go
+stale.
 
-* status fields: what status.json reports, from trainer/status.py's ``STATUS_SCHEMA``;
+* status fields: what status.json reports, from trainer/status/schema.py's ``STATUS_SCHEMA``;
 * dflash-train flags: every flag of the trainer's command line, from ``TrainConfig``'s fields through the
   option system (``cli_fields()``, ``flag_of()`` and each field's ``opt()`` metadata: help, default, choices,
   range, group), one table per group. Taken from trainer.config.options; a
@@ -50,7 +51,7 @@ def _code(text: Any) -> str:
 def status_table() -> str:
     from trainer.status import PHASES, STATUS_SCHEMA
     lines = [
-        "Rendered from trainer/status.py's `STATUS_SCHEMA` (a `StatusWriter` refuses, under the tests, a key it "
+        "Rendered from trainer/status/schema.py's `STATUS_SCHEMA` (a `StatusWriter` refuses, under the tests, a key it "
         "does not declare). Present: *always* = in the file from the first write on (null until known); "
         "*once written* = absent before that.",
         "",

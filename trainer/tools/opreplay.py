@@ -11,6 +11,9 @@ hidden size 16. What is not real: the target's forward (a compute marker lasting
 and the drafter's work on a micro-batch (one block through the tiny drafter, lasting rows / drafter rate).
 oprecord logs every op as it does for a real run, so streamcheck sees the op order the code issues.
 
+`python -m trainer.tools.opreplay --layouts 5+3,4+4x2 --settings orig,b16 --steps 1000` replays plans and checks
+each (streamcheck.simulate): whether it hangs, and at which step first; its efficiency where it does not.
+
 Checkpoints and in-training evals are not replayed (save and eval intervals beyond the plan): they are
 host-side phases that every rank enters at the same step (see docs/distributed.md); recorded real runs
 cover them.
@@ -18,11 +21,17 @@ cover them.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import itertools
+import json
 import logging
 import queue
+import random
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +39,7 @@ from types import SimpleNamespace
 import torch
 
 from trainer.distributed import oprecord
-from trainer.distributed.streamcheck import Program
+from trainer.distributed.streamcheck import Program, Result, simulate, timing
 
 # Per-GPU rates of one H200 for the timed replay (the 27B target and the 27B-width drafter of
 # docs/performance.md, "Per-GPU rates: training", whose result files results/INDEX.md lists), bytes per
@@ -332,3 +341,83 @@ def plan_programs(layout: str, setting: str = "orig", steps: int = 1000, seed: i
         return [rank_program(cfg, t, ds, steps, net) for t in topos]
     finally:
         shutil.rmtree(cfg.output_dir, ignore_errors=True)    # replay_config's scratch directory
+
+
+def run_plan(layout: str, setting: str, steps: int, **over) -> dict:
+    """Replay `steps` steps of `layout` at `setting` and check them; the result as a record."""
+    t0 = time.perf_counter()
+    progs = plan_programs(layout, setting, steps=steps, **over)
+    t1 = time.perf_counter()
+    res = simulate(progs)
+    rec = {"layout": layout, "setting": setting, "steps": steps, **over, "ranks": len(progs),
+           "ops": sum(len(p.ops) for p in progs), "hang": not res.ok, "cycle": res.cycle[:16],
+           "replay_s": round(t1 - t0, 1), "check_s": round(time.perf_counter() - t1, 1)}
+    if res.ok:
+        rec.update(timing(res, progs))
+    else:
+        rec["first_hang_step"] = _first_stuck_step(progs, res)
+    return rec
+
+
+def _first_stuck_step(programs: list[Program], res: Result) -> int | None:
+    """The earliest step (from the loop's marks) with an op that never completed."""
+    best = None
+    for p in programs:
+        marks = sorted((n, text) for text, n in p.marks().items() if text.startswith("step "))
+        done = {i for (r, i) in res.times if r == p.rank}
+        stuck = next((o.id for o in p.ops if o.id not in done), None)
+        if stuck is None:
+            continue
+        step = max((int(t.split()[1]) for n, t in marks if n <= stuck), default=0)
+        best = step if best is None else min(best, step)
+    return best
+
+
+def plan_main(args) -> int:
+    results = []
+    combos = list(itertools.product(args.layouts.split(","), args.settings.split(","), args.transport.split(","),
+                                    args.fsdp_prefetch.split(",")))
+    rng = random.Random(0)
+    for i in range(args.random):
+        t, d = rng.randint(1, 6), rng.randint(1, 6)
+        combos.append((f"{t}+{d}", rng.choice(["orig", "b16"]), rng.choice(args.transport.split(",")),
+                       rng.choice(args.fsdp_prefetch.split(",")),
+                       dict(seed=rng.randint(0, 10 ** 6), grad_accum=rng.randint(1, 6),
+                            queue_depth=rng.randint(1, 3), slots_per_worker=rng.randint(1, 4))))
+    for c in combos:
+        layout, setting, transport, prefetch = c[:4]
+        extra = c[4] if len(c) > 4 else {}
+        steps = args.steps if not extra else max(50, args.steps // 5)
+        rec = run_plan(layout, setting, steps, transport=transport, fsdp_prefetch=prefetch, **extra)
+        results.append(rec)
+        eff = (f"efficiency {rec['efficiency']:.3f} (of the step-barrier bound {rec['pipeline_efficiency']:.3f})"
+               if rec.get("efficiency") and rec.get("pipeline_efficiency") else "")
+        what = f"HANG (first at step {rec['first_hang_step']})" if rec["hang"] else "no hang"
+        print(f"{layout:>6} {setting:>4} {transport:>5} {prefetch:>7} {steps:5d} steps"
+              f"{' ' + str(extra) if extra else ''}: {what} {eff} ({rec['replay_s']}s + {rec['check_s']}s)",
+              flush=True)
+    if args.out:   # meta.commit: which code was checked (results/INDEX.md)
+        from trainer.tools.bench import git_commit
+        meta = {"argv": sys.argv[1:], **git_commit()}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    return 1 if any(r["hang"] for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.tools.opreplay",
+                                 description="Replay the trainer's loop over DispatchPlans and check each under NCCL's rules.")
+    ap.add_argument("--layouts", default="1+1,1+2,2+2,5+3,2+6,4+4x2",
+                    help="comma-separated: T+D on one node, or a name from LAYOUTS (4+4x2: two nodes)")
+    ap.add_argument("--settings", default="orig,b16", help="bench settings (orig: the seed recipe)")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--transport", default="pair", help="comma-separated --transport values to compare")
+    ap.add_argument("--fsdp-prefetch", default="step", help="comma-separated --fsdp-prefetch values to compare")
+    ap.add_argument("--random", type=int, default=0, help="also this many randomized plans (layout, recipe, seed)")
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    return plan_main(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    from trainer.optional import defer
+    defer()   # a program: torchao only when asked for (trainer/optional.py)
+    raise SystemExit(main())

@@ -40,11 +40,13 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.model import architectures
+
 PROG = "recipe"
 VARIANTS = {
     "base": [],
     "b32": ["--block-size", "32", "--gamma", "10"],
-    "dflash2": ["--arch", "dflash2"],
+    **{name: ["--arch", name] for name in architectures.names() if name != architectures.DEFAULT},
     "hard": ["--no-use-soft-labels"],
     "dpace": ["--no-use-soft-labels", "--loss", "ce+dpace"],
     "nonoise": ["--noise-start", "0", "--noise-end", "0"],

@@ -31,7 +31,8 @@ class DrafterProposer:
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.taps = [i + 1 for i in drafter.target_layer_ids]   # HF hidden_states index of each tap
-        self.selector = getattr(drafter, "is_dflash2", False)
+        # a drafter that picks its drafts itself (DFlash2's selector: dflash2_eval.DFlash2CachedModel.pick)
+        self.pick = getattr(drafter, "pick", None)
         self.cache: RowKV | None = None
 
     def alloc(self, dec, capacity: int) -> None:
@@ -52,7 +53,7 @@ class DrafterProposer:
         hidden = d(position_ids=position_ids, noise_embedding=dec.embed(block), target_hidden=new_taps,
                    attention_mask=mask, past_key_values=self.cache)[:, 1:]
         logits = dec.head(hidden.to(dec.head.weight.dtype)).float()
-        return d.pick(hidden, logits, first) if self.selector else logits.argmax(-1)
+        return self.pick(hidden, logits, first) if self.pick is not None else logits.argmax(-1)
 
     def first(self, dec, first: torch.Tensor, taps: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Row by row: each row's context is its whole prompt."""
@@ -123,9 +124,10 @@ class NgramProposer:
 
 
 def proposer_for(drafter):
-    """A proposer as given; a drafter (DFlash's class, or dflash2_eval.DFlash2Proposer) as DrafterProposer."""
+    """A proposer as given; a drafter (DFlash's class, or a wrapper with a batched twin, `cached()`, as
+    dflash2_eval.DFlash2Proposer) as DrafterProposer."""
     if hasattr(drafter, "step") and hasattr(drafter, "first"):
         return drafter
-    if getattr(drafter, "is_dflash2", False) and hasattr(drafter, "cached"):
+    if hasattr(drafter, "cached"):
         drafter = drafter.cached()
     return DrafterProposer(drafter)

@@ -1,4 +1,4 @@
-"""DFlash vs DFlash2, CE vs CE + D-PACE (issue 43): four drafters on the same data and steps, judged by tau.
+"""DFlash vs DFlash2, CE vs CE + D-PACE: four drafters on the same data and steps, judged by tau.
 
     python trainer/tools/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
 

@@ -1,10 +1,9 @@
-"""dflash-eval's loop (issue 29, goal 4): today's one-prompt loop beside the batched, captured one.
+"""dflash-eval's loop: today's one-prompt loop beside the batched, captured one.
 
     python trainer/tools/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
 
 Not part of the test suite: it needs a GPU. One process, a random-init bf16 target of the shape and a random
-drafter (5 layers, block 16), as `python -m trainer.tools.bench --serving` builds them (issue 12's 15.7 verify
-steps/s); prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
+drafter (5 layers, block 16), as `python -m trainer.tools.bench --serving` builds them; prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
 about one token per verify step, so verify steps/s is the loop's cost per step, not a serving speed-up.
 Each variant is warmed on prompts of the same shapes first (the captures happen there), then timed:
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402

@@ -1,7 +1,7 @@
-"""FP8 parity (issues 15, 29): does --fp8 train the drafter as well as bf16, by loss and by tau?
+"""FP8 parity: does --fp8 train the drafter as well as bf16, by loss and by tau?
 
     python trainer/tools/gpu/fp8_parity.py --out results/h200-fp8-parity.json [--gpu 0] [--steps 300]
-    # issue 29, goal 2: a wide target, long enough for tau to climb (docs/performance.md, "FP8 parity")
+    # a wide target, long enough for tau to climb (docs/performance.md, "FP8 parity")
     python trainer/tools/gpu/fp8_parity.py --out results/h200-fp8-parity-wide.json --hidden-size 1024 \\
         --intermediate-size 3072 --num-heads 16 --num-kv-heads 8 --num-train 2048 --steps 1200 \\
         --eval-every 400 --labels hard --lr 1e-3 --max-anchors 32

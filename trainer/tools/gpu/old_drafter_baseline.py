@@ -4,9 +4,9 @@
     python trainer/tools/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
         --shape 27b --settings b16 --steps 2 --parts drafter --target-gpus 0 --drafter-gpus 0 ...
 
-Not part of the test suite. Issue 15's goals are ratios against figures of the code before it (the
-in-process engine, e.g. df36c97); those figures were taken on another machine, so this runs that code's
-own `python -m trainer.bench` again beside today's. Runs only that checkout's bench `main` with the
+Not part of the test suite. A speed-up is a ratio against the code before it (the in-process engine,
+e.g. df36c97), whose figures were taken on another machine; so this runs that code's own
+`python -m trainer.bench` again beside today's. Runs only that checkout's bench `main` with the
 arguments after `--`; nothing of today's trainer is imported.
 
 Two changes, each only when asked for. With --target-layers N: the older bench builds the target model on the drafter's GPU
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-freeze", action="store_true", help="leave compiled graphs unfrozen after the warmup")
     a = p.parse_args(own)
     root = Path(a.checkout).resolve()
-    flat = (root / "trainer" / "bench.py").is_file()   # the layout before the wings (issue 42), or after
+    flat = (root / "trainer" / "bench.py").is_file()   # the flat layout before the wings, or after
     if not flat and not (root / "trainer" / "tools" / "bench.py").is_file():
         print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py or trainer/tools/bench.py there",
               file=sys.stderr)

@@ -1,4 +1,4 @@
-"""dflash-regenerate at serving speed (issue 29, goal 3): the captured decoder beside transformers' generate.
+"""dflash-regenerate at serving speed: the captured decoder beside transformers' generate.
 
     python trainer/tools/gpu/regenerate_bench.py --shape 8b --out results/h200-8b-regenerate-captured.json
     python trainer/tools/gpu/regenerate_bench.py --shape 27b --skip-old --batches 128 --out ...
@@ -16,7 +16,7 @@ same GPU in the same call:
 3. headline: TargetGenerator.complete (dflash-regenerate's own call: prompts sorted by length, batches,
    graphs captured as needed and counted in the time) on --mixed-prompts prompts of uniform random
    length in [--min-len, --max-len], --new-tokens each, at each of --batches.
---attention-check (issue 29, goal 3): first the split-KV decode attention (trainer/ops/decode_attn.py) against
+--attention-check: first the split-KV decode attention (trainer/ops/decode_attn.py) against
 SDPA at the shape's attention (errors against fp32 math, a tile/split sweep, times in CUDA graphs; --attn-fp8
 also an fp8 cache), then the triton decoder's tokens against its own eager loop and the sdpa decoder's.
 --step-variants / --headline-variants name VARIANTS below (fused, fused-triton, fused-triton-trim, ...).
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
-from trainer.model.hybrid import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.serving.regenerate import TargetGenerator  # noqa: E402
 from trainer.tools.bench import results_file  # noqa: E402
 from trainer.tools.bench_profile import kernel_profile  # noqa: E402

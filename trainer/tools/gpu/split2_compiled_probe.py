@@ -1,4 +1,4 @@
-"""Where SPLIT_BLOCKS=2 loses its gradients (issue 29): results/h200-split-attention-parity.json showed relative
+"""Where SPLIT_BLOCKS=2 loses its gradients: results/h200-split-attention-parity.json showed relative
 errors of 1.0 for fc and q_proj when drafter.BlockMerge runs inside compiled drafter layers, while its output
 was right and SPLIT_BLOCKS=1 was right. This probe varies one thing at a time on a small drafter (fp32 on the
 GPU, against a float64 CPU reference of the dense mask) and records each case's relative errors and gradient

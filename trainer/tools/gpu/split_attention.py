@@ -1,4 +1,4 @@
-"""GPU parity of the split attention path (issue 29; --flex-kernel-options SPLIT_BLOCKS=1|2, bench variants
+"""GPU parity of the split attention path (--flex-kernel-options SPLIT_BLOCKS=1|2, bench variants
 `split` and `split2`): FlexAttention over the context keys with its log-sum-exp, the in-block part apart, merged.
 
     python trainer/tools/gpu/split_attention.py --out results/h200-split-attention-parity.json

@@ -14,18 +14,16 @@ prompt-only JSONL (messages without an assistant turn, or a "prompt" alone): the
 template's generation prompt. Records without a prompt (supervised from the first token) are skipped. Only the first assistant turn
 is regenerated: later turns answered a reply the target did not write.
 
-The target generates each prompt's completion with transformers' `generate` (left padding, attention
-mask, KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or
-top-p, seeded per shard; --samples-per-prompt N > 1 writes N sampled completions of each prompt, as N
-records side by side), until one of its EOS ids (kept, and supervised, like the end-of-turn token
-of dflash-prepare) or --max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own
-decode loop instead (trainer/serving/captured/regenerate_decoder.py: one preallocated KV cache, the decode step captured as CUDA
-graphs, its small ops compiled with --fuse, its attention a split-KV Triton kernel with
---decode-attention (auto: on GPUs with Triton); use a large --batch-size there, e.g. 256 on an 8B target, 128
-on a 27B one); --devices runs one worker process per
-device, each taking the next unfinished shard. Output: the shard format of dflash-prepare (trainer/data/dataset.py)
-with the loss mask on the generated tokens only, and index.json with a "regenerated" key recording
-what wrote it (target, source and its hash, max_new_tokens, temperature, seed, batch size).
+The target generates each prompt's completion with transformers' `generate` (left padding, attention mask,
+KV cache), greedy by default (--temperature T > 0 samples from softmax(logits / T), no top-k or top-p, seeded
+per shard; --samples-per-prompt N > 1 writes N sampled completions of each prompt, as N records side by side),
+until one of its EOS ids (kept, and supervised, like the end-of-turn token of dflash-prepare) or
+--max-new-tokens. On GPUs (--decoder auto) the same tokens come from dflash's own decode loop instead
+(captured/regenerate_decoder.py: one preallocated KV cache, the decode step captured as CUDA graphs, its small
+ops compiled with --fuse, its attention a split-KV Triton kernel with --decode-attention); use a large
+--batch-size there (256 on an 8B target, 128 on a 27B one); --devices runs one worker process per device,
+each taking the next unfinished shard. Output: dflash-prepare's shard format (trainer/data/dataset.py) with
+the loss mask on the generated tokens only, and index.json's "regenerated" key recording what wrote it.
 
 Resumable: output shard k holds the prompts k*S..(k+1)*S-1; each is written atomically and then
 recorded in OUTDIR/regenerate.json (the configuration and the finished shards). A rerun with the same
@@ -377,26 +375,19 @@ class RegenerateConfig:
     max_new_tokens: int = opt(1024, "tokens generated per prompt at most", group=GEN, ge=1)
     temperature: float = opt(0.0, "0 = greedy", group=GEN, ge=0)
     seed: int = opt(0, "sampling seed (temperature > 0)", group=GEN)
-    samples_per_prompt: int = opt(1, "completions sampled per prompt, each its own record (> 1 needs "
-                                     "--temperature > 0)", group=GEN, ge=1)
+    samples_per_prompt: int = opt(1, "completions per prompt, each a record (> 1: --temperature > 0)", group=GEN, ge=1)
     shard_size: int = opt(DEFAULT_SHARD_SIZE, "sequences per shard", group=GEN, ge=1)
     max_records: int = opt(0, "first N prompts only (0 = all)", group=GEN, ge=0)
     static_cache: str = opt("auto", "static KV cache, its decode step compiled by transformers on GPUs (auto: on "
                                     "when every device is a GPU)", group=GEN, choices=AUTO_ON_OFF)
-    decoder: str = opt("auto", "captured: dflash's own decode loop, one preallocated KV cache and the decode step "
-                               "captured as CUDA graphs on GPUs; generate: transformers' generate (auto: captured "
-                               "when every device is a GPU)", group=GEN, choices=("auto", *DECODERS))
-    fuse: str = opt("auto", "the captured decode step's norms, rotary and SiLU gate compiled by torch.compile "
-                            "(auto: on when the decoder is captured and every device is a GPU)", group=GEN,
-                    choices=AUTO_ON_OFF)
-    decode_attention: str = opt("auto", "the captured decode step's attention: sdpa (PyTorch) or triton (a split-KV "
-                                        "flash-decoding kernel; its torch reference on CPUs) (auto: triton when the "
-                                        "decoder is captured, every device is a GPU and Triton is installed, else "
-                                        "sdpa)", group=GEN, choices=("auto", *DECODE_ATTENTIONS))
-    kv_fp8: str = opt("off", "the captured decoder's KV cache in fp8 e4m3 (half the memory: a faster decode, or "
-                             "twice the batch of a 27B target: docs/performance.md, \"Regeneration at serving "
-                             "speed\"; changes the numerics, recorded in the output; needs --decode-attention "
-                             "triton)", group=GEN, choices=ON_OFF)
+    decoder: str = opt("auto", "captured: dflash's own decode loop (a preallocated KV cache, CUDA graphs); generate: "
+                               "transformers' (auto: captured when every device is a GPU)", group=GEN, choices=("auto", *DECODERS))
+    fuse: str = opt("auto", "the captured decode step's small ops compiled (auto: on with the captured decoder on GPUs)",
+                    group=GEN, choices=AUTO_ON_OFF)
+    decode_attention: str = opt("auto", "the captured decode step's attention: sdpa, or triton, a split-KV "
+                                        "kernel (auto: triton on GPUs with Triton)", group=GEN, choices=("auto", *DECODE_ATTENTIONS))
+    kv_fp8: str = opt("off", "the captured KV cache in fp8 e4m3 (half the memory; changes the numerics, so it is "
+                             "recorded; needs --decode-attention triton)", group=GEN, choices=ON_OFF)
     json: bool = opt(False, "print the statistics as JSON on stdout", group=GEN)
 
     def device_list(self) -> list[str]:
@@ -418,7 +409,17 @@ class RegenerateConfig:
 def resolve_switches(cfg: RegenerateConfig, devs: list[str], target_config: dict,
                      target: Path) -> tuple[bool, str, bool, str, bool]:
     """(static_cache, decoder, fuse, decode_attention, kv_fp8) with each auto decided for these devices, and
-    the combinations that cannot run refused (RegenerateError naming the flag)."""
+    the combinations that cannot run refused (RegenerateError naming the flag).
+    static_cache auto: on when every device is a GPU (docs/performance-archive.md measures it).
+    decoder auto: "captured" (captured/regenerate_decoder.py, CUDA graphs) when every device is a GPU, else
+    "generate".
+    fuse auto: the captured decoder's small ops compiled when every device is a GPU (a faster decode step:
+    results/INDEX.md, h200-8b-regenerate-fused.json); bf16 rounding only, not recorded.
+    decode_attention auto: "triton" (the split-KV kernel, trainer/ops/decode_attn.py; results/INDEX.md,
+    h200-8b-regenerate-triton.json) with the captured decoder when every device is a GPU and Triton is
+    installed, else "sdpa"; "triton" on a CPU runs the kernel's torch reference. Not recorded either.
+    kv_fp8 on: the KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the numerics, so it is
+    recorded ("kv_cache": "fp8") and a resume must use it too."""
     gpus = all(d.startswith("cuda") for d in devs)
     static_cache = gpus if cfg.static_cache == "auto" else cfg.static_cache == "on"
     decoder = ("captured" if gpus else "generate") if cfg.decoder == "auto" else cfg.decoder
@@ -446,6 +447,19 @@ def resolve_switches(cfg: RegenerateConfig, devs: list[str], target_config: dict
     return static_cache, decoder, fuse, decode_attention, kv_fp8
 
 
+def _run_record(cfg: RegenerateConfig, target: Path, source, num_records: int, settings: GenerationSettings) -> dict:
+    """What regenerate.json records of a run: a resume with a different record is refused (_check_out_dir)."""
+    config = {"target_model": str(target.absolute()), "source": source, "num_records": num_records,
+              "max_new_tokens": int(cfg.max_new_tokens), "temperature": float(cfg.temperature), "seed": int(cfg.seed),
+              "batch_size": int(cfg.batch_size), "shard_size": int(cfg.shard_size),
+              "static_cache": bool(settings.static_cache), "decoder": settings.decoder}
+    if settings.kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
+        config["kv_cache"] = "fp8"
+    if cfg.samples_per_prompt > 1:   # recorded only when used: outputs written before the option resume unchanged
+        config["samples_per_prompt"] = int(cfg.samples_per_prompt)
+    return config
+
+
 def regenerate(
     cfg: RegenerateConfig | str | os.PathLike | None,
     target_model: str | os.PathLike | None = None,
@@ -462,19 +476,7 @@ def regenerate(
     works (:meth:`RegenerateConfig.of`). Returns statistics:
     records, shards, shards_skipped, shards_generated, tokens_generated, prompt_tokens, seconds
     (generation only), tokens_per_s, load_seconds, stopped_at_eos, index_hash, out_dir.
-    The ``auto`` switches are resolved by :func:`resolve_switches`:
-    static_cache auto: on when every device is a GPU (docs/performance-archive.md measures it).
-    decoder auto: "captured" (trainer/serving/captured/regenerate_decoder.py, CUDA graphs) when every device is a GPU, else "generate".
-    fuse auto: the captured decoder's small ops compiled when every device is a GPU (a faster decode step:
-    results/INDEX.md, h200-8b-regenerate-fused.json); it changes no token's choice beyond bf16 rounding and is
-    not recorded.
-    decode_attention auto: "triton" (the split-KV kernel, trainer/ops/decode_attn.py; a faster decode step:
-    results/INDEX.md, h200-8b-regenerate-triton.json) with the captured decoder when every device is a GPU and
-    Triton is installed, else "sdpa" (PyTorch's SDPA); "triton" on a CPU runs the kernel's torch reference.
-    bf16 rounding only, not recorded either.
-    kv_fp8 on: the captured decoder's KV cache in fp8 e4m3 (needs decode_attention "triton"); it changes the
-    numerics, so it is recorded ("kv_cache": "fp8") and a resume must use it too.
-    Several devices: one worker process per device, each taking the next shard.
+    The ``auto`` switches are resolved by :func:`resolve_switches`. Several devices: one worker process per device, each taking the next shard.
     Raises :class:`RegenerateError` on bad input (nothing is generated then)."""
     from trainer.config.preflight import check_model_dir
 
@@ -521,27 +523,11 @@ def regenerate(
             "(supervised from their first token), skipped")
     if max_records:
         prompts = prompts[:max_records]
-    samples = cfg.samples_per_prompt
-    if samples > 1:
+    if cfg.samples_per_prompt > 1:
         # each copy its own row: the captured decoder's noise is keyed by the row's index, generate draws
         # each row from the shard's generator, so the copies differ
-        prompts = [p for p in prompts for _ in range(samples)]
-    config = {
-        "target_model": str(target.absolute()),
-        "source": source,
-        "num_records": len(prompts),
-        "max_new_tokens": int(max_new_tokens),
-        "temperature": float(temperature),
-        "seed": int(seed),
-        "batch_size": int(batch_size),
-        "shard_size": int(shard_size),
-        "static_cache": bool(settings.static_cache),
-        "decoder": settings.decoder,
-    }
-    if settings.kv_fp8:   # changes the tokens beyond rounding: a resume must use the same cache
-        config["kv_cache"] = "fp8"
-    if samples > 1:   # recorded only when used: outputs written before the option resume unchanged
-        config["samples_per_prompt"] = int(samples)
+        prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+    config = _run_record(cfg, target, source, len(prompts), settings)
     manifest = _check_out_dir(out, config, src)
     num_shards = -(-len(prompts) // shard_size)
     if manifest["complete"] and (out / INDEX_NAME).is_file() and all(

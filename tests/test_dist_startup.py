@@ -75,7 +75,7 @@ def _groups(topo, transport="pair"):
     return lambda: Groups(topo, datetime.timedelta(seconds=60), transport, host_backend="fake")
 
 
-@pytest.mark.parametrize("layout", ["1+1", "1+2", "5+3", "4+4x2"])
+@pytest.mark.parametrize("layout", ["1+1", "1+2", "5+3", "4+4x2", "13+3x2"])
 @pytest.mark.parametrize("transport", ["pair", "world"])
 def test_every_rank_makes_the_same_world_communicator_splits(layout, transport):
     """The startup hang of issue 40: dctl (gloo, drafter ranks only) made the target ranks split once

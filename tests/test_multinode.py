@@ -50,6 +50,8 @@ RENDER = """
 
 
 def _render(tmp_path, inventory):
+    """Render the role's run.sh (after its flag check) for every host of `inventory` (a name under inventory/
+    or a path)."""
     ansible_runner = pytest.importorskip("ansible_runner")
     out = tmp_path / "out"
     out.mkdir()
@@ -85,6 +87,38 @@ def test_multinode_run_sh_node_rank_from_inventory_order_rendezvous_on_the_first
     assert not (out / "mn-ct1.multinode.conf").exists()
     conf = (out / "mn-ct2.multinode.conf").read_text()
     assert "Type=exec\n" in conf and "WatchdogSec=0\n" in conf
+
+
+def test_the_documented_two_node_layout_passes_the_flag_check(tmp_path):
+    """docs/distributed.md's 13 + 3 over two nodes (issue 61): node 0 five targets and three drafters, node 1
+    eight targets and `dflash_service_drafter_gpus: ""`. The deploy's flag check (the trainer's own rules)
+    accepts node 1, and node 1's run.sh carries no --drafter-gpus."""
+    import shutil
+    inv = tmp_path / "inventory"
+    shutil.copytree(REPO / "inventory" / "multinode", inv)   # the dflash.yml link copied as a file
+    (inv / "host_vars").mkdir()
+    (inv / "host_vars" / "mn-ct1.yml").write_text('dflash_service_target_gpus: "0,1,2,3,4"\n'
+                                                 'dflash_service_drafter_gpus: "5,6,7"\n')
+    (inv / "host_vars" / "mn-ct2.yml").write_text('dflash_service_target_gpus: "0,1,2,3,4,5,6,7"\n'
+                                                 'dflash_service_drafter_gpus: ""\n')
+    (tmp_path / "run").mkdir()
+    out = _render(tmp_path / "run", inv)
+    args = _exec_args((out / "mn-ct2.run.sh").read_text())
+    node1 = dict(zip(args, args[1:]))
+    assert node1["--target-gpus"] == "0,1,2,3,4,5,6,7" and "--drafter-gpus" not in node1
+    assert node1["--node-rank"] == "1"
+
+
+def test_a_node_without_a_drafter_is_refused_as_node_zero_or_alone():
+    """Only a node other than node 0 of a job over several nodes may hold no drafter: node 0's first drafter
+    rank writes status.json and the checkpoints."""
+    from trainer.config.options import ConfigError, parse_args, validate_flags
+    paths = ["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o", "--target-gpus", "0,1,2,3,4,5,6,7"]
+    two = ["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500"]
+    validate_flags(parse_args([*paths, *two, "--node-rank", "1"]), gpu_count=-1)
+    for argv in ([*paths], [*paths, *two, "--node-rank", "0"]):
+        with pytest.raises(ConfigError, match="both must list GPUs"):
+            validate_flags(parse_args(argv), gpu_count=-1)
 
 
 def test_single_node_run_sh_has_no_multinode_flags(tmp_path):

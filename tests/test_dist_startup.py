@@ -113,15 +113,43 @@ def test_roles_are_exchanged_on_the_gloo_control_group_not_the_world_group(monke
         finish_single()
 
 
-@pytest.mark.parametrize("given, cpus, nproc, want", [
-    (None, 32, 8, 4),        # unset: this node's share
-    ("4", 32, 8, 4),         # run.sh's value, the same share
-    ("2", 32, 8, 2),         # a smaller value stays
-    ("4", 8, 8, 1),          # the container has fewer cores than the inventory said: lowered
-    ("0", 16, 3, 5), ("x", 16, 3, 5),   # not a positive number: the share
+@pytest.mark.parametrize("given, cpus, nproc, compiling, want", [
+    (None, 32, 8, 8, 4),        # unset: this node's share
+    ("4", 32, 8, 8, 4),         # run.sh's value, the same share
+    ("2", 32, 8, 8, 2),         # a smaller value stays
+    ("4", 8, 8, 8, 1),          # the container has fewer cores than the inventory said: lowered
+    ("0", 16, 3, 3, 5), ("x", 16, 3, 3, 5),   # not a positive number: the share
+    ("4", 32, 8, 3, 10),        # a hybrid at 5 + 3: only the drafters compile, the targets' shares are theirs
+    (None, 32, 8, 3, 10),
+    ("2", 32, 8, 3, 5),         # an operator's smaller share, passed on the same way
 ])
-def test_the_supervisor_bounds_the_compile_workers_by_the_cores_and_ranks(given, cpus, nproc, want):
+def test_the_supervisor_bounds_the_compile_workers_by_the_cores_and_the_ranks_that_compile(given, cpus, nproc,
+                                                                                          compiling, want):
+    """Issue 61, item 3: the compile workers are sized by the ranks that compile, not by every rank."""
     from trainer.distributed.launch import COMPILE_THREADS_ENV, bound_compile_threads
     env = {} if given is None else {COMPILE_THREADS_ENV: given}
-    assert bound_compile_threads(env, nproc, cpus) == want
+    assert bound_compile_threads(env, nproc, cpus, compiling) == want
     assert env[COMPILE_THREADS_ENV] == str(want)
+
+
+def test_the_ranks_that_compile_follow_compile_as_the_ranks_resolve_it():
+    from trainer.config.options import parse_args
+    from trainer.distributed.launch import compiling_ranks
+    from trainer.distributed.startup import StartupBounds
+    from trainer.distributed.topology import local_roles
+    cfg = parse_args(["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o", "--target-gpus", "0,1,2,3,4",
+                      "--drafter-gpus", "5,6,7"])
+    roles = local_roles(cfg)
+    hybrid = StartupBounds(1, 1, "", compile="drafter")     # --compile auto on a hybrid target
+    assert compiling_ranks(cfg, roles, hybrid) == 3
+    assert compiling_ranks(cfg, roles, StartupBounds(1, 1, "", compile="all")) == 8
+    assert compiling_ranks(cfg, roles, StartupBounds(1, 1, "", compile="none")) == 1
+
+
+def test_each_rank_gets_its_share_of_the_cores_for_its_intra_op_threads():
+    """Issue 61, item 8: OMP_NUM_THREADS unset gave 8 ranks 32 threads each for DCP's serialization and copies."""
+    from trainer.distributed.launch import OMP_THREADS_ENV, bound_omp_threads
+    env: dict = {}
+    assert bound_omp_threads(env, 8, 32) == 4 and env[OMP_THREADS_ENV] == "4"
+    env = {OMP_THREADS_ENV: "1"}      # the CPU stand-ins' inventory: kept
+    assert bound_omp_threads(env, 3, 16) == 1

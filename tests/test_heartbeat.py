@@ -73,8 +73,56 @@ def test_node_0_vanishing_ends_the_other_nodes_ranks():
     one.stop(done=False)
 
 
-def test_the_bound_is_the_dist_timeout_plus_a_margin():
-    assert 600 < heartbeat_bound(600) <= 600 + 60
+def test_the_bound_is_under_the_dist_timeout():
+    """NCCL's watchdog aborts a rank whose op waited --dist-timeout (SIGABRT: a report naming no peer); the
+    heartbeat names a lost host before that (issue 61, item 5)."""
+    assert 600 - 60 <= heartbeat_bound(600) < 600
+    assert 0 < heartbeat_bound(10) < 10
+
+
+def test_the_quiet_peers_reach_the_error_file_as_they_go(tmp_path, monkeypatch):
+    """A rank that dies of a signal (NCCL's watchdog) writes no error; what its heartbeat knew is in its error
+    file already, and the launcher's record of the failure quotes it instead of `Signal 6`."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    err = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    hb = Heartbeat(None, 0, 4, ["node0", "node0", "node1", "node1"], bound_s=150, interval=5,
+                   on_silent=lambda line: None)
+    now = time.monotonic()
+    hb.seen = {1: ("40", now - 1), 2: ("38", now - 40), 3: ("37", now - 41)}
+    hb.last_ok = now
+    hb.note_quiet()
+    assert "heartbeat: no beat for" in json.loads(err.read_text())["message"]["message"]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-6, error_file=str(err))
+    assert "from node1 (ranks 2, 3)" in failure.message["message"]
+    hb.seen = {r: (v, time.monotonic()) for r, (v, _) in hb.seen.items()}   # heard from again
+    hb.note_quiet()
+    assert not err.exists()
+
+
+def test_an_abort_in_the_store_takes_every_ranks_stacks_and_ends_them(tmp_path, capfd):
+    """A supervisor that ends a stalled start-up leaves its line in its notes directory: its node's rank puts it
+    in the job's store, and every rank (here one on each node) writes its stacks and ends with the line."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    ended: dict[int, str] = {}
+    abort = tmp_path / "abort"
+    beats = [Heartbeat(server if r == 0 else dist.TCPStore("127.0.0.1", port, 2, False), r, 2, ["n0", "n1"],
+                       bound_s=60, interval=0.1, on_silent=lambda line, r=r: ended.setdefault(r, line),
+                       abort_file=str(abort) if r == 0 else None).start() for r in range(2)]
+    time.sleep(0.5)
+    assert not ended
+    abort.write_text("start-up stalled: rank 1 (target) in warmup (target shape 2 of 3)")
+    took = _wait(lambda: len(ended) == 2, 10)
+    assert took < 2, took
+    for r in (0, 1):
+        assert ended[r] == "the job was ended: start-up stalled: rank 1 (target) in warmup (target shape 2 of 3)"
+    err = capfd.readouterr().err
+    assert err.count("stacks of every thread (the job's abort)") == 2 and err.count("Thread 0x") >= 2
+    for b in beats:
+        b.stop()
 
 
 def _tree(pid: int) -> list[int]:

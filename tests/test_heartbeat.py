@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch.distributed as dist
 
 from trainer.distributed.heartbeat import Heartbeat, heartbeat_bound
@@ -225,3 +226,49 @@ def test_a_rank_that_fails_on_a_timeout_names_the_peers_it_no_longer_hears():
     assert str(annotate(Odd(1, 2), "x")) == "Odd: 1/2; heartbeat: x"
     e = ValueError("v")
     assert annotate(e, None) is e
+
+
+@pytest.mark.slow
+def test_a_stall_on_node_1_takes_node_1s_stacks_through_the_abort_key(tiny_small_dir, tmp_path):
+    """Issue 61, item 4: two supervisors on loopback, 3 ranks each; node 1's second target hangs in its second warmup
+    shape (rank 5). Node 0's supervisor sees it (the ranks' notes reach its status.json through the store) and ends the
+    job with one line naming rank 5 and its shape. Node 1's own stall bound is far off, so its ranks' stacks come
+    from the abort key alone: each writes them and ends with node 0's line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer.distributed.launch import STALL_EXIT
+    from trainer.distributed.startup import HANG_ENV, STALL_ENV
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import tiny_args
+    port = free_port()
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               **{HANG_ENV: "5:target shape 2 of"})
+    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "2"), "--cpu-target-workers", "2",
+            "--cpu-drafter-replicas", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--dist-timeout", "60"]
+    node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
+                              "--status-file", str(tmp_path / "node1" / "status.json"),
+                              "--log-dir", str(tmp_path / "node1")],
+                             env={**env, STALL_ENV: "900"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
+                             env={**env, STALL_ENV: "45"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        journal0 = node0.communicate(timeout=500)[0]
+        journal1 = node1.communicate(timeout=120)[0]
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert node0.returncode == STALL_EXIT, journal0[-3000:]
+    lines = [ln for ln in journal0.splitlines() if ln.startswith("dflash-train: error: start-up stalled")]
+    assert len(lines) == 1 and "rank 5 (target) in warmup (target shape 2 of" in lines[0], journal0[-3000:]
+    assert json.loads((out / "status.json").read_text())["error"] == lines[0].removeprefix("dflash-train: error: ")
+    # node 1: both ranks took their stacks on the abort (the hung frame among them) and ended with node 0's line
+    assert journal1.count("stacks of every thread (the job's abort)") == 3, journal1[-3000:]
+    assert "hang_for_test" in journal1 and "the job was ended: start-up stalled: rank 5 (target)" in journal1
+    assert node1.returncode != 0

@@ -21,8 +21,8 @@ its error (`Heartbeat.quiet`, `annotate`).
 
   abort   each beat also polls the job's store for ABORT_KEY: a supervisor that ends a stalled start-up
           (launch.py) leaves its line in its notes directory, its node's ranks put it in the store, and
-          every rank of every node writes all its threads' stacks to its log and ends. So a stall seen on
-          node 0 brings node 1's stacks too."""
+          every rank of every node writes all its threads' stacks to its log, waits for the others' (at
+          most ABORT_ACK_S) and ends. So a stall seen on node 0 brings node 1's stacks too."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ KEY = "dflash/heartbeat/{rank}"
 ABORT_KEY = "dflash/abort"
 DONE = "done"
 MARGIN_S = 30.0           # under --dist-timeout: a few beats, and the store's own round trips
-ABORT_WAIT_S = 12.0       # how long a supervisor leaves every node's ranks to take their stacks (two beats)
+ABORT_ACK_S = 12.0        # an aborting rank waits this long for every rank's stacks (two beats and more)
+ABORT_WAIT_S = ABORT_ACK_S + 3.0   # how long a supervisor leaves every node's ranks to take theirs and end
 
 
 def heartbeat_bound(dist_timeout_s: float) -> float:
@@ -132,6 +133,7 @@ class Heartbeat:
                 self.silent = f"the job was ended: {abort}"
                 self._halt.set()
                 dump_stacks(self.rank)
+                self.wait_for_every_dump()
                 self.on_silent(self.silent)
                 return
             self._halt.wait(self.interval)
@@ -179,6 +181,18 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001  (the store is gone: the silence check decides)
             log.debug("heartbeat abort poll: %s", e)
         return None
+
+    def wait_for_every_dump(self, limit: float = ABORT_ACK_S) -> None:
+        """After this rank's stacks: until every rank has taken its own (`ABORT_KEY/<rank>`), at most `limit` s.
+        A rank that ended first would have its launcher stop its node's other ranks before their next beat."""
+        deadline = time.monotonic() + limit
+        try:
+            self.store.set(f"{ABORT_KEY}/{self.rank}", "1")
+            keys = [f"{ABORT_KEY}/{r}" for r in range(self.world)]
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.2)
+        except Exception as e:  # noqa: BLE001  (the store is gone: end now)
+            log.debug("heartbeat abort wait: %s", e)
 
     def note_quiet(self) -> None:
         """Whom this rank has not heard from, into its error file as it goes: a rank that dies of a signal

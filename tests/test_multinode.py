@@ -40,6 +40,11 @@ RENDER = """
         src: "{{ repo }}/roles/dflash_service/templates/run.sh.j2"
         dest: "{{ out }}/{{ inventory_hostname }}.run.sh"
         mode: "0644"
+    - name: Render the unit
+      ansible.builtin.template:
+        src: "{{ repo }}/roles/dflash_service/templates/dflash.service.j2"
+        dest: "{{ out }}/{{ inventory_hostname }}.service"
+        mode: "0644"
     - name: Render the drop-in
       ansible.builtin.template:
         src: "{{ repo }}/roles/dflash_service/templates/dflash-multinode.conf.j2"
@@ -123,6 +128,12 @@ def test_a_node_without_a_drafter_is_refused_as_node_zero_or_alone():
 
 def test_single_node_run_sh_has_no_multinode_flags(tmp_path):
     out = _render(tmp_path, "local")
+    # a deterministic start-up stall ends the unit for good (issue 61, item 6): its exit status is not restarted
+    from trainer.distributed.launch import STALL_EXIT
+    unit = (out / "ct200.service").read_text()
+    prevent = next(ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus="))
+    assert set(prevent.split("=", 1)[1].split()) == {"2", str(STALL_EXIT)}
+    assert "Restart=on-failure" in unit
     text = (out / "ct200.run.sh").read_text()
     assert "--nnodes" not in text and "--node-rank" not in text and "--rdzv-endpoint" not in text
     assert "SOCKET_IFNAME" not in text

@@ -28,6 +28,12 @@ log = logging.getLogger("trainer.dist")
 # The host-side phases every rank enters at the same step (the startup load and warmup, checkpoints, tau
 # evals) may outlast --dist-timeout; the gloo groups that hold the ranks together through them wait this long.
 HOST_PHASE_TIMEOUT_S = 3 * 3600.0
+# The first steps bring the compiles the warmup could not cover (inductor's own shape regimes; logged with their
+# seconds by compiling.note_new_graphs), and a peer's receives wait on such a compile against the NCCL timeout.
+# Until FIRST_STEPS steps have passed, the steps' groups time out after --dist-timeout plus FIRST_STEPS_EXTRA_S
+# (a compile at its worst case: compile_warmup.COMPILED_SHAPE_S); then after --dist-timeout (Groups.settle).
+FIRST_STEPS = 32
+FIRST_STEPS_EXTRA_S = 1800.0
 
 
 class Groups:
@@ -49,25 +55,49 @@ class Groups:
     own group-creation code)."""
 
     def __init__(self, topo: Topology, timeout: datetime.timedelta, transport: str = "pair",
-                 host_backend: str | None = "gloo", control=None, progress=None):
+                 host_backend: str | None = "gloo", control=None, progress=None,
+                 first_extra: datetime.timedelta = datetime.timedelta(seconds=FIRST_STEPS_EXTRA_S)):
         import torch.distributed as dist
         self.rank, self.world_size = topo.rank, topo.world
+        self.timeout = timeout           # the steps' groups' NCCL timeout after the first steps (settle)
+        self.settled = False
         self.progress = progress    # startup.StartupProgress: a note before each group (init_rank's)
         pairs = [(t, d) for t in topo.target_ranks for d in topo.drafter_ranks if t != d] \
             if transport != "world" and topo.world > 1 else []
         self._made, self._count = 0, (control is None) + (transport == "world" and topo.world > 1) + 2 + len(pairs)
         host_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
+        first = timeout + first_extra     # the steps' groups until FIRST_STEPS steps have passed
         self.control = control if control is not None else self.new("control", None, host_backend, host_timeout)
         # The default group was made with the host timeout (the startup is a host phase: init_rank); the
         # hidden states' group over all ranks, when there is one, counts against --dist-timeout.
-        self.world = (self.new("WORLD", None, None, timeout) if transport == "world" and topo.world > 1
+        self.world = (self.new("WORLD", None, None, first) if transport == "world" and topo.world > 1
                       else dist.group.WORLD)
-        self.drafters = self.new("drafters", topo.drafter_ranks, None, timeout)
+        self.drafters = self.new("drafters", topo.drafter_ranks, None, first)
         self.dctl = self.new("dctl", topo.drafter_ranks, host_backend, host_timeout)
         self.pairs: dict[tuple[int, int], object] = {}    # (target rank, drafter rank) -> its group
         self.heartbeat = None   # heartbeat.Heartbeat on a job over several nodes (init_rank starts it)
         for t, d in pairs:        # every rank creates every group, in this order
-            self.pairs[(t, d)] = self.new(f"pair:{t}-{d}", [t, d], None, timeout)
+            self.pairs[(t, d)] = self.new(f"pair:{t}-{d}", [t, d], None, first)
+        self.step_groups = ([self.world] if transport == "world" and topo.world > 1 else []) + [self.drafters,
+                                                                                              *self.pairs.values()]
+
+    def settle(self, step: int) -> bool:
+        """After FIRST_STEPS steps: the steps' groups (those this rank is in) time out after --dist-timeout.
+        Returns whether it changed them now."""
+        if self.settled or step < FIRST_STEPS:
+            return False
+        from torch.distributed import distributed_c10d as c10d
+        self.settled = True
+        for g in self.step_groups:
+            if g is not None and not c10d._rank_not_in_group(g):
+                try:
+                    c10d._set_pg_timeout(self.timeout, g)
+                except Exception as e:  # noqa: BLE001  (a backend that cannot: it keeps the longer timeout)
+                    log.debug("timeout of a step group: %s", e)
+        if self.rank == 0:
+            log.info("step %d: the steps' groups now time out after %.0fs (--dist-timeout); the first %d steps "
+                     "allowed a compile after the warmup more", step, self.timeout.total_seconds(), FIRST_STEPS)
+        return True
 
     def new(self, name: str, ranks: list[int] | None, backend: str | None, timeout):
         self._made += 1

@@ -342,6 +342,7 @@ class Trainer:
                 recompiles = note_new_graphs(self.loop.step)   # logged with its guard here; counted in status.json
                 self.loop.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.loop.step))  # known on every rank
                 self.loop.step += 1
+                self.groups.settle(self.loop.step)   # the longer NCCL timeout of the first steps ends
                 counters = {"items": self.items_done,
                             "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
                             "wait_s": self.wait_s,

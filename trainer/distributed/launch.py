@@ -93,8 +93,7 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
                       # the workers' store is node 0's too: at the endpoint's address, not at whatever
                       # this host's name resolves to (a container's name may be loopback on every node)
                       local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,
-                      start_method="spawn", log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None,
-                      **extra)
+                      start_method="spawn", **extra)
     import shutil
     import tempfile
 

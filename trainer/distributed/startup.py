@@ -1,15 +1,17 @@
 """The start-up's proof of progress: load, compile, autotune and warmup of every rank happen before step 0,
 under systemd's start timeout, and a start-up that cannot prove progress must not hang silently.
 
-  rank r   `StartupProgress.note(phase, detail)` before each piece of start-up work (the load, each warmup
-           shape: "target shape 2 of 3 (1x4096, compile and autotune)"): one line in its log (the journal),
-           and a key in the job's store (`dflash/startup/<r>`, the rendezvous store on node 0, so a
-           rank of any node reaches it)
+  rank r   `StartupProgress.note(phase, detail)` before each piece of start-up work (init_rank's sub-steps:
+           the process group, each group k of n, each connect t-d; the load; each warmup shape: "target
+           shape 2 of 3 (1x4096, compile and autotune)"): one line in its log (the journal), a key in the
+           job's store (`dflash/startup/<r>`, the rendezvous store on node 0, so a rank of any node reaches
+           it) once there is one, and a file in its supervisor's notes directory (NOTES_DIR_ENV)
   rank 0   a thread (`StartupWatch`) reads every rank's key and puts them in status.json's `startup`,
            logging the other ranks' notes, until the start barrier passes
-  node 0's supervisor  `launch._NotifyRelay` extends systemd's start timeout only while some rank's note
-           moves; when none moved for `StartupBounds.stall_s`, it ends the job with one line naming the
-           rank that stopped and its phase (`stall_line`)
+  a node's supervisor  `launch._NotifyRelay`, from the launch on, extends systemd's start timeout only while
+           some rank's note moves (status.json's, or its own ranks' files before there is one); when none
+           moved for `StartupBounds.stall_s`, it ends the job with one line naming the rank that stopped
+           and its sub-step, and the others still working (`stall_line`)
   every rank  `start_barrier`: a monitored barrier on the gloo control group with its own bound
            (`StartupBounds.barrier_s`, from the config's worst-case warmup), not the 3 h host-phase timeout
 

@@ -141,7 +141,8 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
     """Two supervisors on loopback, 3 ranks each. While the leader holds a checkpoint (fault injection), node 1
     vanishes: SIGSTOP to its supervisor and ranks, which closes no connection, as a host that loses power or
     its network. Node 0's ranks wait for it in gloo host phases whose timeout is 3 h (the checkpoint's
-    barrier); the heartbeats end node 0 within --dist-timeout (10 s) plus the margin."""
+    barrier); the heartbeats end node 0 within their bound (under --dist-timeout 40 s: a bound of a few
+    seconds would take a busy test machine's slow beat for a silence) and a margin."""
     import os
     import signal
     import subprocess
@@ -155,7 +156,7 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
                DFLASH_FAULT_SLOW_CHECKPOINT="240")
     args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--save-interval", "2", "--stop-timeout", "60"),
             "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
-            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "10"]
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "40"]
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
                               "--status-file", str(tmp_path / "node1" / "status.json"),
                               "--log-dir", str(tmp_path / "node1")],
@@ -181,10 +182,10 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
         took = time.time() - gone
         journal = node0.stdout.read()
         assert node0.returncode != 0
-        assert took < heartbeat_bound(10) + 30, took
+        assert took < heartbeat_bound(40) + 30, took
         assert "silent for" in journal and "heartbeat through the store" in journal, journal[-3000:]
         # every rank said its bound at start (init_rank runs before the run's log file exists)
-        said = f"heartbeat through the store: a rank or the store silent for {heartbeat_bound(10):.0f}s ends the job"
+        said = f"heartbeat through the store: a rank or the store silent for {heartbeat_bound(40):.0f}s ends the job"
         assert journal.count(said) == 3, journal[:3000]
         # the supervisor's report (status.json's error too) carries the silence, not only `exit 1`
         assert "failed (exit 1): PeerSilent: rank " in journal, journal[-3000:]

@@ -241,3 +241,46 @@ def test_a_hang_in_warmup_ends_within_the_bound_naming_the_rank_and_its_shape(ti
     assert "still working" not in lines[0]    # the drafters wait at the barrier: not the ones to blame
     assert _dumps(journal) == 3 and "hang_for_test" in journal and "monitored_barrier" in journal, journal[-3000:]
     assert st["error"] == lines[0].removeprefix("dflash-train: error: ")
+
+
+@pytest.mark.slow
+def test_a_stop_before_training_takes_every_ranks_stacks_and_says_where_the_start_up_stood(tiny_small_dir,
+                                                                                          tmp_path):
+    """Issue 61, item 1: systemd's start timeout sends the supervisor SIGTERM while a rank hangs in init (the
+    stall bound far off). Every rank's stacks come first (the handlers are in place before init), and the report
+    names the rank and its sub-step, not `rank 0 failed (signal 15)`."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import tiny_args
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               **{HANG_ENV: "2:connect 2-0", STALL_ENV: "900"})
+    argv = tiny_args(tiny_small_dir, out, "--max-steps", "1", "--cpu-target-workers", "1",
+                     "--cpu-drafter-replicas", "2")
+    p = subprocess.Popen([sys.executable, "-m", "trainer", *argv], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    journal = []
+    try:
+        for line in p.stdout:
+            journal.append(line)
+            if "fault injection: rank hangs in init: connect 2-0" in line:
+                time.sleep(2.0)       # the others reach their own connect
+                p.send_signal(signal.SIGTERM)
+                break
+        journal.append(p.communicate(timeout=120)[0])
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = "".join(journal)
+    assert p.returncode == 1, text[-3000:]
+    report = [ln for ln in text.splitlines() if ln.startswith("dflash-train: error: stopped by SIGTERM during the "
+                                                              "start-up: ")]
+    assert len(report) == 1 and "rank 2 (target) in init (connect 2-0)" in report[0], text[-3000:]
+    assert "signal 15" not in report[0]
+    assert text.count("Current thread 0x") >= 3 and "hang_for_test" in text, text[-3000:]
+    st = json.loads((out / "status.json").read_text())
+    assert st["phase"] == "failed" and "stopped by SIGTERM during the start-up" in st["error"]

@@ -195,3 +195,11 @@ os._exit(0)
     out0 = procs[0].communicate(timeout=120)[0]
     procs[1].communicate(timeout=60)
     assert "first WAITED" in out0 and "settled TIMEOUT" in out0, out0
+
+
+def test_the_first_steps_allow_a_compile_at_its_worst_case():
+    """The longer timeout of the first steps covers a compile after the warmup at the start-up's own worst
+    case for one compiled shape (the distributed wing cannot import the engine's constant, so it is tied here)."""
+    from trainer.distributed.groups import FIRST_STEPS_EXTRA_S
+    from trainer.engine.compile_warmup import COMPILED_SHAPE_S
+    assert FIRST_STEPS_EXTRA_S >= COMPILED_SHAPE_S

@@ -185,7 +185,7 @@ def test_unit_is_a_notify_service_with_a_watchdog_and_graceful_stop(rendered):
     assert int(s["TimeoutStartSec"][0]) >= 1800, "long enough to load a 27B target"
     assert s["LimitMEMLOCK"] == ["infinity"]
     assert s["EnvironmentFile"] == ["-/etc/default/dflash"]
-    assert s["RestartPreventExitStatus"] == ["2"]
+    assert s["RestartPreventExitStatus"] == ["2 3"]   # bad input; a start-up stall (launch.STALL_EXIT)
     assert "PYTHONFAULTHANDLER=1" in s["Environment"], "a watchdog abort must leave a Python stack in the journal"
     assert s["LimitCORE"] == ["0"]
 

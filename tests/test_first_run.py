@@ -183,3 +183,43 @@ def test_the_tiny_target_can_be_the_hybrid(first_run):
     r = subprocess.run([sys.executable, str(SCRIPT), "--target-gpus", "0", "--drafter-gpus", "0", "--arch", "mamba"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--arch" in r.stderr
+
+
+# ------------------------------------------------------------------- bounds sized by the layout (issue 61)
+
+BASE = ["--target-model", "/x", "--data-dir", "/y", "--output-dir", "/z"]
+
+
+def test_no_status_within_the_init_bound_is_a_hang_and_a_previous_runs_file_is_not_status(first_run):
+    """The ranks' init (rendezvous, NCCL init, splits, connects) writes no status.json: the script's own bound.
+    A status.json left by the previous run (the resumed run's output dir) does not count."""
+    p = first_run.Progress(startup_bound=1000, step_bound=10, now=100.0, status_bound=50)
+    old = {"phase": "done", "step": 100, "updated_at": 90.0}
+    assert p.update(old, 140.0) is None
+    assert "no status.json within 50s of the start" in p.update(old, 151.0)
+    p = first_run.Progress(startup_bound=1000, step_bound=10, now=100.0, status_bound=50)
+    assert p.update({"phase": "starting", "step": 0, "updated_at": 120.0}, 140.0) is None
+    assert p.update({"phase": "loading", "step": 0, "updated_at": 150.0}, 160.0) is None   # init is over
+
+
+def test_the_init_bound_grows_with_the_layouts_communicators(first_run):
+    one = first_run.status_bound([*BASE, "--target-gpus", "0", "--drafter-gpus", "1"])
+    node = first_run.status_bound([*BASE, "--target-gpus", "0,1,2,3,4", "--drafter-gpus", "5,6,7"])
+    assert first_run.INIT_BASE_S < one < node
+    assert node == first_run.INIT_BASE_S + first_run.INIT_PER_OP_S * (3 + 2 * 15 + 1)
+
+
+def test_a_tiny_targets_startup_bound_is_not_the_27b_targets(first_run):
+    """The start-up bound was 9,300 s for every layout, the tiny recipe included."""
+    argv = [*BASE, "--target-gpus", "0,1,2,3,4", "--drafter-gpus", "5,6,7", *first_run.TINY_RECIPE]
+    tiny, real = first_run.startup_bound(argv, tiny=True), first_run.startup_bound(argv)
+    assert tiny < real / 4 and tiny < 3600
+
+
+def test_the_first_steps_may_compile_before_a_missing_step_is_a_hang(first_run):
+    p = first_run.Progress(startup_bound=100, step_bound=10, now=0, first_steps=3, first_extra=50)
+    assert p.update({"phase": "training", "step": 1}, 5) is None
+    assert p.update({"phase": "training", "step": 2}, 6) is None
+    assert p.update({"phase": "training", "step": 2}, 50) is None      # a compile after the warmup: 60 s allowed
+    assert p.update({"phase": "training", "step": 4}, 60) is None      # the first 3 steps are over
+    assert "no step for 10s after step 4" in p.update({"phase": "training", "step": 4}, 71)

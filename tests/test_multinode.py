@@ -40,6 +40,11 @@ RENDER = """
         src: "{{ repo }}/roles/dflash_service/templates/run.sh.j2"
         dest: "{{ out }}/{{ inventory_hostname }}.run.sh"
         mode: "0644"
+    - name: Render the unit
+      ansible.builtin.template:
+        src: "{{ repo }}/roles/dflash_service/templates/dflash.service.j2"
+        dest: "{{ out }}/{{ inventory_hostname }}.service"
+        mode: "0644"
     - name: Render the drop-in
       ansible.builtin.template:
         src: "{{ repo }}/roles/dflash_service/templates/dflash-multinode.conf.j2"
@@ -50,6 +55,8 @@ RENDER = """
 
 
 def _render(tmp_path, inventory):
+    """Render the role's run.sh (after its flag check) for every host of `inventory` (a name under inventory/
+    or a path)."""
     ansible_runner = pytest.importorskip("ansible_runner")
     out = tmp_path / "out"
     out.mkdir()
@@ -87,8 +94,46 @@ def test_multinode_run_sh_node_rank_from_inventory_order_rendezvous_on_the_first
     assert "Type=exec\n" in conf and "WatchdogSec=0\n" in conf
 
 
+def test_the_documented_two_node_layout_passes_the_flag_check(tmp_path):
+    """docs/distributed.md's 13 + 3 over two nodes (issue 61): node 0 five targets and three drafters, node 1
+    eight targets and `dflash_service_drafter_gpus: ""`. The deploy's flag check (the trainer's own rules)
+    accepts node 1, and node 1's run.sh carries no --drafter-gpus."""
+    import shutil
+    inv = tmp_path / "inventory"
+    shutil.copytree(REPO / "inventory" / "multinode", inv)   # the dflash.yml link copied as a file
+    (inv / "host_vars").mkdir()
+    (inv / "host_vars" / "mn-ct1.yml").write_text('dflash_service_target_gpus: "0,1,2,3,4"\n'
+                                                 'dflash_service_drafter_gpus: "5,6,7"\n')
+    (inv / "host_vars" / "mn-ct2.yml").write_text('dflash_service_target_gpus: "0,1,2,3,4,5,6,7"\n'
+                                                 'dflash_service_drafter_gpus: ""\n')
+    (tmp_path / "run").mkdir()
+    out = _render(tmp_path / "run", inv)
+    args = _exec_args((out / "mn-ct2.run.sh").read_text())
+    node1 = dict(zip(args, args[1:]))
+    assert node1["--target-gpus"] == "0,1,2,3,4,5,6,7" and "--drafter-gpus" not in node1
+    assert node1["--node-rank"] == "1"
+
+
+def test_a_node_without_a_drafter_is_refused_as_node_zero_or_alone():
+    """Only a node other than node 0 of a job over several nodes may hold no drafter: node 0's first drafter
+    rank writes status.json and the checkpoints."""
+    from trainer.config.options import ConfigError, parse_args, validate_flags
+    paths = ["--target-model", "/m", "--data-dir", "/d", "--output-dir", "/o", "--target-gpus", "0,1,2,3,4,5,6,7"]
+    two = ["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500"]
+    validate_flags(parse_args([*paths, *two, "--node-rank", "1"]), gpu_count=-1)
+    for argv in ([*paths], [*paths, *two, "--node-rank", "0"]):
+        with pytest.raises(ConfigError, match="both must list GPUs"):
+            validate_flags(parse_args(argv), gpu_count=-1)
+
+
 def test_single_node_run_sh_has_no_multinode_flags(tmp_path):
     out = _render(tmp_path, "local")
+    # a deterministic start-up stall ends the unit for good (issue 61, item 6): its exit status is not restarted
+    from trainer.distributed.launch import STALL_EXIT
+    unit = (out / "ct200.service").read_text()
+    prevent = next(ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus="))
+    assert set(prevent.split("=", 1)[1].split()) == {"2", str(STALL_EXIT)}
+    assert "Restart=on-failure" in unit
     text = (out / "ct200.run.sh").read_text()
     assert "--nnodes" not in text and "--node-rank" not in text and "--rdzv-endpoint" not in text
     assert "SOCKET_IFNAME" not in text

@@ -6,10 +6,11 @@ import socket
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from trainer.distributed.launch import _NotifyRelay, free_port
-from trainer.distributed.startup import WAITING, StartupProgress, StartupWatch
+from trainer.distributed.startup import HANG_ENV, STALL_ENV, WAITING, StartupProgress, StartupWatch
 from trainer.status import Notifier, StatusWriter
 
 
@@ -176,3 +177,110 @@ def test_a_real_job_reports_every_ranks_warmup_progress_and_its_bounds(tiny_smal
     st = json.loads((out / "status.json").read_text())
     assert st["phase"] == "done" and st["startup"]["2"]["role"] == "target"
     assert st["startup"]["0"]["phase"] == WAITING
+
+
+def _journal_of_a_stalled_job(tiny, tmp_path, hang: str, *extra: str, stall_s: float = 45.0):
+    """A real job under the supervisor (3 gloo ranks: drafters 0 and 1, target 2) whose rank hangs after the
+    note `hang` names (startup.HANG_ENV), with the stall bound `stall_s` (more than a rank's imports on a busy CPU): (exit status, journal, status.json,
+    seconds the supervisor ran)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import tiny_args
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               **{HANG_ENV: hang, STALL_ENV: str(stall_s)})
+    argv = tiny_args(tiny, out, "--max-steps", "1", "--cpu-target-workers", "1", "--cpu-drafter-replicas", "2",
+                     *extra)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "trainer", *argv], env=env, capture_output=True, text=True,
+                       timeout=400)
+    took = time.monotonic() - t0
+    st = json.loads((out / "status.json").read_text())
+    return r.returncode, r.stdout + r.stderr, st, took
+
+
+def _dumps(journal: str) -> int:
+    """faulthandler dumps in the journal: one `Current thread` block per rank that took its stacks (the lines
+    carry no rank; each rank's main thread names where it waits)."""
+    return journal.count("Current thread 0x")
+
+
+@pytest.mark.slow
+def test_a_hang_in_init_ends_within_the_bound_naming_the_rank_and_its_sub_step(tiny_small_dir, tmp_path):
+    """Issue 61, item 1: init_rank's sub-steps are start-up notes, and the supervisor's stall clock runs from the
+    launch (rank 0 has written no status.json yet). The target hangs in its first connect: the job ends within
+    the bound, with one line naming the rank and the sub-step, every rank's stacks, status.json's error and
+    the exit status the unit does not restart on."""
+    from trainer.distributed.launch import STALL_EXIT
+    rc, journal, st, took = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, "2:connect 2-0")
+    assert rc == STALL_EXIT, journal[-3000:]
+    lines = [ln for ln in journal.splitlines() if ln.startswith("dflash-train: error: start-up stalled")]
+    assert len(lines) == 1, journal[-3000:]
+    # ranks in one wait are all named with their sub-steps (which of them is stuck, a line cannot know)
+    assert "rank 2 (target) in init (connect 2-0)" in lines[0] and "made no progress for" in lines[0]
+    assert "hang_for_test" in journal
+    assert _dumps(journal) == 3, journal[-3000:]
+    assert journal.count("in recv") >= 2   # the drafters, each waiting for its target
+    assert st["phase"] == "failed" and st["error"] == lines[0].removeprefix("dflash-train: error: ")
+    hung = [ln for ln in journal.splitlines() if "fault injection: rank hangs in init: connect 2-0" in ln]
+    assert hung and took < 45 + 120, took
+
+
+@pytest.mark.slow
+def test_a_hang_in_warmup_ends_within_the_bound_naming_the_rank_and_its_shape(tiny_small_dir, tmp_path):
+    """The warmup's twin: the target stuck in its second warmup shape while the drafters wait at the start
+    barrier."""
+    from trainer.distributed.launch import STALL_EXIT
+    rc, journal, st, _ = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, "2:target shape 2 of")
+    assert rc == STALL_EXIT, journal[-3000:]
+    lines = [ln for ln in journal.splitlines() if ln.startswith("dflash-train: error: start-up stalled")]
+    assert len(lines) == 1 and "rank 2 (target) in warmup (target shape 2 of" in lines[0], journal[-3000:]
+    assert "still working" not in lines[0]    # the drafters wait at the barrier: not the ones to blame
+    assert _dumps(journal) == 3 and "hang_for_test" in journal and "monitored_barrier" in journal, journal[-3000:]
+    assert st["error"] == lines[0].removeprefix("dflash-train: error: ")
+
+
+@pytest.mark.slow
+def test_a_stop_before_training_takes_every_ranks_stacks_and_says_where_the_start_up_stood(tiny_small_dir,
+                                                                                          tmp_path):
+    """Issue 61, item 1: systemd's start timeout sends the supervisor SIGTERM while a rank hangs in init (the
+    stall bound far off). Every rank's stacks come first (the handlers are in place before init), and the report
+    names the rank and its sub-step, not `rank 0 failed (signal 15)`."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trainer import tiny_args
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               **{HANG_ENV: "2:connect 2-0", STALL_ENV: "900"})
+    argv = tiny_args(tiny_small_dir, out, "--max-steps", "1", "--cpu-target-workers", "1",
+                     "--cpu-drafter-replicas", "2")
+    p = subprocess.Popen([sys.executable, "-m", "trainer", *argv], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    journal = []
+    try:
+        for line in p.stdout:
+            journal.append(line)
+            if "fault injection: rank hangs in init: connect 2-0" in line:
+                time.sleep(2.0)       # the others reach their own connect
+                p.send_signal(signal.SIGTERM)
+                break
+        journal.append(p.communicate(timeout=120)[0])
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = "".join(journal)
+    assert p.returncode == 1, text[-3000:]
+    report = [ln for ln in text.splitlines() if ln.startswith("dflash-train: error: stopped by SIGTERM during the "
+                                                              "start-up: ")]
+    assert len(report) == 1 and "rank 2 (target) in init (connect 2-0)" in report[0], text[-3000:]
+    assert "signal 15" not in report[0]
+    assert text.count("Current thread 0x") >= 3 and "hang_for_test" in text, text[-3000:]
+    st = json.loads((out / "status.json").read_text())
+    assert st["phase"] == "failed" and "stopped by SIGTERM during the start-up" in st["error"]

@@ -295,7 +295,7 @@ def _plan(layout, setting, steps=1000, **over):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["orig", "b16"])
-@pytest.mark.parametrize("layout", ["1+1", "1+2", "2+2", "5+3", "2+6", "4+4x2"])
+@pytest.mark.parametrize("layout", ["1+1", "1+2", "2+2", "5+3", "2+6", "4+4x2", "13+3x2"])
 def test_no_hang_over_a_thousand_planned_steps(layout, setting):
     rec = _plan(layout, setting, transport="pair", fsdp_prefetch="step")
     assert not rec["hang"], "\n".join(rec["cycle"])

@@ -164,3 +164,28 @@ def test_compile_auto_compiles_only_the_drafter_on_a_hybrid_target(tiny_hybrid_d
     assert why.startswith("--compile auto -> drafter") and "hybrid" in why and "\n" not in why
     hybrid.target_gpus, hybrid.drafter_gpus = [0], [1]
     assert "--compile drafter" in startup_bounds(hybrid).why
+
+
+def test_a_compile_after_the_warmup_is_logged_with_its_seconds_beside_its_guard(monkeypatch, caplog):
+    """Issue 61, item 3: a compile after the warmup holds the step while the peers' receives count against the
+    NCCL timeout; its line says how long it took, with the guard that failed."""
+    import logging
+    import re
+
+    import torch
+
+    from trainer.ops import compiling
+    monkeypatch.delenv(compiling.AFTER_WARMUP_ENV, raising=False)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.cos(x) * x.shape[0], backend="eager", dynamic=True)
+    compiling.begin_warmup()
+    f(torch.ones(3, 4))
+    compiling.end_warmup()
+    with caplog.at_level(logging.WARNING, logger=compiling.log.name):
+        f(torch.ones(1, 4))                  # size 1: specialized, a new graph
+        assert compiling.note_new_graphs(7) == 1
+    line = next(ln for ln in caplog.text.splitlines() if "step 7:" in ln)
+    assert re.search(r"compiled after the warmup in \d+\.\ds, 1 in all", line), line
+    assert "x.size()[0]" in line, line
+    compiling.begin_warmup()
+    torch._dynamo.reset()

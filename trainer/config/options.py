@@ -492,8 +492,13 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
     """The flags alone: ranges, choices, flags that must agree. No file is read. GPU indices are
     checked against ``gpu_count`` devices (None: this machine's CUDA devices; -1: not checked, as on
     the Ansible controller)."""
-    if bool(cfg.target_gpus) != bool(cfg.drafter_gpus):
-        raise ConfigError("--target-gpus/--drafter-gpus: both must list GPUs, or both be 'cpu'")
+    # a node of a job over several nodes may hold targets only (docs/distributed.md's 13 + 3 over two
+    # nodes: node 1 is eight target GPUs); node 0 keeps a drafter, whose first rank writes status.json
+    target_only = cfg.nnodes > 1 and cfg.node_rank > 0 and bool(cfg.target_gpus) and not cfg.drafter_gpus
+    if bool(cfg.target_gpus) != bool(cfg.drafter_gpus) and not target_only:
+        why = (" (a node other than node rank 0 may leave --drafter-gpus empty: a node of targets only)"
+               if cfg.nnodes > 1 and cfg.target_gpus else "")
+        raise ConfigError(f"--target-gpus/--drafter-gpus: both must list GPUs, or both be 'cpu'{why}")
     overlap = set(cfg.target_gpus) & set(cfg.drafter_gpus)
     shared = len(cfg.target_gpus) == 1 and cfg.target_gpus == cfg.drafter_gpus
     if overlap and not shared:

@@ -21,13 +21,19 @@ import time
 import numpy as np
 
 from trainer.distributed.launch import free_port
-from trainer.distributed.topology import RANK_ENV, Topology, local_roles
+from trainer.distributed.topology import RANK_ENV, Topology, local_roles, role_name
 
 log = logging.getLogger("trainer.dist")
 
 # The host-side phases every rank enters at the same step (the startup load and warmup, checkpoints, tau
 # evals) may outlast --dist-timeout; the gloo groups that hold the ranks together through them wait this long.
 HOST_PHASE_TIMEOUT_S = 3 * 3600.0
+# The first steps bring the compiles the warmup could not cover (inductor's own shape regimes; logged with their
+# seconds by compiling.note_new_graphs), and a peer's receives wait on such a compile against the NCCL timeout.
+# Until FIRST_STEPS steps have passed, the steps' groups time out after --dist-timeout plus FIRST_STEPS_EXTRA_S
+# (a compile at its worst case: compile_warmup.COMPILED_SHAPE_S); then after --dist-timeout (Groups.settle).
+FIRST_STEPS = 32
+FIRST_STEPS_EXTRA_S = 1800.0
 
 
 class Groups:
@@ -49,26 +55,54 @@ class Groups:
     own group-creation code)."""
 
     def __init__(self, topo: Topology, timeout: datetime.timedelta, transport: str = "pair",
-                 host_backend: str | None = "gloo", control=None):
+                 host_backend: str | None = "gloo", control=None, progress=None,
+                 first_extra: datetime.timedelta = datetime.timedelta(seconds=FIRST_STEPS_EXTRA_S)):
         import torch.distributed as dist
         self.rank, self.world_size = topo.rank, topo.world
+        self.timeout = timeout           # the steps' groups' NCCL timeout after the first steps (settle)
+        self.settled = False
+        self.progress = progress    # startup.StartupProgress: a note before each group (init_rank's)
+        pairs = [(t, d) for t in topo.target_ranks for d in topo.drafter_ranks if t != d] \
+            if transport != "world" and topo.world > 1 else []
+        self._made, self._count = 0, (control is None) + (transport == "world" and topo.world > 1) + 2 + len(pairs)
         host_timeout = max(timeout, datetime.timedelta(seconds=HOST_PHASE_TIMEOUT_S))
+        first = timeout + first_extra     # the steps' groups until FIRST_STEPS steps have passed
         self.control = control if control is not None else self.new("control", None, host_backend, host_timeout)
         # The default group was made with the host timeout (the startup is a host phase: init_rank); the
         # hidden states' group over all ranks, when there is one, counts against --dist-timeout.
-        self.world = (self.new("WORLD", None, None, timeout) if transport == "world" and topo.world > 1
+        self.world = (self.new("WORLD", None, None, first) if transport == "world" and topo.world > 1
                       else dist.group.WORLD)
-        self.drafters = self.new("drafters", topo.drafter_ranks, None, timeout)
+        self.drafters = self.new("drafters", topo.drafter_ranks, None, first)
         self.dctl = self.new("dctl", topo.drafter_ranks, host_backend, host_timeout)
         self.pairs: dict[tuple[int, int], object] = {}    # (target rank, drafter rank) -> its group
         self.heartbeat = None   # heartbeat.Heartbeat on a job over several nodes (init_rank starts it)
-        if transport != "world" and topo.world > 1:
-            for t in topo.target_ranks:        # every rank creates every group, in this order
-                for d in topo.drafter_ranks:
-                    if t != d:
-                        self.pairs[(t, d)] = self.new(f"pair:{t}-{d}", [t, d], None, timeout)
+        for t, d in pairs:        # every rank creates every group, in this order
+            self.pairs[(t, d)] = self.new(f"pair:{t}-{d}", [t, d], None, first)
+        self.step_groups = ([self.world] if transport == "world" and topo.world > 1 else []) + [self.drafters,
+                                                                                              *self.pairs.values()]
+
+    def settle(self, step: int) -> bool:
+        """After FIRST_STEPS steps: the steps' groups (those this rank is in) time out after --dist-timeout.
+        Returns whether it changed them now."""
+        if self.settled or step < FIRST_STEPS:
+            return False
+        from torch.distributed import distributed_c10d as c10d
+        self.settled = True
+        for g in self.step_groups:
+            if g is not None and not c10d._rank_not_in_group(g):
+                try:
+                    c10d._set_pg_timeout(self.timeout, g)
+                except Exception as e:  # noqa: BLE001  (a backend that cannot: it keeps the longer timeout)
+                    log.debug("timeout of a step group: %s", e)
+        if self.rank == 0:
+            log.info("step %d: the steps' groups now time out after %.0fs (--dist-timeout); the first %d steps "
+                     "allowed a compile after the warmup more", step, self.timeout.total_seconds(), FIRST_STEPS)
+        return True
 
     def new(self, name: str, ranks: list[int] | None, backend: str | None, timeout):
+        self._made += 1
+        if self.progress is not None:
+            self.progress.note("init", f"group {self._made} of {self._count} ({name})")
         return new_group(name, ranks, self.world_size, backend, timeout)
 
     def link(self, peer: int):
@@ -100,7 +134,7 @@ def new_group(name: str, ranks: list[int] | None, world: int, backend: str | Non
     return dist.new_group(ranks, timeout=timeout, backend=backend, **kw)
 
 
-def connect(topo: Topology, groups: Groups, device) -> None:
+def connect(topo: Topology, groups: Groups, device, progress=None) -> None:
     """The first use of every communicator of the steps, in one order on every rank. NCCL connects a
     communicator's peers on its first op there (NCCL_RUNTIME_CONNECT, the default), and that op blocks
     the host until the peer reaches its own first op: ranks that first use two communicators in opposite
@@ -116,11 +150,15 @@ def connect(topo: Topology, groups: Groups, device) -> None:
     one = torch.ones(1, device=device)
     for t in topo.target_ranks:
         for d in topo.drafter_ranks:
+            if topo.rank in (t, d) and progress is not None:
+                progress.note("init", f"connect {t}-{d}")
             if topo.rank == t:
                 dist.send(one, d, group=groups.link(d))
             elif topo.rank == d:
                 dist.recv(one, t, group=groups.link(t))
     if topo.is_drafter and len(topo.drafter_ranks) > 1:
+        if progress is not None:
+            progress.note("init", f"connect the {len(topo.drafter_ranks)} drafters (all-gather)")
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # (renamed in 2.13)
         gather(torch.empty(len(topo.drafter_ranks), device=device), one, group=groups.drafters)
 
@@ -156,15 +194,13 @@ def abort_groups() -> None:
 
 def init_rank(cfg) -> tuple[Topology, Groups]:
     """Join the job: process group, device, roles of every rank, groups. Raises ValueError on a
-    flag that does not fit the launch (e.g. --nproc-per-node disagrees with the GPU lists)."""
-    import faulthandler
-    import signal
-
+    flag that does not fit the launch (e.g. --nproc-per-node disagrees with the GPU lists). Each sub-step
+    is a start-up note (startup.StartupProgress: the supervisor's stall clock counts it): the process group,
+    the roles' exchange, each group k of n, each first-use connect; `groups.progress` carries them on."""
     import torch
     import torch.distributed as dist
-    # SIGUSR1: every thread's stack into this rank's stderr (the journal), without stopping it; the
-    # supervisor sends it before it ends a stalled start-up, the first-run script before it stops a job
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    from trainer.distributed.startup import INIT, StartupProgress
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     mine = local_roles(cfg)
@@ -172,6 +208,7 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
         raise ValueError(f"--nproc-per-node: this node runs {local_world} rank(s) but its --target-gpus/"
                          f"--drafter-gpus give {len(mine)} (one per GPU; a GPU in both lists counts once)")
     role = mine[local_rank]
+    progress = StartupProgress(rank, role_name(role))
     device = torch.device(role.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -188,11 +225,15 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
                      " pair" if cfg.transport == "pair" else "the world group's one communicator (--transport world)")
         # said once above; torch would repeat it for every process group
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    progress.note(INIT, f"process group: the rendezvous of {world} rank(s) and {backend} init")
     dist.init_process_group(backend, timeout=startup_timeout, device_id=device if device.type == "cuda" else None)
     from trainer.distributed import oprecord
+    from trainer.distributed.startup import default_store
+    progress.attach(default_store() if world > 1 else None)
     oprecord.install_from_env(rank, world)   # DFLASH_RECORD_OPS: log the ops this rank issues (streamcheck)
     # The roles travel on the gloo control group (the first group, made by every rank): an object exchange
     # on the NCCL world group would connect its ring and keep its buffers, which --transport pair never uses.
+    progress.note(INIT, "the control group (gloo) and the roles' exchange")
     control = new_group("control", None, world, "gloo", startup_timeout)
     host = socket.gethostname()
     everyone: list = [None] * world
@@ -212,11 +253,14 @@ def init_rank(cfg) -> tuple[Topology, Groups]:
     if world > 1 and any(x.target and x.drafter for x in topo.roles):
         raise ValueError("--target-gpus/--drafter-gpus: a GPU may hold both roles only when it is the job's "
                          "only GPU (world size 1)")
-    groups = Groups(topo, timeout, cfg.transport, control=control)
+    # several nodes: a vanished host must not hold the others in a gloo wait for hours, and a stall seen by
+    # one node's supervisor reaches every node's ranks (the heartbeat's abort); from here, so the group
+    # splits and the connects are covered
+    heartbeat = start_heartbeat(topo, cfg.dist_timeout) if len(set(nodes)) > 1 else None
+    groups = Groups(topo, timeout, cfg.transport, control=control, progress=progress)
+    groups.heartbeat = heartbeat
     oprecord.name_groups(topo, groups)
-    if len(set(nodes)) > 1:   # several nodes: a vanished host must not hold the others in a gloo wait for hours
-        groups.heartbeat = start_heartbeat(topo, cfg.dist_timeout)
-    connect(topo, groups, device)
+    connect(topo, groups, device, progress)
     return topo, groups
 
 
@@ -226,11 +270,14 @@ def start_heartbeat(topo: Topology, dist_timeout_s: float):
     import atexit
 
     from trainer.distributed.heartbeat import Heartbeat, heartbeat_bound
-    from trainer.distributed.startup import default_store
+    from trainer.distributed.launch import ABORT_FILE
+    from trainer.distributed.startup import NOTES_DIR_ENV, default_store
     store = default_store()
     if store is None:
         return None
-    hb = Heartbeat(store, topo.rank, topo.world, topo.hosts, heartbeat_bound(dist_timeout_s)).start()
+    notes = os.environ.get(NOTES_DIR_ENV)
+    hb = Heartbeat(store, topo.rank, topo.world, topo.hosts, heartbeat_bound(dist_timeout_s),
+                   abort_file=os.path.join(notes, ABORT_FILE) if notes else None).start()
     atexit.register(hb.stop)
     return hb
 

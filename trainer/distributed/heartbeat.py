@@ -12,9 +12,17 @@ thread of its own, which runs while the main thread waits in C++:
           nothing for `bound_s` (node 0 gone), ends this rank with one line naming the rank, its host and
           the silence; its launcher then stops the node's other ranks, and the unit restarts
 
-The bound is --dist-timeout plus a margin (`heartbeat_bound`). A rank that ends normally writes `done`,
-which no peer counts as silence. Short of the bound, a rank that fails on a gloo or NCCL timeout (which
-names no peer) adds to its error whom it has not heard from (`Heartbeat.quiet`, `annotate`)."""
+The bound is under --dist-timeout (`heartbeat_bound`): on GPUs NCCL's watchdog aborts a rank whose op
+waits that long (SIGABRT, a report that names no peer), so the heartbeat names a lost host first. A rank
+that ends normally writes `done`, which no peer counts as silence. Short of the bound, whom a rank has not
+heard from for three beats goes into its error file as it goes (the supervisor quotes that file for a rank
+that died of a signal), and a rank that fails on a gloo or NCCL timeout (which names no peer) adds it to
+its error (`Heartbeat.quiet`, `annotate`).
+
+  abort   each beat also polls the job's store for ABORT_KEY: a supervisor that ends a stalled start-up
+          (launch.py) leaves its line in its notes directory, its node's ranks put it in the store, and
+          every rank of every node writes all its threads' stacks to its log, waits for the others' (at
+          most ABORT_ACK_S) and ends. So a stall seen on node 0 brings node 1's stacks too."""
 
 from __future__ import annotations
 
@@ -27,12 +35,22 @@ import time
 log = logging.getLogger("trainer.dist")
 
 KEY = "dflash/heartbeat/{rank}"
+ABORT_KEY = "dflash/abort"
 DONE = "done"
-MARGIN_S = 30.0           # beyond --dist-timeout: a few beats, and the store's own round trips
+MARGIN_S = 30.0           # under --dist-timeout: a few beats, and the store's own round trips
+ABORT_ACK_S = 12.0        # an aborting rank waits this long for every rank's stacks (two beats and more)
+ABORT_WAIT_S = ABORT_ACK_S + 3.0   # how long a supervisor leaves every node's ranks to take theirs and end
 
 
 def heartbeat_bound(dist_timeout_s: float) -> float:
-    return float(dist_timeout_s) + MARGIN_S
+    """Silence that ends the job: under --dist-timeout, so the heartbeat names a lost host before NCCL's
+    watchdog aborts a rank waiting on it."""
+    t = float(dist_timeout_s)
+    return max(t - MARGIN_S, t / 2)
+
+
+def error_file() -> str | None:
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
 
 class PeerSilent(RuntimeError):
@@ -59,9 +77,11 @@ class Heartbeat:
     """This rank's beat and watch (module docstring). `hosts[r]`: rank r's host, for the line."""
 
     def __init__(self, store, rank: int, world: int, hosts: list[str], bound_s: float, interval: float = 5.0,
-                 on_silent=end_rank):
+                 on_silent=end_rank, abort_file: str | None = None):
         self.store, self.rank, self.world, self.hosts = store, rank, world, hosts
         self.bound_s, self.interval, self.on_silent = bound_s, min(interval, bound_s / 4), on_silent
+        self.abort_file = abort_file      # where this node's supervisor leaves the line of an abort
+        self.noted: str | None = None     # the quiet peers last written into the error file
         now = time.monotonic()
         self.last_ok = now                                   # the store's last answer
         self.seen: dict[int, tuple[str | None, float]] = {r: (None, now) for r in range(world) if r != rank}
@@ -108,6 +128,14 @@ class Heartbeat:
                 self.beat_once()
             except Exception as e:  # noqa: BLE001  (the store is gone or slow: the watch decides)
                 log.debug("heartbeat: %s", e)
+            abort = self.abort_line()
+            if abort is not None and self.silent is None:
+                self.silent = f"the job was ended: {abort}"
+                self._halt.set()
+                dump_stacks(self.rank)
+                self.wait_for_every_dump()
+                self.on_silent(self.silent)
+                return
             self._halt.wait(self.interval)
 
     def check(self, now: float | None = None) -> str | None:
@@ -141,6 +169,52 @@ class Heartbeat:
         return "; ".join(f"no beat for {s:.0f}s from {h} (rank{'s' if len(rs) > 1 else ''} "
                          f"{', '.join(map(str, rs))})" for h, (rs, s) in hosts.items())
 
+    def abort_line(self) -> str | None:
+        """The job's abort (module docstring), or None: this node's supervisor's line goes into the store
+        first, so every node's ranks see it."""
+        try:
+            if self.abort_file and os.path.exists(self.abort_file):
+                with open(self.abort_file) as f:
+                    self.store.set(ABORT_KEY, f.read())
+            if self.store.check([ABORT_KEY]):
+                return self.store.get(ABORT_KEY).decode()
+        except Exception as e:  # noqa: BLE001  (the store is gone: the silence check decides)
+            log.debug("heartbeat abort poll: %s", e)
+        return None
+
+    def wait_for_every_dump(self, limit: float = ABORT_ACK_S) -> None:
+        """After this rank's stacks: until every rank has taken its own (`ABORT_KEY/<rank>`), at most `limit` s.
+        A rank that ended first would have its launcher stop its node's other ranks before their next beat."""
+        deadline = time.monotonic() + limit
+        try:
+            self.store.set(f"{ABORT_KEY}/{self.rank}", "1")
+            keys = [f"{ABORT_KEY}/{r}" for r in range(self.world)]
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.2)
+        except Exception as e:  # noqa: BLE001  (the store is gone: end now)
+            log.debug("heartbeat abort wait: %s", e)
+
+    def note_quiet(self) -> None:
+        """Whom this rank has not heard from, into its error file as it goes: a rank that dies of a signal
+        (NCCL's watchdog: SIGABRT) writes no error of its own, and the supervisor quotes this file."""
+        path = error_file()
+        if path is None:
+            return
+        import re
+        quiet = self.quiet()
+        who = re.sub(r"\d+s\b", "", quiet) if quiet else None   # rewritten when the quiet peers change
+        if who == self.noted:
+            return
+        if quiet:
+            from trainer.errors import record
+            record(PeerSilent(f"rank {self.rank}: heartbeat: {quiet}"))
+        else:   # heard from again: no stale note for a later failure to inherit
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        self.noted = who
+
     def _watch(self) -> None:
         while not self._halt.wait(min(1.0, self.interval)):
             line = self.check()
@@ -149,6 +223,14 @@ class Heartbeat:
                 self._halt.set()
                 self.on_silent(line)
                 return
+            self.note_quiet()
+
+
+def dump_stacks(rank: int) -> None:
+    """Every thread's stack into this rank's stderr (the journal), the main thread's wherever it waits."""
+    import faulthandler
+    print(f"rank {rank}: stacks of every thread (the job's abort):", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def annotate(e: BaseException, note: str | None) -> BaseException:

@@ -18,6 +18,11 @@ log = logging.getLogger("trainer.dist")
 
 
 ECHO_S = 5   # a signal death this long after the first failure is the launcher's own escalation
+# The supervisor's exit status when it ended a start-up that made no progress: the unit lists it in
+# RestartPreventExitStatus, since a restart would stall the same way (a start-up cycle lasts as long as its
+# bound, too long for any start limit to count).
+STALL_EXIT = 3
+ABORT_FILE = "abort"   # in the notes directory: node 0's ranks hand the line to every node (heartbeat.py)
 
 
 def failure_cause(failures: dict) -> tuple:
@@ -55,8 +60,10 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
     os.environ.pop("WATCHDOG_USEC", None)
     os.environ.pop("WATCHDOG_PID", None)
-    nproc = len(local_roles(cfg))
-    bound_compile_threads(os.environ, nproc)
+    roles = local_roles(cfg)
+    nproc = len(roles)
+    bound_omp_threads(os.environ, nproc)
+    bound_compile_threads(os.environ, nproc, compiling=compiling_ranks(cfg, roles, bounds))
     multi = cfg.nnodes > 1
     if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -86,19 +93,36 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
                       # the workers' store is node 0's too: at the endpoint's address, not at whatever
                       # this host's name resolves to (a container's name may be loopback on every node)
                       local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,
-                      start_method="spawn", log_line_prefix_template="[rank${rank}]:" if nproc > 1 or multi else None,
-                      **extra)
+                      start_method="spawn", **extra)
+    import shutil
+    import tempfile
+
+    from trainer.distributed.heartbeat import ABORT_WAIT_S
+    from trainer.distributed.startup import NOTES_DIR_ENV, with_test_stall
+    if bounds is not None:
+        bounds = with_test_stall(bounds)
+    # the ranks' notes from their first line on: the relay's stall clock runs from the launch, init included
+    notes = tempfile.mkdtemp(prefix="dflash-startup-")
+    os.environ[NOTES_DIR_ENV] = notes
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.status_file)), exist_ok=True)   # a stall in init is recorded
     stopper = _Stopper(cfg.stop_timeout)
-    stopper.install()
     if bounds is not None:
         log.info("%s", bounds.describe())
 
     def on_stall(line: str) -> None:
         record_failure(cfg.status_file, line)
         print(f"dflash-train: error: {line}", file=sys.stderr, flush=True)
-        stopper.abort()
+        grace = 0.0
+        if multi:   # every node's ranks take their stacks: node 0's ranks put the line in the job's store
+            with open(os.path.join(notes, ABORT_FILE), "w") as f:
+                f.write(line)
+            grace = ABORT_WAIT_S
+        stopper.abort(after=grace)
 
-    relay = _NotifyRelay(cfg.status_file, notifier, bounds.stall_s if bounds is not None else 1800.0, on_stall)
+    relay = _NotifyRelay(cfg.status_file, notifier, bounds.stall_s if bounds is not None else 1800.0, on_stall,
+                         notes_dir=notes, nproc=nproc)
+    stopper.before_stop = relay.startup_stop   # a stop before training: stacks first, and where it stood
+    stopper.install()
     relay.start()
     log.info("launching %d rank(s) on this node (node %d of %d, rendezvous %s)", nproc, cfg.node_rank, cfg.nnodes,
              endpoint)
@@ -116,8 +140,12 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
             msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
             print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
         elif relay.stalled:   # the relay ended a stalled start-up: its line, not the SIGKILL that followed
-            rc = 1
+            rc = STALL_EXIT
             record_failure(cfg.status_file, relay.stalled)
+        elif stopper.startup_line:   # stopped (SIGTERM: systemd's start timeout) before training began
+            rc = 1
+            record_failure(cfg.status_file, stopper.startup_line)
+            print(f"dflash-train: error: {stopper.startup_line}", file=sys.stderr, flush=True)
         else:
             rc = 1
             sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
@@ -136,25 +164,56 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     finally:
         relay.stop()
         notifier.stopping()
+        shutil.rmtree(notes, ignore_errors=True)
+        os.environ.pop(NOTES_DIR_ENV, None)
+    if rc == 0 and relay.stalled:
+        rc = STALL_EXIT
     return rc
 
 
 COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
-def bound_compile_threads(env, nproc: int, cpus: int | None = None) -> int:
-    """Inductor's compile workers per rank, at most this node's share of the cores this process may run on
-    (`cpus`, default its affinity) among its `nproc` ranks: unset, each rank starts as many as it sees cores,
-    all of them at once during the warmup. A smaller value from run.sh's list stays. Returns the value set."""
+def compiling_ranks(cfg, roles, bounds=None) -> int:
+    """This node's ranks that compile: those whose role --compile (resolved as the rank will: auto on a hybrid
+    target compiles the drafter only) covers; at least 1."""
+    from trainer.ops.compiling import resolve_compile, wants
+    on_cpu = not cfg.target_gpus and not cfg.drafter_gpus
+    resolved = bounds.compile if bounds is not None and bounds.compile else resolve_compile(cfg.compile, on_cpu,
+                                                                                            False)
+    return max(1, sum(1 for r in roles if (r.target and wants(resolved, "target"))
+                      or (r.drafter and wants(resolved, "drafter"))))
+
+
+def _share(env, name: str, nproc: int, cpus: int | None, using: int | None = None, what: str = "run") -> int:
+    """`name` in `env`: each of the `using` ranks (default all `nproc` of this node) that use it gets an equal
+    share of the cores this process may run on (`cpus`, default its affinity). A value given (run.sh's list,
+    the operator) is each of the `nproc` ranks' share of the node: the ranks that do not use it leave theirs
+    to those that do, and the cores here cap it. Returns the value set."""
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
-    share = max(1, cpus // max(1, nproc))
-    given = env.get(COMPILE_THREADS_ENV, "")
-    value = min(int(given), share) if given.strip().isdigit() and int(given) > 0 else share
+    using = max(1, using if using is not None else nproc)
+    given = env.get(name, "")
+    budget = min(cpus, int(given) * max(1, nproc)) if given.strip().isdigit() and int(given) > 0 else cpus
+    value = max(1, budget // using)
     if str(value) != given:
-        log.info("%s=%d: %d core(s) among %d rank(s) on this node%s", COMPILE_THREADS_ENV, value, cpus, nproc,
+        log.info("%s=%d: %d core(s) among the %d rank(s) on this node that %s%s", name, value, budget, using, what,
                  f" (was {given})" if given else "")
-    env[COMPILE_THREADS_ENV] = str(value)
+    env[name] = str(value)
     return value
+
+
+def bound_compile_threads(env, nproc: int, cpus: int | None = None, compiling: int | None = None) -> int:
+    """Inductor's compile workers per rank: unset, each rank starts as many as it sees cores, all of them at
+    once during the warmup. `compiling`: the ranks of this node's `nproc` that compile (compiling_ranks: on a
+    hybrid target only the drafters do); a rank that does not compile starts no workers."""
+    return _share(env, COMPILE_THREADS_ENV, nproc, cpus, compiling, "compile")
+
+
+def bound_omp_threads(env, nproc: int, cpus: int | None = None) -> int:
+    """Each rank's intra-op threads (the CPU side of checkpoint serialization and copies; all the work on the
+    CPU): unset, every rank takes every core, `nproc` times over."""
+    return _share(env, OMP_THREADS_ENV, nproc, cpus)
 
 
 def free_port() -> int:
@@ -171,6 +230,8 @@ class _Stopper:
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.requested = threading.Event()
+        self.before_stop = None            # () -> a line when the job is still starting (the relay's), else None
+        self.startup_line: str | None = None
 
     def install(self):
         import signal
@@ -197,21 +258,38 @@ class _Stopper:
             except OSError:
                 pass
 
-    def abort(self, grace: float = 3.0) -> None:
-        """End the ranks now: SIGUSR1 first (each rank's faulthandler writes every thread's stack to its
-        log: groups.init_rank registers it), SIGKILL `grace` seconds later."""
+    def abort(self, grace: float = 3.0, after: float = 0.0) -> None:
+        """End the ranks: `after` seconds from now (the other nodes' ranks take their stacks meanwhile),
+        SIGUSR1 (each rank's faulthandler writes every thread's stack to its log: rank.train_rank registers
+        it first thing), SIGKILL `grace` seconds later."""
         import signal
         self.requested.set()
-        self._signal_children(signal.SIGUSR1)
-        t = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
-        t.daemon = True
-        t.start()
+
+        def stacks_then_kill():
+            self._signal_children(signal.SIGUSR1)
+            k = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
+            k.daemon = True
+            k.start()
+        if after > 0:
+            t = threading.Timer(after, stacks_then_kill)
+            t.daemon = True
+            t.start()
+        else:
+            stacks_then_kill()
 
     def _handle(self, signum, frame):
         import signal
         if self.requested.is_set():
             return
         self.requested.set()
+        line = self.before_stop() if self.before_stop is not None else None
+        if line is not None:
+            # no step yet, so nothing to checkpoint: every rank's stacks, and the line that says where the
+            # start-up stood (systemd's start timeout would otherwise read as "rank 0 failed (signal 15)")
+            self.startup_line = f"stopped by {signal.Signals(signum).name} during the start-up: {line}"
+            log.error("%s", self.startup_line)
+            self._signal_children(signal.SIGUSR1)
+            time.sleep(1.0)
         log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
                  signal.Signals(signum).name, self.timeout)
         self._signal_children(signal.SIGTERM)
@@ -222,37 +300,55 @@ class _Stopper:
 
 class _NotifyRelay(threading.Thread):
     """Supervisor thread: READY=1 once rank 0 reports training, WATCHDOG=1 whenever status.json moves.
-    Before READY, EXTEND_TIMEOUT only while the start-up proves progress (startup.py): some rank's note in
-    status.json's `startup` (or the phase) moved within `stall_s`. When none moved for `stall_s`, it stops
-    extending and calls on_stall(one line naming the rank and its phase), once; `stalled` keeps the line."""
+    Before READY, EXTEND_TIMEOUT only while the start-up proves progress (startup.py): some rank's note moved
+    within `stall_s`, in status.json's `startup` or in this node's notes directory (`notes_dir`, written by
+    its `nproc` ranks from their first line on). The clock starts at the launch: no status.json yet (ranks in
+    init) is the phase "starting". When no note moved for `stall_s`, it stops extending and calls
+    on_stall(one line naming the rank and its sub-step), once; `stalled` keeps the line. A node whose ranks
+    all passed the start barrier (a node other than 0 sees no "training" of its own) stops its clock."""
 
-    def __init__(self, status_file: str, notifier, stall_s: float = 1800.0, on_stall=None, interval: float = 1.0):
+    def __init__(self, status_file: str, notifier, stall_s: float = 1800.0, on_stall=None, interval: float = 1.0,
+                 notes_dir: str | None = None, nproc: int = 0):
+        from trainer.distributed.startup import StallClock
         super().__init__(name="notify-relay", daemon=True)
         self.path, self.notifier = status_file, notifier
         self.stall_s, self.on_stall, self.interval = stall_s, on_stall, interval
+        self.notes_dir, self.nproc = notes_dir, nproc
         self.stalled: str | None = None
+        self.started = False          # READY sent, or every rank of this node past the start barrier
+        self.clock = StallClock(stall_s, time.monotonic())
         self._stop = threading.Event()
 
     def stop(self):
         self._stop.set()
 
+    def startup_stop(self) -> str | None:
+        """Where the start-up stands (None once training began): for a stop that comes before READY."""
+        if self.started:
+            return None
+        what, since, others = self.clock.where(time.monotonic())
+        return f"{what}, its last progress {since:.0f}s ago" + (f"; still working: {others}" if others else "")
+
     def run(self):
-        from trainer.distributed.startup import EXTEND_MARGIN_S, START_PHASES, StallClock
+        from trainer.distributed.startup import EXTEND_MARGIN_S, START_PHASES, STARTED, read_notes
         from trainer.status import read_status
         ready, last = False, None
         start = time.time()
-        clock = StallClock(self.stall_s, time.monotonic())
+        clock = self.clock
         while not self._stop.wait(self.interval):
             try:
                 st = read_status(self.path)
-            except Exception:  # noqa: BLE001
-                continue
+            except Exception:  # noqa: BLE001  (none yet: the ranks are in init)
+                st = {}
             if (st.get("updated_at") or 0) < start:
-                continue   # a previous run's file
-            phase = st.get("phase")
-            if phase in START_PHASES and not ready and self.stalled is None:
+                st = {}   # a previous run's file
+            phase = st.get("phase") or "starting"
+            local = read_notes(self.notes_dir)
+            if self.nproc and len(local) >= self.nproc and all(r.get("phase") == STARTED for r in local.values()):
+                self.started = True
+            if phase in START_PHASES and not ready and not self.started and self.stalled is None:
                 now = time.monotonic()
-                clock.update(st, now)
+                clock.update(st, now, local)
                 left = clock.left(now)
                 if left > 0:
                     self.notifier.extend_timeout(left + EXTEND_MARGIN_S)
@@ -263,9 +359,9 @@ class _NotifyRelay(threading.Thread):
                         self.on_stall(self.stalled)
             if not ready and phase in ("training", "checkpointing", "done"):
                 self.notifier.ready(f"training: step {st.get('step')}")
-                ready = True
+                ready = self.started = True
             stamp = st.get("updated_at")
-            if stamp != last:
+            if st and stamp != last:
                 last = stamp
                 self.notifier.watchdog()
                 if ready:

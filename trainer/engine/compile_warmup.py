@@ -141,7 +141,7 @@ def startup_bounds(cfg, compile_opt: str | None = None, hybrid: bool | None = No
     barrier = LOAD_S + max(n * s for n, s in per.values())
     why = (f"--compile {resolved}; load {LOAD_S:.0f}s, "
            + ", ".join(f"{n} {role} shape(s) at {s:.0f}s" for role, (n, s) in per.items()))
-    return StartupBounds(stall, barrier, why)
+    return StartupBounds(stall, barrier, why, resolved)
 
 
 def warmup(cfg: TrainConfig, dcfg, feed: Feed, target, drafter, opt, device: torch.device, dtype: torch.dtype,

@@ -20,7 +20,22 @@ from trainer.model.checkpoint_format import CheckpointError
 log = logging.getLogger("trainer")
 
 
+def install_startup_handlers() -> None:
+    """First thing in a rank, before init: SIGUSR1 writes every thread's stack into this rank's stderr (the
+    journal) and the rank runs on (the supervisor sends it before it ends a stalled start-up, the first-run
+    script before it stops a job); SIGTERM writes them too, then ends the rank as it would have ended
+    (faulthandler chains to the default action). Both act at C level: a rank stuck in a C++ wait (a
+    rendezvous, a communicator split, a first connect) never runs a Python handler. install_signal_handlers
+    replaces the SIGTERM one once there is a trainer to stop after an agreed step."""
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+
 def install_signal_handlers(trainer: Trainer):
+    import faulthandler
+    faulthandler.unregister(signal.SIGTERM)
+
     def handler(signum, frame):
         log.info("received %s: the job stops after an agreed step, with a checkpoint", signal.Signals(signum).name)
         trainer.stop_requested.set()
@@ -32,6 +47,7 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
     """Entry point of one rank (started by the launcher, or in-process at world size 1). on_done(trainer)
     runs on every rank after a successful run, before shutdown (the benchmark reads its figures there)."""
     import torch.distributed as dist
+    install_startup_handlers()
     die_with_supervisor()
     # the console before init_rank: its lines (the P2P mode, the heartbeat's bound) reach the journal;
     # Trainer.setup's setup_logging replaces it and adds the run's file

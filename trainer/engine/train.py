@@ -66,8 +66,13 @@ from trainer.errors import BadInput, TrainingFailed
 from trainer.model import identity
 from trainer.model.drafter import DFlashConfig
 from trainer.ops.compiling import compile_reason, note_new_graphs, resolve_compile
+from trainer.status import beating
 
 log = logging.getLogger("trainer")
+
+# status.json is rewritten this often while the drafters write a checkpoint (tens of GB through DCP on slow
+# storage), so the supervisor keeps petting systemd's watchdog (WatchdogSec) through the write
+CHECKPOINT_BEAT_S = 30.0
 
 
 class Trainer:
@@ -89,7 +94,8 @@ class Trainer:
         self.vote: StopVote = StopVote(topo, groups.control)
         self.report: Reporter = Reporter(cfg, topo, self.run_id, self.device, self.profiler, self.feed, self.vote)
         self.ckpt: Checkpointer = Checkpointer(Path(cfg.output_dir), cfg.keep_checkpoints, topo, groups)
-        self.startup: Startup = Startup(cfg, topo, self.report.status, self.report.extend)   # proof of progress
+        # the start-up's proof of progress, init_rank's notes carried on
+        self.startup: Startup = Startup(cfg, topo, self.report.status, self.report.extend, groups.progress)
         # built in setup()
         self.dcfg: DFlashConfig | None = None
         self.target: TargetStage | None = None
@@ -223,9 +229,10 @@ class Trainer:
                          self.total_steps, self.cfg.lr)
 
     def save_checkpoint(self, reason: str):
-        """Drafter ranks, together (checkpoint.py has the protocol)."""
-        self.report.status.update(phase="checkpointing", step=self.loop.step, force=True)
-        path = self.ckpt.save(self.state, reason, self.device)
+        """Drafter ranks, together (checkpoint.py has the protocol). status.json moves every 30 s meanwhile
+        (status.beating, as for the tau eval), so systemd's watchdog is fed through a slow write."""
+        with beating(self.report.status, CHECKPOINT_BEAT_S, phase="checkpointing", step=self.loop.step):
+            path = self.ckpt.save(self.state, reason, self.device)
         self.report.status.update(phase="training", last_checkpoint=path, force=True)
 
     # ----------------------------------------------------------------------------------- the step
@@ -333,6 +340,7 @@ class Trainer:
                 recompiles = note_new_graphs(self.loop.step)   # logged with its guard here; counted in status.json
                 self.loop.tokens_seen += sum(a.real_tokens for a in self.feed.dispatch.step(self.loop.step))  # known on every rank
                 self.loop.step += 1
+                self.groups.settle(self.loop.step)   # the longer NCCL timeout of the first steps ends
                 counters = {"items": self.items_done,
                             "busy_s": self.profiler.busy(("target fwd+pack", "drafter fwd+bwd", "optimizer")),
                             "wait_s": self.wait_s,

@@ -124,6 +124,16 @@ def compile_counters() -> dict:
 AFTER_WARMUP_ENV = "DFLASH_AFTER_WARMUP_STANCE"
 AFTER_WARMUP_STANCES = ("default", "eager_on_recompile", "fail_on_recompile")
 _graphs_after_warmup: list[int] = []   # dynamo's graph count when the warmup ended (process-wide, as dynamo is)
+_compile_s: list[float] = []           # dynamo's seconds compiling then, and at each new graph logged since
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in dynamo's compiles (inductor's included), or 0 where torch does not say."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+        return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+    except Exception:  # noqa: BLE001  (a torch without the metric: the line goes without the time)
+        return 0.0
 
 
 def _set_stance(stance: str) -> None:
@@ -226,6 +236,7 @@ def end_warmup() -> str:
         raise ValueError(f"{AFTER_WARMUP_ENV}={stance}: one of {', '.join(AFTER_WARMUP_STANCES)}")
     _set_stance(stance)
     _graphs_after_warmup[:] = [compile_counters().get("unique_graphs", 0)]
+    _compile_s[:] = [compile_seconds()]
     if stance == "default":
         _watch_recompiles()
     return stance
@@ -233,16 +244,21 @@ def end_warmup() -> str:
 
 def note_new_graphs(step: int) -> int:
     """Graphs compiled since the warmup ended (0 before it ends). Each new one is logged once, as a warning with
-    the step and dynamo's reason (the function and the guard it failed)."""
+    the step, the seconds the compile took (the peers' receives wait that long, against their NCCL timeout) and
+    dynamo's reason (the function and the guard it failed)."""
     if not _graphs_after_warmup:
         return 0
     now = compile_counters().get("unique_graphs", 0)
     if now > _graphs_after_warmup[-1]:
         reasons = [recompile_reason(m) for m in _reasons.take()]
-        log.warning("step %d: %d graph(s) compiled after the warmup, %d in all (a micro-batch shape its graphs "
-                    "did not cover): %s", step, now - _graphs_after_warmup[-1], now - _graphs_after_warmup[0],
+        secs = compile_seconds()
+        took = secs - _compile_s[-1] if _compile_s else 0.0
+        log.warning("step %d: %d graph(s) compiled after the warmup in %.1fs, %d in all (a micro-batch shape its "
+                    "graphs did not cover): %s", step, now - _graphs_after_warmup[-1], took,
+                    now - _graphs_after_warmup[0],
                     " | ".join(reasons) or "reason not recorded (TORCH_LOGS=recompiles names the guard)")
         _graphs_after_warmup.append(now)
+        _compile_s.append(secs)
     return now - _graphs_after_warmup[0]
 
 

@@ -54,6 +54,8 @@ LAYOUTS = {
     # name: per node (drafter GPUs, target GPUs); the production shapes and the small ones
     "1+1": [(1, 1)], "1+2": [(2, 1)], "2+2": [(2, 2)], "5+3": [(3, 5)], "2+6": [(6, 2)],
     "4+4x2": [(2, 2), (2, 2)], "5+3x2": [(2, 2), (1, 3)],
+    # docs/distributed.md's two nodes: node 0 at 5 + 3, node 1 eight targets and no drafter
+    "13+3x2": [(3, 5), (0, 8)],
 }
 
 

@@ -16,14 +16,15 @@ into a log file per process. What it does, in order, each phase with a time boun
      over all of them (8 on a full node), and one all-gather of an FSDP unit's size, each timed; on one
      GPU only what one GPU allows (a 1-rank all-gather), and it says so;
   3. the trainer's own ranks (`python -m trainer`, the supervisor run.sh starts) for --steps steps, a
-     SIGTERM at half way, then the same command again, which resumes. A run that reaches no step within
-     --startup-bound seconds of its start (loading is not progress), or no next step within
-     --step-bound, is a stall: the script writes a `py-spy dump` of every rank (when py-spy is
+     SIGTERM at half way, then the same command again, which resumes. A run with no status.json within
+     --status-bound seconds of its start (the ranks' init, sized by the layout), no step within
+     --startup-bound seconds (loading is not progress), or no next step within --step-bound (more for
+     the first steps, whose compiles come then), is a stall: the script writes a `py-spy dump` of every rank (when py-spy is
      installed), sends every rank SIGUSR1 (faulthandler: all its threads' stacks into the log) before
      it stops the run, and names the NCCL logs and flight-recorder dumps, as it does for a run that
      fails (an NCCL timeout ends a hung step before the stall clock). The start-up bound is the
-     trainer's own for the config (--startup-bound overrides it); every run shares one kernel cache
-     under --work, as the service's restarts do;
+     trainer's own for the config, a tiny target's much shorter (--startup-bound overrides it); every
+     run shares one kernel cache under --work, as the service's restarts do;
   4. the same steps again without the interruption, comparing the losses (resumed vs uninterrupted),
      counting recompiles after the warmup, and writing per-rank rates and peak GPU memory with the
      verdicts to --out.
@@ -123,17 +124,32 @@ def status(out: Path) -> dict:
 
 
 class Progress:
-    """When a run is stalled: no step within `startup_bound` s of its start, or no new step within
-    `step_bound` s of the last one. Only a step counts: phases that write status.json every second
-    (loading, warmup, checkpointing) do not reset the clock."""
+    """When a run is stalled: no status.json of this run within `status_bound` s of its start (the ranks' init:
+    the rendezvous, NCCL init, the group splits and first connects come before rank 0 writes one), no step
+    within `startup_bound` s of its start, or no new step within `step_bound` s of the last one, `first_extra` s
+    more until `first_steps` steps have passed (the compiles after the warmup come then). Only a step counts:
+    phases that write status.json every second (loading, warmup, checkpointing) do not reset the clock."""
 
-    def __init__(self, startup_bound: float, step_bound: float, now: float):
-        self.startup_bound, self.step_bound = startup_bound, step_bound
+    def __init__(self, startup_bound: float, step_bound: float, now: float, status_bound: float | None = None,
+                 first_steps: int = 0, first_extra: float = 0.0):
+        self.startup_bound, self.step_bound, self.status_bound = startup_bound, step_bound, status_bound
+        self.first_steps, self.first_extra = first_steps, first_extra
         self.start = self.last_t = now
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self.seen_status = False
 
-    def update(self, st: dict, now: float) -> str | None:
+    def update(self, st: dict, now: float, wall: float | None = None) -> str | None:
+        """`st`: status.json now (`{}` when there is none); `wall`: the wall clock at the run's start, to tell a
+        previous run's file (default: `now` is the wall clock)."""
+        started = self.start if wall is None else wall
+        if (st.get("updated_at") or 0) >= started or (st and st.get("updated_at") is None):
+            self.seen_status = True
+        if not self.seen_status:
+            if self.status_bound is not None and now - self.start > self.status_bound:
+                return (f"no status.json within {self.status_bound:.0f}s of the start (the ranks' init: the "
+                        "rendezvous, NCCL init, the group splits, the first connects)")
+            return None
         step = st.get("step")
         if step is not None and step != self.last_step and st.get("phase") in ("training", "checkpointing", "eval",
                                                                                "done"):
@@ -145,8 +161,9 @@ class Progress:
                 return (f"no step within {self.startup_bound:.0f}s of the start (phase {st.get('phase')}, "
                         f"step {step})")
             return None
-        if now - self.last_t > self.step_bound:
-            return f"no step for {self.step_bound:.0f}s after step {self.last_step} (phase {st.get('phase')})"
+        bound = self.step_bound + (self.first_extra if self.last_step - self.first_step < self.first_steps else 0)
+        if now - self.last_t > bound:
+            return f"no step for {bound:.0f}s after step {self.last_step} (phase {st.get('phase')})"
         return None
 
 
@@ -220,16 +237,17 @@ def failure(name: str, why: str, out: Path, work: Path, log: Path, spies: list[s
             + f"; log {log}")
 
 
-def run(argv: list[str], out: Path, work: Path, name: str, bounds: tuple[float, float],
+def run(argv: list[str], out: Path, work: Path, name: str, bounds: tuple,
         stop_at: int | None = None, cmd: list[str] | None = None) -> dict:
-    """One `python -m trainer` run (`cmd`, its command); SIGTERM once status shows step >= stop_at. Raises
-    SystemExit naming the flight-recorder dumps on a stall and on a failed exit (an NCCL timeout ends the
-    job before the stall clock does)."""
+    """One `python -m trainer` run (`cmd`, its command); SIGTERM once status shows step >= stop_at. `bounds`:
+    Progress's (startup, step[, status, first steps, their extra seconds]). Raises SystemExit naming the
+    flight-recorder dumps on a stall and on a failed exit (an NCCL timeout ends the job before the stall
+    clock does)."""
     log = work / f"{name}.log"
     with open(log, "a") as f:
         p = subprocess.Popen([*(cmd or [sys.executable, "-m", "trainer"]), *argv], stdout=f,
                              stderr=subprocess.STDOUT, env=child_env(out, work, name), cwd=REPO)
-        prog, termed = Progress(*bounds, time.time()), False
+        prog, termed = Progress(bounds[0], bounds[1], time.time(), *bounds[2:]), False
         while p.poll() is None:
             st = status(out)
             stall = prog.update(st, time.time())
@@ -254,13 +272,45 @@ def run(argv: list[str], out: Path, work: Path, name: str, bounds: tuple[float, 
     return status(out)
 
 
-def startup_bound(argv: list[str], margin: float = 300.0) -> float:
+# A tiny random target (no --target-model): it loads in seconds and a warmup shape compiles in a minute or
+# two, so the 27B target's worst cases (compile_warmup.LOAD_S, COMPILED_SHAPE_S) would leave a hang unseen for
+# hours.
+TINY_LOAD_S, TINY_COMPILED_S, TINY_EAGER_S = 120.0, 300.0, 60.0
+# The ranks' init before rank 0 writes status.json: imports and the rendezvous, then per communicator made
+# (a group split) and per first-use connect (a host-blocking NCCL connect) a bound of its own.
+INIT_BASE_S, INIT_PER_OP_S = 300.0, 30.0
+
+
+def startup_bound(argv: list[str], margin: float = 300.0, tiny: bool = False) -> float:
     """Seconds from a run's start to its first step before the script calls it a hang: the trainer's own
     start barrier bound for this command line (compile_warmup.startup_bounds: the load and every warmup
-    shape at its worst case), plus a margin for the supervisor and the first step."""
+    shape at its worst case; for a `tiny` target, TINY_*), plus a margin for the supervisor and the first
+    step."""
+    import dataclasses
+
     from trainer.config.options import parse_args
-    from trainer.engine.compile_warmup import startup_bounds
-    return startup_bounds(parse_args(argv)).barrier_s + margin
+    from trainer.engine.compile_warmup import startup_bounds, target_warmup_shapes, warmup_batches
+    from trainer.ops.compiling import wants
+    cfg = parse_args(argv)
+    bounds = startup_bounds(cfg)
+    if not tiny:
+        return bounds.barrier_s + margin
+    shapes = {"target": len(target_warmup_shapes(cfg)),
+              "drafter": len(warmup_batches(dataclasses.replace(cfg, compile=bounds.compile)))}
+    return TINY_LOAD_S + max(n * (TINY_COMPILED_S if wants(bounds.compile, role) else TINY_EAGER_S)
+                             for role, n in shapes.items()) + margin
+
+
+def status_bound(argv: list[str]) -> float:
+    """Seconds from a run's start to rank 0's first status.json: the ranks' init for this layout, its
+    communicators (the control group, the drafters' two, a pair per target and drafter) and its first-use
+    connects (one per pair, the drafters' all-gather)."""
+    from trainer.config.options import parse_args
+    from trainer.distributed.topology import local_roles
+    roles = local_roles(parse_args(argv))
+    targets = sum(r.target and not r.drafter for r in roles)
+    drafters = sum(r.drafter for r in roles)
+    return INIT_BASE_S + INIT_PER_OP_S * (3 + 2 * targets * drafters + 1)
 
 
 # ------------------------------------------------------------------------------------------ NCCL smoke
@@ -365,7 +415,11 @@ def main() -> int:
     ap.add_argument("--arch", default="qwen3", choices=ARCHES,
                     help="the tiny target's family without --target-model (dflash-tiny --arch; qwen3_5: the "
                          "seeds' hybrid)")
-    ap.add_argument("--step-bound", type=float, default=900.0, help="seconds without a new step before it is a hang")
+    ap.add_argument("--step-bound", type=float, default=900.0,
+                    help="seconds without a new step before it is a hang (more for the first steps, which compile)")
+    ap.add_argument("--status-bound", type=float, default=None,
+                    help="seconds from a run's start to its first status.json (the ranks' init) before it is a hang "
+                         "(default: sized by the layout's communicators and connects)")
     ap.add_argument("--smoke-bound", type=float, default=300.0, help="seconds for the whole NCCL smoke")
     ap.add_argument("--work", default="/tmp/dflash-first-run")
     ap.add_argument("--out", default="")
@@ -408,9 +462,15 @@ def main() -> int:
         shutil.rmtree(d, ignore_errors=True)
     for name in ("stopped", "resumed", "straight"):      # one log per run: recompiles are counted per run
         (work / f"{name}.log").unlink(missing_ok=True)
-    bounds = (a.startup_bound or startup_bound([*base, "--output-dir", str(resumed)]), a.step_bound)
-    print(f"bounds: {bounds[0]:.0f}s to the first step, {bounds[1]:.0f}s between steps; kernel caches shared "
-          f"by the runs: {work / 'kernel-cache'}", flush=True)
+    from trainer.distributed.groups import FIRST_STEPS, FIRST_STEPS_EXTRA_S
+    argv0 = [*base, "--output-dir", str(resumed)]
+    tiny = not a.target_model
+    first_extra = TINY_COMPILED_S if tiny else FIRST_STEPS_EXTRA_S
+    bounds = (a.startup_bound or startup_bound(argv0, tiny=tiny), a.step_bound, a.status_bound or status_bound(argv0),
+              FIRST_STEPS, first_extra)
+    print(f"bounds: {bounds[2]:.0f}s to the first status.json (init), {bounds[0]:.0f}s to the first step, "
+          f"{bounds[1]:.0f}s between steps ({bounds[1] + first_extra:.0f}s for the first {FIRST_STEPS}: the "
+          f"compiles after the warmup); kernel caches shared by the runs: {work / 'kernel-cache'}", flush=True)
     t0 = time.time()
     run([*base, "--output-dir", str(resumed)], resumed, work, "stopped", bounds, stop_at=a.steps // 2)
     cut = status(resumed).get("step")

@@ -192,7 +192,8 @@ def step_3(step: str, ctx: dict) -> None:
     lines = _block(step)
     assert all(x.startswith("pveum ") for x in lines), lines
     r = _bash("\n".join(lines), ctx)
-    ctx["secret"] = re.search(r"^value: (\S+)$", r.stdout, re.M)[1]
+    # the secret is in pveum's box table, the row `value`, as a real node prints it
+    ctx["secret"] = re.search(r"^│ value\s+│ (\S+)\s+│$", r.stdout, re.M)[1]
     user_cfg = (ctx["etc"] / "user.cfg").read_text()
     assert "token:root@pam!ansible:0:1::" in user_cfg and user_cfg.count("\nacl:") == 4, user_cfg
     (scp,) = NOT_HERE[3]
@@ -202,10 +203,12 @@ def step_3(step: str, ctx: dict) -> None:
 
 def step_4(step: str, ctx: dict) -> None:
     """The secret in a vault file: `ansible-vault encrypt_string` reads the vault password twice and
-    then the secret (stdin); its output, the variable by name, is appended to the file the step names."""
+    then the secret (stdin); its output, the variable by name, is appended to the file the step names.
+    The secret is pasted as most operators paste it, with Enter before ctrl-d: the vault then holds
+    it with a newline, which the inventory trims (issue 62 A1; steps 5 and 6 use it)."""
     command = _one(step, "ansible-vault encrypt_string")
     path = ctx["ctl"] / command.split(">> ", 1)[1]
-    _bash(command, ctx, stdin=f"{VAULT_PASSWORD}\n{VAULT_PASSWORD}\n{ctx['secret']}")
+    _bash(command, ctx, stdin=f"{VAULT_PASSWORD}\n{VAULT_PASSWORD}\n{ctx['secret']}\n")
     vault = yaml.safe_load(path.read_text().replace("!vault", ""))
     assert list(vault) == ["vault_dflash_provision_api_token_secret"], path.read_text()
     assert "-J" in step and "--ask-vault-password" in step

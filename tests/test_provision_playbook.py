@@ -73,10 +73,11 @@ def node(tmp_path_factory):
     etc.mkdir()
     # exactly what the documented `pveum` lines leave: one role per kind of path, one ACL per path;
     # nosdn: the same without the SDN path's ACL; a privileged CT 253: its own ACLs (PVE 8: no /)
+    # (the privileged CT 253 has a token of its own: one that holds /vms/253 holds more than CT 250 needs)
     cfg = ["user:root@pam:1:0:::root@pam::"]
-    for vmid, unpriv in ((VMID, True), (PRIVILEGED_VMID, False)):
+    for vmid, unpriv, token in ((VMID, True, "ansible"), (PRIVILEGED_VMID, False, "priv")):
         acl = prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF, unpriv)
-        cfg += [x for x in prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")
+        cfg += [x for x in prov_filters.dflash_user_cfg_lines(acl, f"root@pam!{token}", "DFlashProvision")
                 if x not in cfg]
     cfg += [x for x in prov_filters.dflash_user_cfg_lines(prov_filters.dflash_token_acl(VMID, "local-lvm", TEMPLATE, {}),
                                                           "root@pam!nosdn", "DFlashProvision") if x not in cfg]
@@ -91,6 +92,7 @@ def node(tmp_path_factory):
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen([sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(state),
                              "--token", "root@pam!ansible=s3cret", "--token", "root@pam!nosdn=s3cret",
+                             "--token", "root@pam!priv=s3cret",
                              "--token", "root@pam!shared=s3cret", "--token", "root@pam!admin=s3cret"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(100):
@@ -300,12 +302,25 @@ def test_5f_a_ct_without_an_address_fails_before_staging_naming_the_netif_variab
     """Issue 52 item 12: net0 is ip=dhcp; a rack with static addresses has no DHCP on vmbr0, and apt
     and pip inside the CT failed only after the weights were staged. The node role checks from inside
     the started CT (the stand-in's CTs have no network, as such a CT has none)."""
-    r = play(node, dflash_node_network_check=True)
+    r = play(node, dflash_node_network_check=True, dflash_node_network_timeout=4)
     assert r.returncode != 0, r.text[-3000:]
-    assert "CT 250 has no IPv4 address" in r.text and "apt and pip inside it would fail after the weights are" \
-        " staged. Its network: name=eth0,bridge=vmbr0,ip=dhcp" in r.text, r.text[-3000:]
+    assert "CT 250 has no IPv4 address 4 s after it was up" in r.text and "apt and pip inside it would fail after" \
+        " the weights are staged. Its network: name=eth0,bridge=vmbr0,ip=dhcp" in r.text, r.text[-3000:]
     assert "With ip=dhcp it needs a DHCP server on that bridge; in a rack with static addresses set" \
         " dflash_provision_netif" in r.text
+
+
+def test_5g_a_dhcp_lease_that_comes_seconds_after_boot_passes_the_network_check(node):
+    """Issue 62 A2: Debian 12's networking.service is not ordered before basic.target, so a lease
+    still pending (conflict detection, a DISCOVER retry) failed the deploy on a network that is fine.
+    The check asks again for up to dflash_node_network_timeout. The stand-in's CT gets its lease
+    6 s after its start (PVE_STANDIN_DHCP_AFTER)."""
+    subprocess.run([sys.executable, str(PVE_API), "pct", "stop", str(VMID)], env=node["env"], check=True,
+                   capture_output=True)
+    late = {**node, "env": {**node["env"], "PVE_STANDIN_DHCP_AFTER": "6"}}
+    r = play(late, dflash_node_network_check=True)
+    assert r.returncode == 0, r.text[-3000:]
+    assert "CT 250: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text, r.text[-3000:]
 
 
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
@@ -367,6 +382,7 @@ def test_8b_a_privileged_ct_is_made_with_the_token_no_features_and_a_workspace_o
     hosts = inv["all"]["children"]["dflash_containers"]["hosts"]
     ws = node["tmp"] / "ws253"
     hosts["ct253"] = {**hosts.pop("ct250"), "proxmox_vmid": PRIVILEGED_VMID, "dflash_provision_unprivileged": False,
+                      "dflash_provision_api_token_id": "priv",
                       "dflash_provision_hostname": "ct253", "dflash_node_workspace_host_path": str(ws)}
     path = node["tmp"] / "privileged.yml"
     path.write_text(json.dumps(inv))
@@ -494,11 +510,10 @@ def two_nodes(tmp_path_factory):
     for name in ("a", "b"):
         etc, state = tmp / name / "etc", tmp / name / "state"
         etc.mkdir(parents=True)
-        cfg = ["user:root@pam:1:0:::root@pam::"]
-        for vmid in (251, 252):
-            acl = prov_filters.dflash_token_acl(vmid, "local-lvm", TEMPLATE, NETIF)
-            cfg += [x for x in prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")
-                    if x not in cfg]
+        # each node's token may shape its own CT only (CT 251 on pve-a, CT 252 on pve-b)
+        acl = prov_filters.dflash_token_acl({"a": 251, "b": 252}[name], "local-lvm", TEMPLATE, NETIF)
+        cfg = ["user:root@pam:1:0:::root@pam::"] + prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible",
+                                                                                      "DFlashProvision")
         (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
         node_env = {"PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(tmp / name / "lxc"),
                     "PVE_STANDIN_NODE": f"pve-{name}", "PVE_STANDIN_FAKE_LXC": "1",

@@ -158,6 +158,16 @@ BUILTIN_ROLES = {
 }
 
 
+# The ACL paths PVE 8 accepts (PVE::AccessControl::check_path): anything else is "invalid ACL path".
+ACL_PATH = re.compile(r"^/(?:|access(?:/(?:groups|realm)(?:/[^/]+)?)?|nodes(?:/[^/]+)?|pool(?:/[^/]+)?"
+                      r"|sdn(?:/zones(?:/[^/]+(?:/[^/]+(?:/\d+)?)?)?|/vnets(?:/[^/]+)?)?|storage(?:/[^/]+)?"
+                      r"|vms(?:/\d+)?|mapping(?:/(?:pci|usb|dir)(?:/[^/]+)?)?)$")
+
+
+def valid_acl_path(path: str) -> bool:
+    return bool(ACL_PATH.match(path.rstrip("/") or "/"))
+
+
 def perm_error(what: str = "") -> ApiError:
     """PVE's raise_perm_exc: HTTP 403 'Permission check failed (<what>)'."""
     return ApiError(403, "Permission check failed" + (f" ({what})" if what else ""))
@@ -186,6 +196,7 @@ class AccessControl:
         self.roles: dict = dict(BUILTIN_ROLES)
         self.groups: dict = {}        # name -> set of users
         self.acl: list = []           # (path, propagate, principal, role)
+        self.pools: set = set()
         if path and os.path.exists(path):
             with open(path) as f:
                 self.parse(f.read())
@@ -201,6 +212,8 @@ class AccessControl:
                 self.users.add(f[0])
             elif kind == "token":
                 self.tokens[f[0]] = (f[2] if len(f) > 2 and f[2] != "" else "1") != "0"
+            elif kind == "pool":
+                self.pools.add(f[0])
             elif kind == "group":
                 self.groups[f[0]] = set(filter(None, (f[1] if len(f) > 1 else "").split(",")))
             elif kind == "role":
@@ -211,6 +224,8 @@ class AccessControl:
                 self.roles[f[0]] = frozenset(privs)
             elif kind == "acl":
                 propagate, acl_path, who, roles = f[0], f[1], f[2], f[3]
+                if not valid_acl_path(acl_path):
+                    raise SystemExit(f"{self.path}:{lineno}: invalid ACL path '{acl_path}'")
                 for principal in filter(None, who.split(",")):
                     for role in filter(None, roles.split(",")):
                         if role not in self.roles:
@@ -269,9 +284,12 @@ class AccessControl:
         return authid is None or set(privs) <= self.permissions(authid, path)
 
     def effective(self, authid: str) -> dict:
-        """GET /access/permissions without a path: the top-level paths and every ACL path."""
-        paths = {"/", "/access", "/access/groups", "/nodes", "/pool", "/sdn", "/storage", "/vms"}
+        """GET /access/permissions without a path (RPCEnvironment's get_effective_permissions): the
+        top-level paths, every ACL path (anyone's) and every pool, each with the privileges held
+        there; paths without any are left out."""
+        paths = {"/", "/access", "/access/groups", "/nodes", "/pool", "/sdn", "/storage", "/vms", "/mapping"}
         paths |= {p for p, *_ in self.acl}
+        paths |= {f"/pool/{p}" for p in self.pools}
         out = {}
         for p in sorted(paths):
             privs = self.permissions(authid, p)
@@ -654,6 +672,23 @@ class FakeLxc(Lxc):
             memlock = "unlimited" if memlock in ("unlimited", "-1") else memlock
             print("Limit                     Soft Limit           Hard Limit           Units")
             print(f"Max locked memory         {memlock:<20} {memlock:<20} bytes")
+            return 0
+        if argv[:2] == ["sh", "-c"] and "ip -4" in argv[2]:
+            # the CT's IPv4 address and default route: none (the stand-in has no network), unless
+            # PVE_STANDIN_DHCP_AFTER=S: a DHCP lease S seconds after the start, as ifupdown's dhclient
+            # gets one after basic.target on a real CT (conflict detection, a DISCOVER retry)
+            after = os.environ.get("PVE_STANDIN_DHCP_AFTER")
+            try:
+                with open(self._marker(vmid)) as f:
+                    started = float(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                started = time.time()
+            if after is not None and time.time() - started >= float(after):
+                print("2: eth0    inet 10.1.2.50/24 brd 10.1.2.255 scope global dynamic eth0")
+                print("---")
+                print("default via 10.1.2.1 dev eth0")
+            else:
+                print("---")
             return 0
         print(f"fake-lxc: cannot run {argv!r} (nothing runs here)", file=sys.stderr)
         return 127
@@ -1562,6 +1597,24 @@ def pct(a, argv: list) -> int:
     return 0
 
 
+def box_table(rows: list) -> str:
+    """PVE's CLI formatter (--output-format text, the default on a terminal and off one): a key/value
+    table in box-drawing characters, as `pveum user token add` prints the secret."""
+    rows = [("key", "value")] + [(str(k), str(v)) for k, v in rows]
+    wk, wv = (max(len(r[i]) for r in rows) for i in (0, 1))
+
+    def rule(left, mid, right, fill):
+        return left + fill * (wk + 2) + mid + fill * (wv + 2) + right
+
+    out = [rule("┌", "┬", "┐", "─"), f"│ {rows[0][0]:<{wk}} │ {rows[0][1]:<{wv}} │", rule("╞", "╪", "╡", "═")]
+    for i, (k, v) in enumerate(rows[1:]):
+        if i:
+            out.append(rule("├", "┼", "┤", "─"))
+        out.append(f"│ {k:<{wk}} │ {v:<{wv}} │")
+    out.append(rule("└", "┴", "┘", "─"))
+    return "\n".join(out)
+
+
 def pveum(a, argv: list) -> int:
     """The `pveum` subset README's first deploy runs as root on the node, on the same user.cfg the
     API reads: `role add NAME --privs "P ..."`, `user add USERID`, `user token add USERID NAME
@@ -1610,9 +1663,12 @@ def pveum(a, argv: list) -> int:
             os.makedirs(os.path.join(a.pve_etc, "priv"), exist_ok=True)
             with open(os.path.join(a.pve_etc, "priv", "token.cfg"), "a") as f:
                 f.write(f"{user}!{name} {secret}\n")
-            print(f"full-tokenid: {user}!{name}\ninfo: {{\"privsep\":\"{privsep}\"}}\nvalue: {secret}")
+            print(box_table([("full-tokenid", f"{user}!{name}"), ("info", f'{{"privsep":"{privsep}"}}'),
+                             ("value", secret)]))
         elif words == ["acl", "modify"] and rest:
             acl_path, o = rest[0], opts(rest[1:], {"--roles", "--users", "--tokens", "--groups", "--propagate"})
+            if not valid_acl_path(acl_path):
+                raise ApiError(400, f"invalid ACL path '{acl_path}'")
             who = [x for k in ("--users", "--tokens") for x in o.get(k, "").split(",") if x]
             who += ["@" + g for g in o.get("--groups", "").split(",") if g]
             roles = [r for r in o.get("--roles", "").split(",") if r]

@@ -237,7 +237,9 @@ def step_6(step: str, ctx: dict) -> None:
     assert "unprivileged: 1" in conf and "startup: down=1020" in conf, conf
     assert "lxc.prlimit.memlock: unlimited" in conf and f"mp0: {ctx['node'] / 'workspace'},mp=/workspace" in conf
     dropin = ctx["node"] / "systemd" / "pve-container@200.service.d" / "dflash-mounts.conf"
-    assert "RequiresMountsFor=" in dropin.read_text()            # the start guard the step describes
+    # the start guard the step describes: every source checked on its own mount, no Requires= on a mount
+    text = dropin.read_text()
+    assert "ExecStartPre=" in text and not [x for x in text.splitlines() if x.startswith("Requires")], text
     status = subprocess.run([sys.executable, str(ctx["pve_api"]), "pct", "status", "200"], env=ctx["env"],
                             capture_output=True, text=True).stdout
     assert status.strip() == "status: running"
@@ -281,9 +283,6 @@ def _inventory(ctx: dict) -> None:
             host.pop("ansible_host", None)
     (prod / "hosts.yml").write_text(yaml.safe_dump(hosts))
     node = ctx["node"]
-    systemctl = node / "systemctl"
-    systemctl.write_text(f'#!/bin/sh\necho "$*" >> {node}/systemctl.log\n')
-    systemctl.chmod(0o755)
     (prod / "group_vars" / "dflash_containers" / "standin.yml").write_text(yaml.safe_dump({
         "dflash_provision_api_host": "127.0.0.1", "dflash_provision_api_port": ctx["port"],
         "dflash_provision_api_timeout": 30,
@@ -292,7 +291,7 @@ def _inventory(ctx: dict) -> None:
         "dflash_node_models_host_path": str(ctx["models"]), "dflash_node_workspace_host_path": str(node / "workspace"),
         "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_network_check": False,
         "dflash_node_restart_timeout": 10, "dflash_node_systemd_dir": str(node / "systemd"),
-        "dflash_node_systemctl_command": [str(systemctl)], "dflash_node_mount_check": str(node / "dflash-mount-check"),
+        "dflash_node_systemctl_command": [sys.executable, str(ctx["pve_api"]), "systemctl"], "dflash_node_mount_check": str(node / "dflash-mount-check"),
         "dflash_service_target_gpus": "cpu", "dflash_service_drafter_gpus": "cpu"}))
 
 

@@ -39,14 +39,13 @@ NETIF = {"net0": "name=eth0,bridge=vmbr0,ip=dhcp"}
 
 
 def node_systemd(tmp: Path) -> dict:
-    """The node's systemd, as the start guard sees it: drop-ins under tmp/systemd (the API
-    stand-in's start applies them, PVE_STANDIN_SYSTEMD_DIR), a `systemctl` that logs its arguments
-    to tmp/systemctl.log, the check installed under tmp (not on this host's /usr/local/sbin)."""
+    """The node's systemd, as the start guard sees it: drop-ins under tmp/systemd (the API stand-in's
+    start applies what its `systemctl daemon-reload` face loaded, PVE_STANDIN_SYSTEMD_DIR), its calls
+    logged to tmp/systemctl.log (PVE_STANDIN_SYSTEMCTL_LOG, set by the fixture), the check installed
+    under tmp (not on this host's /usr/local/sbin)."""
     (tmp / "systemd").mkdir(exist_ok=True)
-    systemctl = tmp / "systemctl"
-    systemctl.write_text(f'#!/bin/sh\necho "$*" >> {tmp}/systemctl.log\n')
-    systemctl.chmod(0o755)
-    return {"dflash_node_systemd_dir": str(tmp / "systemd"), "dflash_node_systemctl_command": [str(systemctl)],
+    return {"dflash_node_systemd_dir": str(tmp / "systemd"),
+            "dflash_node_systemctl_command": [sys.executable, str(PVE_API), "systemctl"],
             "dflash_node_mount_check": str(tmp / "dflash-mount-check")}
 
 
@@ -86,7 +85,7 @@ def node(tmp_path_factory):
     (etc / "user.cfg").write_text("\n".join(cfg) + "\n")
     port = _free_port()
     env = {**os.environ, "PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(lxc), "PVE_STANDIN_FAKE_LXC": "1",
-           "PVE_STANDIN_SYSTEMD_DIR": str(tmp / "systemd"),
+           "PVE_STANDIN_SYSTEMD_DIR": str(tmp / "systemd"), "PVE_STANDIN_SYSTEMCTL_LOG": str(tmp / "systemctl.log"),
            "PVE_STANDIN_PCT_LOG": str(tmp / "pct.log"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
            "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
@@ -439,60 +438,6 @@ def test_8d_lxc_passthrough_into_a_privileged_ct_is_refused_naming_the_variable(
     assert "CT 253 is privileged and dflash_node_gpu_passthrough is lxc, which allows whole device majors" in r.text, \
         r.text[-3000:]
     assert conf.read_text() == before
-
-
-def test_8e_a_ct_whose_share_did_not_mount_is_not_started(node):
-    """Issue 52 item 5: a failed NFS mount let the CT start on the empty mount point it leaves, and
-    write its checkpoints onto the node's own disk. PVE starts every CT with `systemctl start
-    pve-container@<vmid>` (pct, the API, pve-guests at boot); the role's drop-in for that unit
-    requires the bind-mount sources' mounts (RequiresMountsFor=: an /etc/fstab share that fails to
-    mount fails the start) and, for a source on NFS, checks at every start that it still is (a share
-    mounted by hand or by a PVE storage has no mount unit at boot). The stand-in's start applies the
-    unit's drop-ins as systemd does."""
-    env, pct, sid = node["env"], [sys.executable, str(PVE_API), "pct"], str(VMID)
-    ws, models, units = node["tmp"] / "workspace", node["tmp"] / "models", node["tmp"] / "systemd"
-    dropin = units / f"pve-container@{VMID}.service.d" / "dflash-mounts.conf"
-    r = play(node)
-    assert r.returncode == 0, r.text[-3000:]
-    text = dropin.read_text()
-    assert f"RequiresMountsFor={ws} {models}\n" in text and "ExecStartPre" not in text, text   # no share here
-    assert (units / f"pve-container-debug@{VMID}.service.d" / "dflash-mounts.conf").read_text() == text
-    assert "daemon-reload" in (node["tmp"] / "systemctl.log").read_text()
-
-    def restart(extra_env=None):
-        subprocess.run(pct + ["stop", sid], env=env, check=True, capture_output=True)
-        r = subprocess.run(pct + ["start", sid], env={**env, **(extra_env or {})}, capture_output=True, text=True)
-        r.status = subprocess.run(pct + ["status", sid], env=env, capture_output=True, text=True).stdout.strip()
-        return r
-
-    # the workspace's /etc/fstab mount fails (the NFS server is down at boot): systemd refuses the start
-    r = restart({"PVE_STANDIN_FAILED_MOUNTS": str(ws)})
-    assert r.returncode != 0 and f"A dependency job for pve-container@{VMID}.service failed" in r.stderr, r.stderr
-    assert r.status == "status: stopped"
-    assert restart().status == "status: running"
-
-    # a workspace on NFS (a `stat` that calls every filesystem nfs stands for the share, as in 8c)
-    fake = node["tmp"] / "nfsbin"
-    fake.mkdir(exist_ok=True)
-    (fake / "stat").write_text('#!/bin/sh\n[ "$1" = -f ] && { echo nfs; exit 0; }\nexec /usr/bin/stat "$@"\n')
-    (fake / "stat").chmod(0o755)
-    share = node["tmp"] / "nfs-share"
-    (share / "models").mkdir(parents=True, exist_ok=True)
-    for d in (share, share / "models"):
-        os.chown(d, 100000, 100000)
-    mounted = {"PATH": f"{fake}:{env['PATH']}"}
-    r = play({**node, "env": {**env, **mounted}}, dflash_node_workspace_host_path=str(share))
-    assert r.returncode == 0, r.text[-3000:]
-    assert f"ExecStartPre={node['tmp']}/dflash-mount-check {VMID} nfs {share}\n" in dropin.read_text()
-    # the share did not mount: its mount point is on the node's own disk, and the start is refused
-    r = restart()
-    assert r.returncode != 0 and r.status == "status: stopped", (r.stderr, r.status)
-    assert f"Job for pve-container@{VMID}.service failed because the control process exited" in r.stderr
-    assert f"CT {VMID} not started: its bind-mount source {share} is on " in r.stderr
-    assert ", not on nfs: the share that holds it is not mounted" in r.stderr, r.stderr
-    assert restart(mounted).status == "status: running"            # mounted again: it starts
-    r = play(node)                                                   # back to the fixture's workspace
-    assert r.returncode == 0 and "ExecStartPre" not in dropin.read_text(), r.text[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -54,8 +54,14 @@ path below its own. `pct config` and GET .../config show the pending values (`--
 current=1: the running ones). A task is read by who started it, or by the user of the token that
 did, else with Sys.Audit on /nodes/<node>: a token may not read its user's tasks. A raw lxc.* key outside is_valid_lxc_conf_key's
 list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. A start is `systemctl start
-pve-container@<vmid>` (vm_start), so that unit's drop-ins on the node apply: RequiresMountsFor= and
-ExecStartPre= (start_unit; PVE_STANDIN_SYSTEMD_DIR, PVE_STANDIN_FAILED_MOUNTS). The generated LXC config has
+pve-container@<vmid>` (vm_start), so that unit's drop-ins on the node apply, as systemd loaded them at its
+last `daemon-reload` (the `systemctl` face): Requires=, Wants=, After=, RequiresMountsFor= (Requires= on
+every fstab mount above the path) and ExecStartPre= (start_unit; PVE_STANDIN_SYSTEMD_DIR,
+PVE_STANDIN_FSTAB, PVE_STANDIN_FAILED_MOUNTS). A mount's stop propagates to the CTs whose unit Requires= it
+(lxc-stop's 60 s, then a kill); `node-shutdown` models a node's shutdown (those first, then pve-guests with
+each CT's `down=`). Not modelled: the boot order against pvestatd, which mounts PVE storages (README,
+"NFS"); a CT's network (none, unless PVE_STANDIN_DHCP_AFTER gives a lease that many seconds after a
+start). The generated LXC config has
 PVE's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group.
 
 State: PVE-format configs in <pve-etc>/lxc/<vmid>.conf (default /etc/pve, as on a node: the
@@ -74,6 +80,7 @@ Usage:
   pve_api.py serve --rootfs DIR --token 'root@pam!ansible=SECRET' [--port 8006] [--node pve]
                    [--state-dir DIR] [--pve-etc /etc/pve] [--lxcpath /var/lib/lxc] [--fake-lxc]
   pve_api.py pveum role add|user add|user token add|acl modify ...   (as README's first deploy runs them)
+  pve_api.py systemctl daemon-reload|stop MOUNT|restart MOUNT;  pve_api.py node-shutdown
   pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID [...]
       The node-side subset of `pct` over the same state: `pct set VMID -mp0 ... -dev0 ...
       --delete k1,k2`, `pct config VMID` prints <pve-etc>/lxc/VMID.conf as pct does.
@@ -469,44 +476,138 @@ def make_mount_path(base: str, rel: str) -> None:
         cur = nxt
 
 
-def start_unit(vmid: int, log) -> None:
-    """pve-container's vm_start runs `systemctl start pve-container@<vmid>`: the drop-ins the node has
-    for that unit (in PVE_STANDIN_SYSTEMD_DIR; unset: none) act as systemd makes them act, before LXC
-    starts. RequiresMountsFor=: the mounts holding those paths start first; one listed in
-    PVE_STANDIN_FAILED_MOUNTS (colon-separated mount points that fail to mount, e.g. an fstab NFS
-    share whose server is down) fails the start with systemd's message. ExecStartPre=: run here, on
-    the node; a failure fails the start (its stderr, which PVE sends to /run/pve/ct-<vmid>.stderr
-    and the journal, is logged to the task and quoted)."""
+def mount_unit(path: str) -> str:
+    """systemd-escape --path --suffix=mount PATH."""
+    r = subprocess.run(["systemd-escape", "--path", "--suffix=mount", "--", path], capture_output=True, text=True)
+    return r.stdout.strip()
+
+
+def fstab_mounts() -> list:
+    """The node's mounts that have a unit file at boot (its /etc/fstab): PVE_STANDIN_FSTAB, colon-separated
+    mount points. A share mounted by hand or by a PVE storage has none."""
+    return [m.rstrip("/") or "/" for m in os.environ.get("PVE_STANDIN_FSTAB", "").split(":") if m]
+
+
+def unit_deps(vmid: int) -> dict:
+    """What pve-container@<vmid>.service's drop-ins (PVE_STANDIN_SYSTEMD_DIR; unset: none) say, as systemd
+    loads them at its last daemon-reload (PVE_STANDIN_SYSTEMD_DIR/.loaded, written by `pve_api.py
+    systemctl daemon-reload`; a drop-in written after it is not seen yet): {requires, wants, after: [unit],
+    exec_start_pre: [line]}. RequiresMountsFor=P is Requires= and After= on the mount unit of P and of
+    every mount above it that has a unit file (systemd.unit(5))."""
+    out = {"requires": [], "wants": [], "after": [], "exec_start_pre": []}
     base = os.environ.get("PVE_STANDIN_SYSTEMD_DIR")
     if not base:
-        return
+        return out
+    try:
+        with open(os.path.join(base, ".loaded")) as f:
+            loaded = json.load(f)
+    except (OSError, ValueError):
+        loaded = {}
     unit = f"pve-container@{vmid}.service"
     lines = []
-    for d in (os.path.join(base, "pve-container@.service.d"), os.path.join(base, f"{unit}.d")):
-        if os.path.isdir(d):
-            for name in sorted(os.listdir(d)):
+    for d in ("pve-container@.service.d", f"{unit}.d"):
+        for name, text in sorted((loaded.get(d) or {}).items()):
+            lines += [x.strip() for x in text.splitlines() if "=" in x and not x.lstrip().startswith(("#", ";"))]
+    fstab = fstab_mounts()
+    for line in lines:
+        key, _, value = line.partition("=")
+        key, value = key.strip(), value.strip().replace("%%", "%")
+        if key == "RequiresMountsFor":
+            for path in shlex.split(value):
+                for m in fstab:
+                    if m == "/" or path == m or path.startswith(m + "/"):
+                        out["requires"].append(mount_unit(m))
+                        out["after"].append(mount_unit(m))
+        elif key in ("Requires", "Wants", "After"):
+            out[key.lower()] += value.split()
+        elif key == "ExecStartPre":
+            out["exec_start_pre"].append(value)
+    return out
+
+
+def daemon_reload(base: str) -> None:
+    """`systemctl daemon-reload`: systemd reads the unit files and drop-ins anew; until then a changed
+    drop-in has no effect (the stand-in keeps what it loaded in <systemd dir>/.loaded)."""
+    loaded = {}
+    for d in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if d.endswith(".service.d") and os.path.isdir(os.path.join(base, d)):
+            loaded[d] = {}
+            for name in sorted(os.listdir(os.path.join(base, d))):
                 if name.endswith(".conf"):
-                    with open(os.path.join(d, name)) as f:
-                        lines += [x.strip() for x in f if "=" in x and not x.lstrip().startswith(("#", ";"))]
-    failed = [os.path.realpath(m) for m in os.environ.get("PVE_STANDIN_FAILED_MOUNTS", "").split(":") if m]
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key.strip() == "RequiresMountsFor":
-            for path in value.replace("%%", "%").split():
-                path = os.path.realpath(path)
-                if any(path == m or path.startswith(m + "/") for m in failed):
-                    raise RuntimeError(f"A dependency job for {unit} failed. See 'journalctl -xe' for details.")
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key.strip() == "ExecStartPre":
-            value = value.strip().replace("%%", "%")
-            ignore = value.startswith("-")
-            r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
-            if r.returncode != 0 and not ignore:
-                for x in r.stderr.splitlines():
-                    log(f"{unit}: {x}")
-                raise RuntimeError(f"Job for {unit} failed because the control process exited with error code."
-                                   f" (journal: {r.stderr.strip()})")
+                    with open(os.path.join(base, d, name)) as f:
+                        loaded[d][name] = f.read()
+    with open(os.path.join(base, ".loaded"), "w") as f:
+        json.dump(loaded, f)
+
+
+def start_unit(vmid: int, log) -> None:
+    """pve-container's vm_start runs `systemctl start pve-container@<vmid>`: the drop-ins systemd loaded for
+    that unit act as systemd makes them act, before LXC starts. A Requires= or Wants= mount unit is started
+    first; one listed in PVE_STANDIN_FAILED_MOUNTS (colon-separated mount points that fail to mount, e.g. an
+    fstab NFS share whose server is down) fails: under Requires= the start fails with systemd's message,
+    under Wants= the start goes on. Requires= on a mount with no unit file (not in PVE_STANDIN_FSTAB and not
+    mounted) fails as "not found". ExecStartPre=: run here, on the node; a failure fails the start (its
+    stderr, which PVE sends to /run/pve/ct-<vmid>.stderr and the journal, is logged to the task and quoted)."""
+    deps = unit_deps(vmid)
+    unit = f"pve-container@{vmid}.service"
+    failed = {mount_unit(os.path.realpath(m)) for m in os.environ.get("PVE_STANDIN_FAILED_MOUNTS", "").split(":") if m}
+    known = {mount_unit(m) for m in fstab_mounts()}
+    with open("/proc/self/mounts") as f:
+        known |= {mount_unit(line.split()[1].encode().decode("unicode_escape")) for line in f}
+    for dep in deps["requires"]:
+        if dep.endswith(".mount") and dep not in known:
+            raise RuntimeError(f"Failed to start {unit}: Unit {dep} not found.")
+        if dep in failed:
+            raise RuntimeError(f"A dependency job for {unit} failed. See 'journalctl -xe' for details.")
+    for dep in deps["wants"]:
+        if dep in failed:
+            log(f"{dep}: mount failed (Wants= of {unit}: the start goes on)")
+    for value in deps["exec_start_pre"]:
+        ignore = value.startswith("-")
+        r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
+        if r.returncode != 0 and not ignore:
+            for x in r.stderr.splitlines():
+                log(f"{unit}: {x}")
+            raise RuntimeError(f"Job for {unit} failed because the control process exited with error code."
+                               f" (journal: {r.stderr.strip()})")
+
+
+def stop_mount(node, mount: str, log) -> list:
+    """A stop job for the mount unit of `mount` (`systemctl stop|restart`, or a node's shutdown, when
+    umount.target stops every mount): systemd propagates it to every unit that Requires= it, so each running
+    CT whose pve-container@ unit does is stopped by that unit's ExecStop (pve-container-stop-wrapper:
+    lxc-stop with its default 60 s, then a kill). Wants= and After= propagate nothing (After= only orders
+    the mount's own stop after the CT's). -> [vmid] stopped this way."""
+    unit, hit = mount_unit(mount), []
+    for vmid in node.vmids():
+        if node.lxc.state(vmid) == "running" and unit in unit_deps(vmid)["requires"]:
+            log(f"pve-container@{vmid}.service: stopped with {unit} (Requires=): lxc-stop, killed after 60 s")
+            node.lxc.stop(vmid, 60, True, log)
+            hit.append(vmid)
+    return hit
+
+
+def node_shutdown(node, log) -> dict:
+    """The node shuts down: umount.target stops every fstab mount, and pve-guests' stop (stopall) shuts each
+    running CT down with its `startup: down=` budget (180 s unset), then kills it. pve-container@.service has
+    DefaultDependencies=no, so only a Requires= on a mount pulls its stop into the shutdown early, at once,
+    with lxc-stop's 60 s instead. -> {vmid: (who stopped it, seconds it was given)}."""
+    out = {}
+    for m in fstab_mounts():
+        for vmid in stop_mount(node, m, log):
+            out.setdefault(vmid, (f"stop propagated from {mount_unit(m)}", 60))
+    for vmid in node.vmids():
+        if node.lxc.state(vmid) == "running":
+            down = _split_startup(node.read(vmid)[0].get("startup")).get("down", 180)
+            log(f"pve-guests: shutting down CT {vmid} (timeout {down} s)")
+            node.lxc.stop(vmid, down, True, log)
+            out[vmid] = ("pve-guests", down)
+    return out
+
+
+def _split_startup(value) -> dict:
+    return {k: int(v) for k, v in (x.split("=", 1) for x in str(value or "").split(",") if "=" in x)
+            if k in ("order", "up", "down")}
 
 
 # --------------------------------------------------------------------------- LXC backends
@@ -1597,6 +1698,42 @@ def pct(a, argv: list) -> int:
     return 0
 
 
+def systemctl(a, argv: list) -> int:
+    """The node's systemd as far as CT starts and stops see it (run as root on the node):
+    `systemctl daemon-reload` (what it loaded is what a start applies), `systemctl stop|restart MOUNT`
+    (a path or its mount unit: the stop propagates to CTs whose unit Requires= it), and
+    `node-shutdown` (pve_api.py node-shutdown: which CTs pve-guests stops with their down= budget and
+    which a propagated stop cuts at 60 s, one line each). Calls are appended to PVE_STANDIN_SYSTEMCTL_LOG."""
+    if os.environ.get("PVE_STANDIN_SYSTEMCTL_LOG"):
+        with open(os.environ["PVE_STANDIN_SYSTEMCTL_LOG"], "a") as f:
+            f.write(" ".join(argv) + "\n")
+    base = os.environ.get("PVE_STANDIN_SYSTEMD_DIR")
+    if argv == ["daemon-reload"]:
+        if base:
+            daemon_reload(base)
+        return 0
+    node = build_node(a)
+
+    def log(line):
+        print(line)
+    if argv == ["node-shutdown"]:
+        for vmid, (who, budget) in sorted(node_shutdown(node, log).items()):
+            print(f"CT {vmid}: stopped by {who}, given {budget} s")
+        return 0
+    if len(argv) == 2 and argv[0] in ("stop", "restart"):
+        mount = argv[1]
+        if mount.endswith(".mount"):
+            mount = subprocess.run(["systemd-escape", "--unescape", "--path", mount[:-len(".mount")]],
+                                   capture_output=True, text=True).stdout.strip()
+        hit = stop_mount(node, mount, log)
+        if argv[0] == "restart":
+            for vmid in hit:
+                node.wait(node.start(vmid, "root@pam"))
+        return 0
+    print(f"systemctl (stand-in): unknown command '{' '.join(argv)}'", file=sys.stderr)
+    return 2
+
+
 def box_table(rows: list) -> str:
     """PVE's CLI formatter (--output-format text, the default on a terminal and off one): a key/value
     table in box-drawing characters, as `pveum user token add` prints the secret."""
@@ -1694,7 +1831,7 @@ def pveum(a, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="pve_api.py", description="Proxmox VE API STAND-IN for tests (not Proxmox).")
-    p.add_argument("mode", choices=["serve", "pct", "pveum"])
+    p.add_argument("mode", choices=["serve", "pct", "pveum", "systemctl", "node-shutdown"])
     p.add_argument("--listen", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8006)
     p.add_argument("--node", default=os.environ.get("PVE_STANDIN_NODE", "pve"))
@@ -1716,6 +1853,11 @@ def main(argv=None) -> int:
                    help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")
     if argv and argv[0] == "pveum":
         return pveum(p.parse_args(["pveum"]), argv[1:])
+    if argv and argv[0] in ("systemctl", "node-shutdown"):
+        a = p.parse_args(["pct"])
+        a.template = a.template or ["local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"]
+        a.storage = a.storage or ["local", "local-lvm"]
+        return systemctl(a, argv[1:] if argv[0] == "systemctl" else ["node-shutdown"])
     if argv and argv[0] == "pct":
         # pct's own arguments follow; the stand-in options come from the environment.
         a = p.parse_args(["pct"])

@@ -153,3 +153,18 @@ def test_the_record_is_kept_a_deeper_mount_taken_and_a_declaration_wins():
     assert (moved["target"], moved["missing"]) == ("/", False)
     (first,) = node_filters.dflash_mount_expect(found, {}, {})
     assert (first["target"], first["fstype"], first["missing"]) == ("/", "ext4", False)
+
+
+def test_the_guard_of_a_ct_that_is_gone_is_removed_and_only_it(node):
+    """Issue 62 B6: a destroyed CT, or a vmid changed in the inventory, left its guard behind, which
+    would hold the next CT of that vmid to mounts it never had. The role removes its own file there,
+    where no CT of that vmid exists; an operator's drop-in beside it, and a live CT's guard, stay."""
+    units = node["tmp"] / "systemd"
+    gone, mine = units / "pve-container@299.service.d", units / f"pve-container@{VMID}.service.d"
+    gone.mkdir(parents=True, exist_ok=True)
+    (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
+    (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
+    r = play(node)
+    assert r.returncode == 0, r.text[-3000:]
+    assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
+    assert (mine / "dflash-mounts.conf").exists()

@@ -733,3 +733,38 @@ def test_the_lxc_prestart_hook_is_installed_whether_or_not_the_boot_units_are():
     assert hooks, "no task installs the pre-start hook"
     for whens in hooks:
         assert not [w for w in whens if "nvidia_boot_units" in str(w)], whens
+
+
+def test_an_operators_shared_flag_on_the_bind_mounts_is_kept():
+    """Issue 62 B4: PVE refuses to migrate a CT with local bind mounts unless they say shared=1; a
+    rerun used to strip it (the wanted mpN value has no such part, and the comparison is of sets)."""
+    want = {"mp0": "/srv/dflash/workspace,mp=/workspace", "mp1": "/srv/m,mp=/workspace/models,ro=1", "dev0": "/dev/x"}
+    current = {"mp0": "/srv/dflash/workspace,mp=/workspace,shared=1", "mp1": "/srv/m,mp=/workspace/models,ro=1"}
+    kept = node_filters.dflash_keep_mount_opts(want, current)
+    assert kept["mp0"] == "/srv/dflash/workspace,mp=/workspace,shared=1"
+    assert node_filters.dflash_same_opts(current["mp0"], kept["mp0"])
+    assert kept["mp1"] == want["mp1"] and kept["dev0"] == "/dev/x"
+    assert node_filters.dflash_keep_mount_opts(want, {}) == want
+
+
+@pytest.mark.slow
+def test_each_container_talks_to_its_own_nodes_api_by_default(tmp_path):
+    """Issue 62: one dflash_provision_api_host served every container, even across standalone nodes
+    (two APIs). By default it is the ansible_host of the container's proxmox_node; PROXMOX_HOST wins."""
+    inv = {"all": {"children": {
+        "proxmox_nodes": {"hosts": {"n1": {"ansible_host": "10.0.0.1"}, "n2": {"ansible_host": "10.0.0.2"}}},
+        "dflash_containers": {"hosts": {"c1": {"proxmox_node": "n1"}, "c2": {"proxmox_node": "n2"}}}}}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
+    (tmp_path / "show.yml").write_text(yaml.safe_dump([{
+        "hosts": "dflash_containers", "gather_facts": False, "connection": "local",
+        "vars_files": [str(REPO / "roles/dflash_provision/defaults/main.yml")],
+        "tasks": [{"ansible.builtin.debug": {"msg": "API {{ inventory_hostname }} {{ dflash_provision_api_host }}"}}]}]))
+    ansible = Path(sys.executable).parent / "ansible-playbook"
+    env = {k: v for k, v in os.environ.items() if k != "PROXMOX_HOST"}
+    for extra, want in (({}, {"c1": "10.0.0.1", "c2": "10.0.0.2"}), ({"PROXMOX_HOST": "10.9.9.9"},
+                                                                       {"c1": "10.9.9.9", "c2": "10.9.9.9"})):
+        r = subprocess.run([str(ansible), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "show.yml")],
+                           env={**env, **extra}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for host, api in want.items():
+            assert f"API {host} {api}" in r.stdout, r.stdout

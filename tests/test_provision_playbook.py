@@ -322,6 +322,41 @@ def test_5g_a_dhcp_lease_that_comes_seconds_after_boot_passes_the_network_check(
     assert "CT 250: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text, r.text[-3000:]
 
 
+def test_5h_a_ct_moved_to_another_node_fails_naming_both_and_keeps_shared(node):
+    """Issue 62 B4: a CT migrated (or moved by HA) looks absent on the inventory's node: the role said
+    "would create CT 250" and PUT to the old node. /cluster/resources says where it is. And the
+    shared=1 an operator sets on the bind mounts (PVE migrates only with it) survives a rerun."""
+    r = play(node, "--check", dflash_provision_node="pve-other")
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 250 is on node pve (GET /cluster/resources), and the inventory puts it on pve-other" in r.text, \
+        r.text[-3000:]
+    assert "would create CT 250" not in r.text
+    mp0 = api_config(node)["mp0"]
+    subprocess.run([sys.executable, str(PVE_API), "pct", "set", str(VMID), "-mp0", mp0 + ",shared=1"],
+                   env=node["env"], check=True, capture_output=True)
+    r = play(node)
+    assert r.returncode == 0, r.text[-3000:]
+    assert "shared=1" in api_config(node)["mp0"].split(","), api_config(node)["mp0"]
+
+
+def test_5i_stop_and_restart_on_a_stopped_ct_say_so_in_one_line(node):
+    """Issue 62 B6: playbooks/stop.yml and restart.yml reach the trainer through `pct exec`, which a
+    stopped CT refuses with a connection error. stop.yml now says there is nothing to stop (exit 0),
+    restart.yml fails naming `pct start`; neither touches the CT."""
+    pct = [sys.executable, str(PVE_API), "pct"]
+    subprocess.run(pct + ["stop", str(VMID)], env=node["env"], check=True, capture_output=True)
+    r = play(node, playbook=REPO / "playbooks" / "stop.yml")
+    assert r.returncode == 0, r.text[-3000:]
+    assert "CT 250 is stopped on pve-fake, and the trainer in it: nothing to stop." in r.text, r.text[-3000:]
+    r = play(node, playbook=REPO / "restart.yml")
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 250 is not running on pve-fake (`pct status 250`: status: stopped): start it first, `pct start 250`" \
+        in r.text, r.text[-3000:]
+    status = subprocess.run(pct + ["status", str(VMID)], env=node["env"], capture_output=True, text=True).stdout
+    assert status.strip() == "status: stopped"
+    subprocess.run(pct + ["start", str(VMID)], env=node["env"], check=True, capture_output=True)
+
+
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
     node["pct_log"].write_text("")
     r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)

@@ -223,6 +223,25 @@ def dflash_same_opts(current, desired) -> bool:
     return sorted(str(current).split(",")) == sorted(str(desired).split(","))
 
 
+# Options of the role's bind mounts that an operator may set and the role keeps: shared=1 says the
+# source is the same on every node (a cluster-wide share), which PVE needs to migrate the CT.
+KEPT_MOUNT_OPTS = ("shared",)
+
+
+def dflash_keep_mount_opts(want: dict, current: dict) -> dict:
+    """The wanted mpN values with the KEPT_MOUNT_OPTS the current ones carry (else a rerun strips them)."""
+    out = dict(want or {})
+    for key, value in (want or {}).items():
+        if not re.fullmatch(r"mp\d+", key):
+            continue
+        have = dict(p.split("=", 1) for p in str((current or {}).get(key) or "").split(",") if "=" in p)
+        mine = dict(p.split("=", 1) for p in str(value).split(",") if "=" in p)
+        extra = ["%s=%s" % (k, have[k]) for k in KEPT_MOUNT_OPTS if k in have and k not in mine]
+        if extra:
+            out[key] = ",".join([str(value)] + extra)
+    return out
+
+
 def dflash_mount_record(dropin_text: str, check: str = "") -> dict:
     """The start guard's drop-in (pve-container@<vmid>.service.d/dflash-mounts.conf) -> {source path:
     {target, fstype}}: the mount each bind-mount source was on when the role last wrote it, read back
@@ -280,6 +299,7 @@ class FilterModule:
             "dflash_mount_record": dflash_mount_record,
             "dflash_mount_expect": dflash_mount_expect,
             "dflash_found_mounts": dflash_found_mounts,
+            "dflash_keep_mount_opts": dflash_keep_mount_opts,
             "dflash_char_majors": dflash_char_majors,
             "dflash_nvidia_majors": dflash_nvidia_majors,
             "dflash_gpu_device_nodes": dflash_gpu_device_nodes,

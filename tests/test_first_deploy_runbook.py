@@ -245,6 +245,7 @@ def step_6(step: str, ctx: dict) -> None:
     assert status.strip() == "status: running"
     # no GPU on the stand-in node: the role says so, and skips what the step says about the driver
     assert "NO GPU on pve-node" in r.text
+    assert "CT 200: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text       # the network check ran
     ctx["not_run"].append("step 6: dflash-nvidia-devices.service, persistence mode and the in-container driver "
                           "check: GPU steps, which the role skips on a node without GPUs (it says NO GPU)")
 
@@ -289,7 +290,7 @@ def _inventory(ctx: dict) -> None:
         "dflash_node_pct_command": [sys.executable, str(ctx["pve_api"]), "pct"],
         "dflash_node_pve_conf_dir": str(ctx["etc"] / "lxc"),
         "dflash_node_models_host_path": str(ctx["models"]), "dflash_node_workspace_host_path": str(node / "workspace"),
-        "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_network_check": False,
+        "dflash_node_gpus": [], "dflash_node_gpu_required": False,
         "dflash_node_restart_timeout": 10, "dflash_node_systemd_dir": str(node / "systemd"),
         "dflash_node_systemctl_command": [sys.executable, str(ctx["pve_api"]), "systemctl"], "dflash_node_mount_check": str(node / "dflash-mount-check"),
         "dflash_service_target_gpus": "cpu", "dflash_service_drafter_gpus": "cpu"}))
@@ -311,8 +312,10 @@ def walk():
         d.mkdir()
     (etc / "user.cfg").write_text("user:root@pam:1:0:::root@pam::\n")
     port = _free_port()
+    # the CT's DHCP lease comes 3 s after each start, after basic.target as on a real CT: the network check
+    # of step 6 runs as on a real node, and has to wait for it
     node_env = {"PVE_STANDIN_ETC": str(etc), "PVE_STANDIN_LXCPATH": str(node / "lxc"), "PVE_STANDIN_FAKE_LXC": "1",
-                "PVE_STANDIN_SYSTEMD_DIR": str(node / "systemd")}
+                "PVE_STANDIN_SYSTEMD_DIR": str(node / "systemd"), "PVE_STANDIN_DHCP_AFTER": "3"}
     (bin_ / "pveum").write_text(f'#!/bin/sh\nexec {sys.executable} {PVE_API} pveum "$@"\n')
     (bin_ / "pveum").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "VIRTUAL_ENV", "PYTHON", "PROXMOX_"))}

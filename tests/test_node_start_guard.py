@@ -151,6 +151,11 @@ def test_the_record_is_kept_a_deeper_mount_taken_and_a_declaration_wins():
     assert not node_filters.dflash_mount_expect(deeper, record, {})[0]["missing"]
     (moved,) = node_filters.dflash_mount_expect(found, record, {"/srv/dflash/workspace": "/"})
     assert (moved["target"], moved["missing"]) == ("/", False)
+    # an older guard recorded only the network filesystem of a source: now on ext4, the share is missing
+    old = node_filters.dflash_mount_record("ExecStartPre=/c 200 nfs /srv/dflash/workspace\n", "/c")
+    (was_nfs,) = node_filters.dflash_mount_expect(found, old, {})
+    assert (was_nfs["target"], was_nfs["missing"]) == ("its nfs share", True)
+    assert not node_filters.dflash_mount_expect([{**found[0], "fstype": "nfs"}], old, {})[0]["missing"]
     (first,) = node_filters.dflash_mount_expect(found, {}, {})
     assert (first["target"], first["fstype"], first["missing"]) == ("/", "ext4", False)
 

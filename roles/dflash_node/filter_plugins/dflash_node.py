@@ -254,6 +254,9 @@ def dflash_mount_record(dropin_text: str, check: str = "") -> dict:
         argv = shlex.split(value.replace("%%", "%"))
         if len(argv) == 5 and (not check or argv[0] == check):
             out[argv[4]] = {"target": argv[2], "fstype": argv[3]}
+        elif len(argv) == 4 and (not check or argv[0] == check):
+            # an older guard's `<check> VMID FSTYPE PATH`, written for sources on a network filesystem
+            out[argv[3]] = {"target": None, "fstype": argv[2]}
     return out
 
 
@@ -284,6 +287,10 @@ def dflash_mount_expect(found: list, recorded: dict, declared: dict) -> list:
         want_target = (declared or {}).get(f.get("given")) or (declared or {}).get(f["path"])
         want_fstype = f["fstype"] if want_target in (None, f["target"]) else "?"
         rec = (recorded or {}).get(f["path"])
+        if want_target is None and rec and rec["target"] is None:
+            if rec["fstype"] != f["fstype"]:
+                want_target, want_fstype = "its %s share" % rec["fstype"], rec["fstype"]
+            rec = None
         if want_target is None and rec and not (_below(f["target"], rec["target"]) and f["target"] != rec["target"]):
             want_target, want_fstype = rec["target"], rec["fstype"]
         if want_target is None:

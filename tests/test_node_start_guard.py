@@ -173,3 +173,15 @@ def test_the_guard_of_a_ct_that_is_gone_is_removed_and_only_it(node):
     assert r.returncode == 0, r.text[-3000:]
     assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
     assert (mine / "dflash-mounts.conf").exists()
+
+
+def test_a_source_on_a_pve_storage_activates_it_before_the_check():
+    """Issue 62 B3: pvestatd mounts a PVE storage (/mnt/pve/<id>) only after pve-guests' onboot starts,
+    so the guard refused CT 250's onboot start and nothing retried. It runs `pvesm status --storage
+    <id>` first (which mounts it); failure there is the check's to report ("-" prefix)."""
+    mounts = [{"path": "/mnt/pve/nfs-a/dflash/ws", "target": "/mnt/pve/nfs-a"},
+              {"path": "/srv/models", "target": "/"}, {"path": "/mnt/pve/nfs-a/m", "target": "/mnt/pve/nfs-a"}]
+    assert node_filters.dflash_pve_storages(mounts) == ["nfs-a"]
+    assert node_filters.dflash_pve_storages([{"path": "/mnt/pve2/x", "target": "/"}]) == []
+    template = (Path(__file__).resolve().parents[1] / "roles/dflash_node/templates/pve-container-mounts.conf.j2")
+    assert "ExecStartPre=-{{ dflash_node_pvesm_command }} status --storage {{ storage }}" in template.read_text()

@@ -564,7 +564,10 @@ def start_unit(vmid: int, log) -> None:
             log(f"{dep}: mount failed (Wants= of {unit}: the start goes on)")
     for value in deps["exec_start_pre"]:
         ignore = value.startswith("-")
-        r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
+        try:
+            r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
+        except OSError as e:            # systemd: status=203/EXEC
+            r = subprocess.CompletedProcess(value, 203, "", f"{unit}: Failed to execute {value.lstrip('-')}: {e}")
         if r.returncode != 0 and not ignore:
             for x in r.stderr.splitlines():
                 log(f"{unit}: {x}")

@@ -270,6 +270,17 @@ def dflash_found_mounts(lines: list, given: list) -> list:
     return out
 
 
+def dflash_pve_storages(mounts: list) -> list:
+    """The PVE storages (/mnt/pve/<id>, mounted by pvestatd) that hold any of the sources: their ids."""
+    out = []
+    for m in mounts or []:
+        for p in (m.get("target") or "", m.get("path") or ""):
+            hit = re.match(r"^/mnt/pve/([^/]+)(/|$)", p)
+            if hit and hit.group(1) not in out:
+                out.append(hit.group(1))
+    return out
+
+
 def _below(path: str, mount: str) -> bool:
     return mount == "/" or path == mount or path.startswith(mount.rstrip("/") + "/")
 
@@ -306,6 +317,7 @@ class FilterModule:
             "dflash_mount_record": dflash_mount_record,
             "dflash_mount_expect": dflash_mount_expect,
             "dflash_found_mounts": dflash_found_mounts,
+            "dflash_pve_storages": dflash_pve_storages,
             "dflash_keep_mount_opts": dflash_keep_mount_opts,
             "dflash_char_majors": dflash_char_majors,
             "dflash_nvidia_majors": dflash_nvidia_majors,

@@ -101,7 +101,8 @@ def test_a_grant_anywhere_beyond_what_the_token_needs_fails_naming_the_path(node
     r = play(node, "--check", dflash_provision_api_token_id="extra")
     assert r.returncode != 0, r.text[-3000:]
     assert "Token root@pam!extra (dflash_provision_api_user / dflash_provision_api_token_id) holds privileges it" \
-        " does not need: Sys.Audit on /nodes/pve" in r.text, r.text[-3000:]
+        " does not need: Datastore.Audit, Mapping.Audit, Pool.Audit, SDN.Audit, Sys.Audit, VM.Audit on /nodes/pve." \
+        in r.text, r.text[-3000:]
 
 
 def test_a_refused_token_gets_the_lines_of_both_pve_majors_for_a_privileged_ct(node):

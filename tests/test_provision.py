@@ -471,7 +471,7 @@ def test_the_documented_pveum_lines_grant_one_role_per_kind_of_path():
     lines = prov_filters.dflash_pveum_lines(acl, "root@pam!ansible", "DFlashProvision")
     assert lines[:4] == [
         'pveum role add DFlashProvisionVM --privs "VM.Allocate VM.Audit VM.Config.CPU VM.Config.Disk VM.Config.Memory'
-        ' VM.Config.Network VM.Config.Options VM.PowerMgmt"',
+        ' VM.Config.Network VM.Config.Options"',
         'pveum role add DFlashProvisionDisk --privs "Datastore.AllocateSpace"',
         'pveum role add DFlashProvisionTemplate --privs "Datastore.Audit"',
         'pveum role add DFlashProvisionSDN --privs "SDN.Use"']
@@ -496,19 +496,47 @@ def test_the_documented_pveum_lines_grant_one_role_per_kind_of_path():
 
 
 def test_a_token_holding_more_than_it_needs_is_named_path_by_path():
-    """Issue 52 item 8: the preflight reads / as well, and names what the token holds beyond its ACL."""
-    acl = prov_filters.dflash_checked_paths(prov_filters.dflash_token_acl(200, "local", TEMPLATE, {}))
-    assert acl[-1] == {"path": "/", "privs": []}
+    """Issue 52 item 8, issue 62 C2: the whole effective map (GET /access/permissions without a
+    path) is compared, so a grant on /nodes, a pool, /mapping or another VM is named, not only one
+    on the paths the token needs and /."""
+    acl = prov_filters.dflash_token_acl(200, "local", TEMPLATE, {"net0": "bridge=vmbr0"})
+    ac = pve_api.AccessControl(None)
+    ac.parse("\n".join(prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision")))
+    assert prov_filters.dflash_excess_privs(ac.effective("root@pam!ansible"), acl) == []
+    for extra, path, privs in (("acl:1:/nodes/pve:root@pam!ansible:PVEAuditor:", "/nodes/pve", ["Sys.Audit"]),
+                               ("acl:1:/vms/300:root@pam!ansible:PVEVMUser:", "/vms/300", ["VM.PowerMgmt"]),
+                               ("acl:1:/mapping/pci/gpu:root@pam!ansible:PVEAuditor:", "/mapping/pci/gpu",
+                                ["Mapping.Audit"]),
+                               ("pool:lab::300:\nacl:1:/pool/lab:root@pam!ansible:PVEAuditor:", "/pool/lab",
+                                ["Pool.Audit"]),
+                               ("acl:1:/:root@pam!ansible:Administrator:", "/", ["Sys.Modify"])):
+        more = pve_api.AccessControl(None)
+        more.parse("\n".join(prov_filters.dflash_user_cfg_lines(acl, "root@pam!ansible", "DFlashProvision"))
+                   + "\n" + extra)
+        excess = {x["path"]: x["excess"] for x in prov_filters.dflash_excess_privs(more.effective("root@pam!ansible"),
+                                                                                 acl)}
+        assert path in excess and set(privs) <= set(excess[path]), (extra, excess)
+    # a grant above the needed path propagates to it, and is named where it was made
+    wide = [{**e, "path": "/vms"} if e["path"] == "/vms/200" else e for e in acl]
+    more = pve_api.AccessControl(None)
+    more.parse("\n".join(prov_filters.dflash_user_cfg_lines(wide, "root@pam!ansible", "DFlashProvision")))
+    assert [x["path"] for x in prov_filters.dflash_excess_privs(more.effective("root@pam!ansible"), acl)] == ["/vms"]
+    # what is missing is read path by path
+    res = [{"json": {"data": {e["path"]: {p: 1 for p in e["privs"]}}}} for e in acl]
+    assert prov_filters.dflash_missing_privs(res, acl) == []
+    res[0]["json"]["data"]["/vms/200"].pop("VM.Audit")
+    assert prov_filters.dflash_missing_privs(res, acl) == [{"path": "/vms/200", "missing": ["VM.Audit"]}]
 
-    def res(path, privs):
-        return {"json": {"data": {path: {p: 1 for p in privs}}}}
-    exact = [res(e["path"], e["privs"]) for e in acl]
-    assert prov_filters.dflash_excess_privs(exact, acl) == []
-    admin = [res(e["path"], sorted(pve_api.PRIVILEGES)) for e in acl]
-    excess = prov_filters.dflash_excess_privs(admin, acl)
-    assert [x["path"] for x in excess] == [e["path"] for e in acl]
-    assert "Sys.Modify" in excess[-1]["excess"] and "VM.Allocate" not in excess[0]["excess"]
-    assert prov_filters.dflash_missing_privs(admin, acl) == []
+
+def test_the_token_needs_no_power_management():
+    """Issue 62 C1: nothing starts, stops or reboots through the token (dflash_node starts the CT
+    as root on the node), so VM.PowerMgmt is neither asked for nor granted, and a token holding it
+    holds more than it needs."""
+    acl = prov_filters.dflash_token_acl(200, "local-lvm", TEMPLATE, {}, False, "9.0")
+    assert "VM.PowerMgmt" not in prov_filters.dflash_token_role_privs(acl)
+    assert not [x for x in prov_filters.dflash_pveum_lines(acl, "root@pam!t", "R") if "PowerMgmt" in x]
+    with_power = {"/vms/200": {p: 1 for p in acl[1]["privs"] + ["VM.PowerMgmt"]}}
+    assert prov_filters.dflash_excess_privs(with_power, acl) == [{"path": "/vms/200", "excess": ["VM.PowerMgmt"]}]
 
 
 # ------------------------------------------------------------------ pct reboot/shutdown (issue 13, item 3)
@@ -705,3 +733,38 @@ def test_the_lxc_prestart_hook_is_installed_whether_or_not_the_boot_units_are():
     assert hooks, "no task installs the pre-start hook"
     for whens in hooks:
         assert not [w for w in whens if "nvidia_boot_units" in str(w)], whens
+
+
+def test_an_operators_shared_flag_on_the_bind_mounts_is_kept():
+    """Issue 62 B4: PVE refuses to migrate a CT with local bind mounts unless they say shared=1; a
+    rerun used to strip it (the wanted mpN value has no such part, and the comparison is of sets)."""
+    want = {"mp0": "/srv/dflash/workspace,mp=/workspace", "mp1": "/srv/m,mp=/workspace/models,ro=1", "dev0": "/dev/x"}
+    current = {"mp0": "/srv/dflash/workspace,mp=/workspace,shared=1", "mp1": "/srv/m,mp=/workspace/models,ro=1"}
+    kept = node_filters.dflash_keep_mount_opts(want, current)
+    assert kept["mp0"] == "/srv/dflash/workspace,mp=/workspace,shared=1"
+    assert node_filters.dflash_same_opts(current["mp0"], kept["mp0"])
+    assert kept["mp1"] == want["mp1"] and kept["dev0"] == "/dev/x"
+    assert node_filters.dflash_keep_mount_opts(want, {}) == want
+
+
+@pytest.mark.slow
+def test_each_container_talks_to_its_own_nodes_api_by_default(tmp_path):
+    """Issue 62: one dflash_provision_api_host served every container, even across standalone nodes
+    (two APIs). By default it is the ansible_host of the container's proxmox_node; PROXMOX_HOST wins."""
+    inv = {"all": {"children": {
+        "proxmox_nodes": {"hosts": {"n1": {"ansible_host": "10.0.0.1"}, "n2": {"ansible_host": "10.0.0.2"}}},
+        "dflash_containers": {"hosts": {"c1": {"proxmox_node": "n1"}, "c2": {"proxmox_node": "n2"}}}}}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
+    (tmp_path / "show.yml").write_text(yaml.safe_dump([{
+        "hosts": "dflash_containers", "gather_facts": False, "connection": "local",
+        "vars_files": [str(REPO / "roles/dflash_provision/defaults/main.yml")],
+        "tasks": [{"ansible.builtin.debug": {"msg": "API {{ inventory_hostname }} {{ dflash_provision_api_host }}"}}]}]))
+    ansible = Path(sys.executable).parent / "ansible-playbook"
+    env = {k: v for k, v in os.environ.items() if k != "PROXMOX_HOST"}
+    for extra, want in (({}, {"c1": "10.0.0.1", "c2": "10.0.0.2"}), ({"PROXMOX_HOST": "10.9.9.9"},
+                                                                       {"c1": "10.9.9.9", "c2": "10.9.9.9"})):
+        r = subprocess.run([str(ansible), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "show.yml")],
+                           env={**env, **extra}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for host, api in want.items():
+            assert f"API {host} {api}" in r.stdout, r.stdout

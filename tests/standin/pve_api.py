@@ -54,8 +54,14 @@ path below its own. `pct config` and GET .../config show the pending values (`--
 current=1: the running ones). A task is read by who started it, or by the user of the token that
 did, else with Sys.Audit on /nodes/<node>: a token may not read its user's tasks. A raw lxc.* key outside is_valid_lxc_conf_key's
 list (lxc.rootfs.path, unknown keys) is dropped with PVE's warning. A start is `systemctl start
-pve-container@<vmid>` (vm_start), so that unit's drop-ins on the node apply: RequiresMountsFor= and
-ExecStartPre= (start_unit; PVE_STANDIN_SYSTEMD_DIR, PVE_STANDIN_FAILED_MOUNTS). The generated LXC config has
+pve-container@<vmid>` (vm_start), so that unit's drop-ins on the node apply, as systemd loaded them at its
+last `daemon-reload` (the `systemctl` face): Requires=, Wants=, After=, RequiresMountsFor= (Requires= on
+every fstab mount above the path) and ExecStartPre= (node_systemd.py beside this file; PVE_STANDIN_SYSTEMD_DIR,
+PVE_STANDIN_FSTAB, PVE_STANDIN_FAILED_MOUNTS). A mount's stop propagates to the CTs whose unit Requires= it
+(lxc-stop's 60 s, then a kill); `node-shutdown` models a node's shutdown (those first, then pve-guests with
+each CT's `down=`). Not modelled: the boot order against pvestatd, which mounts PVE storages (README,
+"NFS"); a CT's network (none, unless PVE_STANDIN_DHCP_AFTER gives a lease that many seconds after a
+start). The generated LXC config has
 PVE's cgroup layout: limits on lxc/<vmid>, the container in its inner `ns` group.
 
 State: PVE-format configs in <pve-etc>/lxc/<vmid>.conf (default /etc/pve, as on a node: the
@@ -74,6 +80,7 @@ Usage:
   pve_api.py serve --rootfs DIR --token 'root@pam!ansible=SECRET' [--port 8006] [--node pve]
                    [--state-dir DIR] [--pve-etc /etc/pve] [--lxcpath /var/lib/lxc] [--fake-lxc]
   pve_api.py pveum role add|user add|user token add|acl modify ...   (as README's first deploy runs them)
+  pve_api.py systemctl daemon-reload|stop MOUNT|restart MOUNT;  pve_api.py node-shutdown
   pve_api.py pct config|set|start|stop|shutdown|reboot|status|exec VMID [...]
       The node-side subset of `pct` over the same state: `pct set VMID -mp0 ... -dev0 ...
       --delete k1,k2`, `pct config VMID` prints <pve-etc>/lxc/VMID.conf as pct does.
@@ -91,7 +98,6 @@ import json
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
 import ssl
@@ -118,7 +124,8 @@ CREATE_ONLY = {"vmid", "ostemplate", "password", "ssh-public-keys", "storage", "
 UPDATE_ONLY = {"delete", "digest", "revert", "node", "vmid"}
 # PVE's default id map for unprivileged containers (/etc/subuid root:100000:65536).
 IDMAP_BASE = 100000
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # idshift.py beside this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # idshift.py, node_systemd.py beside this file
+from node_systemd import daemon_reload, node_shutdown, start_unit, stop_mount  # noqa: E402
 
 
 class ApiError(Exception):
@@ -158,6 +165,16 @@ BUILTIN_ROLES = {
 }
 
 
+# The ACL paths PVE 8 accepts (PVE::AccessControl::check_path): anything else is "invalid ACL path".
+ACL_PATH = re.compile(r"^/(?:|access(?:/(?:groups|realm)(?:/[^/]+)?)?|nodes(?:/[^/]+)?|pool(?:/[^/]+)?"
+                      r"|sdn(?:/zones(?:/[^/]+(?:/[^/]+(?:/\d+)?)?)?|/vnets(?:/[^/]+)?)?|storage(?:/[^/]+)?"
+                      r"|vms(?:/\d+)?|mapping(?:/(?:pci|usb|dir)(?:/[^/]+)?)?)$")
+
+
+def valid_acl_path(path: str) -> bool:
+    return bool(ACL_PATH.match(path.rstrip("/") or "/"))
+
+
 def perm_error(what: str = "") -> ApiError:
     """PVE's raise_perm_exc: HTTP 403 'Permission check failed (<what>)'."""
     return ApiError(403, "Permission check failed" + (f" ({what})" if what else ""))
@@ -186,6 +203,7 @@ class AccessControl:
         self.roles: dict = dict(BUILTIN_ROLES)
         self.groups: dict = {}        # name -> set of users
         self.acl: list = []           # (path, propagate, principal, role)
+        self.pools: set = set()
         if path and os.path.exists(path):
             with open(path) as f:
                 self.parse(f.read())
@@ -201,6 +219,8 @@ class AccessControl:
                 self.users.add(f[0])
             elif kind == "token":
                 self.tokens[f[0]] = (f[2] if len(f) > 2 and f[2] != "" else "1") != "0"
+            elif kind == "pool":
+                self.pools.add(f[0])
             elif kind == "group":
                 self.groups[f[0]] = set(filter(None, (f[1] if len(f) > 1 else "").split(",")))
             elif kind == "role":
@@ -211,6 +231,8 @@ class AccessControl:
                 self.roles[f[0]] = frozenset(privs)
             elif kind == "acl":
                 propagate, acl_path, who, roles = f[0], f[1], f[2], f[3]
+                if not valid_acl_path(acl_path):
+                    raise SystemExit(f"{self.path}:{lineno}: invalid ACL path '{acl_path}'")
                 for principal in filter(None, who.split(",")):
                     for role in filter(None, roles.split(",")):
                         if role not in self.roles:
@@ -269,9 +291,12 @@ class AccessControl:
         return authid is None or set(privs) <= self.permissions(authid, path)
 
     def effective(self, authid: str) -> dict:
-        """GET /access/permissions without a path: the top-level paths and every ACL path."""
-        paths = {"/", "/access", "/access/groups", "/nodes", "/pool", "/sdn", "/storage", "/vms"}
+        """GET /access/permissions without a path (RPCEnvironment's get_effective_permissions): the
+        top-level paths, every ACL path (anyone's) and every pool, each with the privileges held
+        there; paths without any are left out."""
+        paths = {"/", "/access", "/access/groups", "/nodes", "/pool", "/sdn", "/storage", "/vms", "/mapping"}
         paths |= {p for p, *_ in self.acl}
+        paths |= {f"/pool/{p}" for p in self.pools}
         out = {}
         for p in sorted(paths):
             privs = self.permissions(authid, p)
@@ -451,46 +476,6 @@ def make_mount_path(base: str, rel: str) -> None:
         cur = nxt
 
 
-def start_unit(vmid: int, log) -> None:
-    """pve-container's vm_start runs `systemctl start pve-container@<vmid>`: the drop-ins the node has
-    for that unit (in PVE_STANDIN_SYSTEMD_DIR; unset: none) act as systemd makes them act, before LXC
-    starts. RequiresMountsFor=: the mounts holding those paths start first; one listed in
-    PVE_STANDIN_FAILED_MOUNTS (colon-separated mount points that fail to mount, e.g. an fstab NFS
-    share whose server is down) fails the start with systemd's message. ExecStartPre=: run here, on
-    the node; a failure fails the start (its stderr, which PVE sends to /run/pve/ct-<vmid>.stderr
-    and the journal, is logged to the task and quoted)."""
-    base = os.environ.get("PVE_STANDIN_SYSTEMD_DIR")
-    if not base:
-        return
-    unit = f"pve-container@{vmid}.service"
-    lines = []
-    for d in (os.path.join(base, "pve-container@.service.d"), os.path.join(base, f"{unit}.d")):
-        if os.path.isdir(d):
-            for name in sorted(os.listdir(d)):
-                if name.endswith(".conf"):
-                    with open(os.path.join(d, name)) as f:
-                        lines += [x.strip() for x in f if "=" in x and not x.lstrip().startswith(("#", ";"))]
-    failed = [os.path.realpath(m) for m in os.environ.get("PVE_STANDIN_FAILED_MOUNTS", "").split(":") if m]
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key.strip() == "RequiresMountsFor":
-            for path in value.replace("%%", "%").split():
-                path = os.path.realpath(path)
-                if any(path == m or path.startswith(m + "/") for m in failed):
-                    raise RuntimeError(f"A dependency job for {unit} failed. See 'journalctl -xe' for details.")
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key.strip() == "ExecStartPre":
-            value = value.strip().replace("%%", "%")
-            ignore = value.startswith("-")
-            r = subprocess.run(shlex.split(value.lstrip("-")), capture_output=True, text=True)
-            if r.returncode != 0 and not ignore:
-                for x in r.stderr.splitlines():
-                    log(f"{unit}: {x}")
-                raise RuntimeError(f"Job for {unit} failed because the control process exited with error code."
-                                   f" (journal: {r.stderr.strip()})")
-
-
 # --------------------------------------------------------------------------- LXC backends
 
 class Lxc:
@@ -654,6 +639,23 @@ class FakeLxc(Lxc):
             memlock = "unlimited" if memlock in ("unlimited", "-1") else memlock
             print("Limit                     Soft Limit           Hard Limit           Units")
             print(f"Max locked memory         {memlock:<20} {memlock:<20} bytes")
+            return 0
+        if argv[:2] == ["sh", "-c"] and "ip -4" in argv[2]:
+            # the CT's IPv4 address and default route: none (the stand-in has no network), unless
+            # PVE_STANDIN_DHCP_AFTER=S: a DHCP lease S seconds after the start, as ifupdown's dhclient
+            # gets one after basic.target on a real CT (conflict detection, a DISCOVER retry)
+            after = os.environ.get("PVE_STANDIN_DHCP_AFTER")
+            try:
+                with open(self._marker(vmid)) as f:
+                    started = float(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                started = time.time()
+            if after is not None and time.time() - started >= float(after):
+                print("2: eth0    inet 10.1.2.50/24 brd 10.1.2.255 scope global dynamic eth0")
+                print("---")
+                print("default via 10.1.2.1 dev eth0")
+            else:
+                print("---")
             return 0
         print(f"fake-lxc: cannot run {argv!r} (nothing runs here)", file=sys.stderr)
         return 127
@@ -1562,6 +1564,60 @@ def pct(a, argv: list) -> int:
     return 0
 
 
+def systemctl(a, argv: list) -> int:
+    """The node's systemd as far as CT starts and stops see it (run as root on the node):
+    `systemctl daemon-reload` (what it loaded is what a start applies), `systemctl stop|restart MOUNT`
+    (a path or its mount unit: the stop propagates to CTs whose unit Requires= it), and
+    `node-shutdown` (pve_api.py node-shutdown: which CTs pve-guests stops with their down= budget and
+    which a propagated stop cuts at 60 s, one line each). Calls are appended to PVE_STANDIN_SYSTEMCTL_LOG."""
+    if os.environ.get("PVE_STANDIN_SYSTEMCTL_LOG"):
+        with open(os.environ["PVE_STANDIN_SYSTEMCTL_LOG"], "a") as f:
+            f.write(" ".join(argv) + "\n")
+    base = os.environ.get("PVE_STANDIN_SYSTEMD_DIR")
+    if argv == ["daemon-reload"]:
+        if base:
+            daemon_reload(base)
+        return 0
+    node = build_node(a)
+
+    def log(line):
+        print(line)
+    if argv == ["node-shutdown"]:
+        for vmid, (who, budget) in sorted(node_shutdown(node, log).items()):
+            print(f"CT {vmid}: stopped by {who}, given {budget} s")
+        return 0
+    if len(argv) == 2 and argv[0] in ("stop", "restart"):
+        mount = argv[1]
+        if mount.endswith(".mount"):
+            mount = subprocess.run(["systemd-escape", "--unescape", "--path", mount[:-len(".mount")]],
+                                   capture_output=True, text=True).stdout.strip()
+        hit = stop_mount(node, mount, log)
+        if argv[0] == "restart":
+            for vmid in hit:
+                node.wait(node.start(vmid, "root@pam"))
+        return 0
+    print(f"systemctl (stand-in): unknown command '{' '.join(argv)}'", file=sys.stderr)
+    return 2
+
+
+def box_table(rows: list) -> str:
+    """PVE's CLI formatter (--output-format text, the default on a terminal and off one): a key/value
+    table in box-drawing characters, as `pveum user token add` prints the secret."""
+    rows = [("key", "value")] + [(str(k), str(v)) for k, v in rows]
+    wk, wv = (max(len(r[i]) for r in rows) for i in (0, 1))
+
+    def rule(left, mid, right, fill):
+        return left + fill * (wk + 2) + mid + fill * (wv + 2) + right
+
+    out = [rule("┌", "┬", "┐", "─"), f"│ {rows[0][0]:<{wk}} │ {rows[0][1]:<{wv}} │", rule("╞", "╪", "╡", "═")]
+    for i, (k, v) in enumerate(rows[1:]):
+        if i:
+            out.append(rule("├", "┼", "┤", "─"))
+        out.append(f"│ {k:<{wk}} │ {v:<{wv}} │")
+    out.append(rule("└", "┴", "┘", "─"))
+    return "\n".join(out)
+
+
 def pveum(a, argv: list) -> int:
     """The `pveum` subset README's first deploy runs as root on the node, on the same user.cfg the
     API reads: `role add NAME --privs "P ..."`, `user add USERID`, `user token add USERID NAME
@@ -1610,9 +1666,12 @@ def pveum(a, argv: list) -> int:
             os.makedirs(os.path.join(a.pve_etc, "priv"), exist_ok=True)
             with open(os.path.join(a.pve_etc, "priv", "token.cfg"), "a") as f:
                 f.write(f"{user}!{name} {secret}\n")
-            print(f"full-tokenid: {user}!{name}\ninfo: {{\"privsep\":\"{privsep}\"}}\nvalue: {secret}")
+            print(box_table([("full-tokenid", f"{user}!{name}"), ("info", f'{{"privsep":"{privsep}"}}'),
+                             ("value", secret)]))
         elif words == ["acl", "modify"] and rest:
             acl_path, o = rest[0], opts(rest[1:], {"--roles", "--users", "--tokens", "--groups", "--propagate"})
+            if not valid_acl_path(acl_path):
+                raise ApiError(400, f"invalid ACL path '{acl_path}'")
             who = [x for k in ("--users", "--tokens") for x in o.get(k, "").split(",") if x]
             who += ["@" + g for g in o.get("--groups", "").split(",") if g]
             roles = [r for r in o.get("--roles", "").split(",") if r]
@@ -1638,7 +1697,7 @@ def pveum(a, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="pve_api.py", description="Proxmox VE API STAND-IN for tests (not Proxmox).")
-    p.add_argument("mode", choices=["serve", "pct", "pveum"])
+    p.add_argument("mode", choices=["serve", "pct", "pveum", "systemctl", "node-shutdown"])
     p.add_argument("--listen", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8006)
     p.add_argument("--node", default=os.environ.get("PVE_STANDIN_NODE", "pve"))
@@ -1660,6 +1719,11 @@ def main(argv=None) -> int:
                    help="records only, nothing runs (unit tests; env PVE_STANDIN_FAKE_LXC=1)")
     if argv and argv[0] == "pveum":
         return pveum(p.parse_args(["pveum"]), argv[1:])
+    if argv and argv[0] in ("systemctl", "node-shutdown"):
+        a = p.parse_args(["pct"])
+        a.template = a.template or ["local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"]
+        a.storage = a.storage or ["local", "local-lvm"]
+        return systemctl(a, argv[1:] if argv[0] == "systemctl" else ["node-shutdown"])
     if argv and argv[0] == "pct":
         # pct's own arguments follow; the stand-in options come from the environment.
         a = p.parse_args(["pct"])

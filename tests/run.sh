@@ -15,8 +15,11 @@
 #                     and the fault-injection suite (-m faults, its own CT 201). They share nothing but
 #                     the caches: each has its own containers, node sshd port and state directory
 #                     (tests/test_standin_vmids.py checks the VMIDs and ports).
-# Every lane writes a log, shown whole when it ends, and its slowest tests (--durations); the summary
-# at the end gives each lane's wall time. The fault suite's evidence (one JSON per case) goes to
+# Every lane writes a log, shown whole when it ends, with its slowest tests (--durations) and its
+# costliest in CPU (tests/conftest.py); the summary at the end (tests/budget.py) gives each lane's exit,
+# wall and CPU seconds with its three costliest tests, then checks the suite's budget (25 minutes wall
+# and 40 CPU-minutes from a fresh clone on 2 cores, and each lane's CPU share): an overrun is a warning
+# line naming the lane (`run: OVER BUDGET: ...`), and DFLASH_SUITE_BUDGET_STRICT=1 makes it exit 3. The fault suite's evidence (one JSON per case) goes to
 # $DFLASH_FAULTS_EVIDENCE (default: a directory of this run), and its report to faults-report.md there
 # (tests/faults/report.py; docs/reliability.md is rendered the same way).
 # Extra arguments run one plain pytest instead, e.g. `tests/run.sh -m "not standin"` or
@@ -25,6 +28,10 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 start=$(date +%s)
+machine_busy_s() {   # CPU seconds all cores spent outside idle and iowait since boot
+    awk '$1 == "cpu" {printf "%d", ($2 + $3 + $4 + $7 + $8 + $9) / 100}' /proc/stat
+}
+busy0=$(machine_busy_s)   # the budget counts from here: a fresh clone's host setup is part of the run
 bash tests/setup-host.sh
 echo "run: host setup took $(( $(date +%s) - start ))s"
 export PATH="$REPO/.venv/bin:$PATH"
@@ -70,10 +77,18 @@ cpu_s() {   # cpu_s NAME: CPU seconds used so far by lane NAME's cgroup
         awk '{printf "%d", $1 / 1e9}' "$CG/$1/cpuacct.usage" 2>/dev/null || echo "?"
     fi
 }
-machine_busy_s() {   # CPU seconds all cores spent outside idle and iowait since boot
-    awk '$1 == "cpu" {printf "%d", ($2 + $3 + $4 + $7 + $8 + $9) / 100}' /proc/stat
+# The containers' own CPU (LXC puts them under lxc/, in the cpuacct hierarchy too; a removed
+# container's usage stays counted in its parent).
+containers_cpu_s() {
+    local f
+    for f in /sys/fs/cgroup/cpuacct/lxc/cpuacct.usage /sys/fs/cgroup/lxc/cpu.stat; do
+        [[ -r "$f" ]] || continue
+        if [[ $f == *cpu.stat ]]; then awk '$1 == "usage_usec" {printf "%d", $2 / 1e6}' "$f"; else awk '{printf "%d", $1 / 1e9}' "$f"; fi
+        return
+    done
+    echo 0
 }
-busy0=$(machine_busy_s)
+containers0=$(containers_cpu_s)
 
 # The containers' CPU weight. Every stand-in container sits under one cgroup parent, lxc/ (pve-container's
 # layout: lxc/<vmid>), which the scheduler weighs as ONE nice-0 task against each host process: the four
@@ -113,7 +128,7 @@ lane() {
     if [[ -n "$CG" ]] && mkdir -p "$CG/$name" 2>/dev/null; then
         cg="$CG/$name/cgroup.procs"; [[ $CG_KIND == v1 ]] && cg="$CG/$name/tasks"
     fi
-    CG_PROCS="$cg" bash -c '[[ -n "$CG_PROCS" ]] && echo $$ > "$CG_PROCS" 2>/dev/null; exec "$@"' lane \
+    DFLASH_TEST_CPU_JSON="$work/$name.tests.json" CG_PROCS="$cg" bash -c '[[ -n "$CG_PROCS" ]] && echo $$ > "$CG_PROCS" 2>/dev/null; exec "$@"' lane \
         nice -n "${LANE_NICE:-0}" "${PYTEST[@]}" -p no:cacheprovider --basetemp="$work/tmp-$name" "$@" \
         > "${LOGS[$name]}" 2>&1 &
     PIDS[$name]=$!
@@ -168,10 +183,11 @@ if (( rc_collect != 0 )) || (( ${#scenarios[@]} == 0 )); then
     cat "$work/collect.txt"
     lane A -m "standin and not faults"
 else
-    i=0
+    # each lane named for its scenario: tests/x.py::test_molecule_default_scenario -> A-molecule_default
     for id in "${scenarios[@]}"; do
-        i=$((i + 1))
-        lane "A$i" "$id"
+        name="${id##*::test_}"; name="${name%_scenario}"; name="A-${name//[^A-Za-z0-9_]/_}"
+        [[ -n "${LOGS[$name]:-}" ]] && name="$name-$(( ${#LOGS[@]} ))"
+        lane "$name" "$id"
     done
 fi
 
@@ -198,12 +214,15 @@ fi
 echo "================ summary ================"
 overall=0
 for name in $(printf '%s\n' "${!RCS[@]}" | sort); do
-    echo "run: lane $name exit ${RCS[$name]} in ${TOOK[$name]}s wall, ${CPU[$name]:-?}s CPU: $(tail -1 "${LOGS[$name]}" | tr -d '=' | sed 's/^ *//')"
+    printf '%s\t%s\t%s\t%s\n' "$name" "${RCS[$name]}" "${TOOK[$name]}" "${CPU[$name]:-?}"
     (( RCS[$name] == 0 )) || overall=${RCS[$name]}
-done
+done > "$work/lanes.tsv"
 wall=$(( $(date +%s) - start ))
 busy=$(( $(machine_busy_s) - busy0 ))
-echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(getconf _NPROCESSORS_ONLN) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
+containers=$(( $(containers_cpu_s) - containers0 ))
+set +e; "$PY" tests/budget.py "$work" "$wall" "$busy" "$containers"; rc_budget=$?; set -e
+(( overall == 0 && rc_budget == 3 )) && overall=3
+echo "run: all lanes done after ${wall}s in all (host setup included) on $(getconf _NPROCESSORS_ONLN) cores; logs in $work"
 rm -rf "$work/tmp-"*
 # The lanes' cgroups go when empty; a process a test left running keeps its cgroup (and is named),
 # never the exit status (CI's all-green run once ended with exit 1 here: under set -e, "$CG"/* also

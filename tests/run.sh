@@ -7,9 +7,9 @@
 # With no arguments the suite runs as lanes side by side, because the container scenarios spend most
 # of their time waiting (boots, apt, pip, systemd restarts, watchdog and RestartSec windows, health
 # polls) while the trainer tests want a core:
-#   lanes B1 B2 P     -m "not standin"   everything without a container, in three pytests (below);
+#   lanes B1 B2 B3 P  -m "not standin"   everything without a container, in four pytests (below);
 #   lane R            -m real            the chain on a real pretrained model (dflash-real), its own pytest;
-#   lane A            the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
+#   lanes A-*, F      the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
 #                     tiny model) built once, then every container test in a pytest of its own, all at
 #                     once: each molecule scenario (-m "standin and not faults", one process per test)
 #                     and the fault-injection suite (-m faults, its own CT 201). They share nothing but
@@ -19,9 +19,10 @@
 # costliest in CPU (tests/conftest.py); the summary at the end (tests/budget.py) gives each lane's exit,
 # wall and CPU seconds with its three costliest tests, then checks the suite's budget (25 minutes wall
 # and 40 CPU-minutes from a fresh clone on 2 cores, and each lane's CPU share): an overrun is a warning
-# line naming the lane (`run: OVER BUDGET: ...`), and DFLASH_SUITE_BUDGET_STRICT=1 makes it exit 3. The fault suite's evidence (one JSON per case) goes to
-# $DFLASH_FAULTS_EVIDENCE (default: a directory of this run), and its report to faults-report.md there
-# (tests/faults/report.py; docs/reliability.md is rendered the same way).
+# line naming the lane (`run: OVER BUDGET: ...`), and DFLASH_SUITE_BUDGET_STRICT=1 makes it exit 3.
+# The fault suite's evidence (one JSON per case) goes to $DFLASH_FAULTS_EVIDENCE (default: a directory
+# of this run), and its report to faults-report.md there (tests/faults/report.py; docs/reliability.md is
+# rendered the same way).
 # Extra arguments run one plain pytest instead, e.g. `tests/run.sh -m "not standin"` or
 # `tests/run.sh -m faults`.
 set -euo pipefail
@@ -135,34 +136,46 @@ lane() {
     echo "run: lane $name started (pid ${PIDS[$name]}): pytest $*"
 }
 
-# Lane B, no containers, in three pytests that share nothing (own temp roots, free ports):
-#   P   -m "provision and not standin"  the provision playbook against the Proxmox API stand-in (it boots
-#                                        LXC containers behind the API and mostly waits on them);
-#   B1  the files whose trainer runs take the most CPU (measured: test_trainer + test_regenerate alone
-#       took 713 s while B2 was at 45% after 14 min, so two more multi-rank files moved here);
+# Lane B, no containers, in four pytests that share nothing (own temp roots, free ports):
+#   P   -m "provision and not standin"  the provision playbook and the first-deploy runbook against the
+#                                        Proxmox API stand-in with fake LXC: chains of ansible-playbook runs;
+#   B1  the multi-rank trainer runs (test_trainer, test_distributed, test_eval_training) and test_regenerate;
+#   B3  the other files whose tests start a training job: every job is a supervisor and its rank
+#       processes, each importing torch and transformers (about 5 CPU-s) before its first step;
 #   B2  everything else without a container (a new test file lands here).
-HEAVY=()
-for f in tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py; do
-    [[ -f "$f" ]] && HEAVY+=("$f")
-done
-# B1 and B2 only compute; the container lanes (P, F, A*) are chains of short steps (ssh, pct exec, a
+# On 2 cores the run's wall time is at least its longest lane's CPU, so no lane may hold much more than
+# a sixth of the suite's: B2 alone took 785 CPU-s (2026-12-06), which B2 and B3 now share.
+B1_FILES=(tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py)
+B3_FILES=(tests/test_streamcheck.py tests/test_multinode.py tests/test_hybrid_chain.py tests/test_fp8.py
+          tests/test_heartbeat.py tests/test_families.py tests/test_startup_progress.py tests/test_warm_start.py
+          tests/test_contract.py tests/test_identity.py tests/test_dflash2.py tests/test_drafter_work.py
+          tests/test_resume_keeps.py tests/test_failure_message.py)
+existing() { local f; for f in "$@"; do [[ -f "$f" ]] && echo "$f"; done; }
+mapfile -t B1_FILES < <(existing "${B1_FILES[@]}")
+mapfile -t B3_FILES < <(existing "${B3_FILES[@]}")
+B_MARK="not standin and not provision and not real"
+# B1..B3 only compute; the container lanes (P, F, A-*) are chains of short steps (ssh, pct exec, a
 # module, a poll) that each wait for a core, and each multi-rank trainer test runs 3-4 busy processes.
 # Niced, the B lanes take the cores the chains leave, instead of making every step of a chain queue
 # behind them (their tests' time bounds are on detection and exits, measured from the event).
-lane P -m "provision and not standin"
-if (( ${#HEAVY[@]} )); then
-    LANE_NICE=10 lane B1 -m "not standin and not provision and not real" "${HEAVY[@]}"
-    LANE_NICE=10 lane B2 -m "not standin and not provision and not real" "${HEAVY[@]/#/--ignore=}"
-else
-    LANE_NICE=10 lane B2 -m "not standin and not provision and not real"
-fi
+# marked NAME: the test files that use pytest marker NAME, for the lanes that run one marker's tests
+# (collecting the whole suite imports every test module: about 10 CPU-s a pytest); -m still selects
+marked() { grep -rlE --include='test_*.py' "pytest\.mark\.$1\b" tests | sort; }
+mapfile -t P_FILES < <(marked provision)
+mapfile -t R_FILES < <(marked real)
+mapfile -t F_FILES < <(marked faults)
+mapfile -t A_FILES < <(marked standin)
+lane P -m "provision and not standin" "${P_FILES[@]}"
+(( ${#B1_FILES[@]} )) && LANE_NICE=10 lane B1 -m "$B_MARK" "${B1_FILES[@]}"
+(( ${#B3_FILES[@]} )) && LANE_NICE=10 lane B3 -m "$B_MARK" "${B3_FILES[@]}"
+LANE_NICE=10 lane B2 -m "$B_MARK" "${B1_FILES[@]/#/--ignore=}" "${B3_FILES[@]/#/--ignore=}"
 # Lane R: the real pretrained model (tests/test_real_model.py): dflash-real builds it once per machine into
 # $DFLASH_REAL_CACHE (default /var/lib/dflash-real, kept like the stand-in's caches), then the README's chain
 # on it, niced like the B lanes
-LANE_NICE=10 lane R -m real
+LANE_NICE=10 lane R -m real "${R_FILES[@]}"
 
 # Lane A's test ids, collected while the caches build (collection imports every test module).
-"$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" > "$work/collect.txt" 2>&1 &
+"$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" "${A_FILES[@]}" > "$work/collect.txt" 2>&1 &
 collect_pid=$!
 # Lane A: the caches every stand-in copies, built once before the scenarios start side by side
 # (two first builds at once would both debootstrap, and race on the rename).
@@ -174,7 +187,7 @@ if [[ $EUID -eq 0 ]] && command -v debootstrap >/dev/null && command -v lxc-star
     DFLASH_STANDIN_ARCH=qwen3_5 tests/standin/standin.sh tiny >/dev/null   # molecule multinode's target
     echo "run: stand-in caches (rootfs, bare rootfs, wheelhouse, tiny models) ready in $(( $(date +%s) - t ))s"
 fi
-lane F -m faults
+lane F -m faults "${F_FILES[@]}"
 # One process per molecule scenario test: the collected ids, so a new scenario runs without an edit here.
 set +e; wait "$collect_pid"; rc_collect=$?; set -e
 mapfile -t scenarios < <(grep '::' "$work/collect.txt" || true)

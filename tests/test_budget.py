@@ -46,11 +46,12 @@ B2_TESTS = {"tests/test_a.py::test_cheap": _cost(1.0, 1.5), "tests/test_b.py::te
 
 
 def test_within_budget_prints_each_lane_with_its_costliest_tests(tmp_path):
-    work = _work(tmp_path, {"B2": (0, 500, 350), "P": (0, 300, 100)}, {"B2": B2_TESTS})
+    cpu = budget.LANE_CPU_S["B2"] - 10
+    work = _work(tmp_path, {"B2": (0, 500, cpu), "P": (0, 300, 100)}, {"B2": B2_TESTS})
     r = _run(work, 1200, 2000, 50)
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
-    lane = next(i for i, ln in enumerate(out) if ln.startswith("run: lane B2 exit 0 in 500s wall, 350s CPU"))
+    lane = next(i for i, ln in enumerate(out) if ln.startswith(f"run: lane B2 exit 0 in 500s wall, {cpu}s CPU"))
     shown = [ln.split()[-1] for ln in out[lane + 1:lane + 6]]
     # the three of most CPU, then the one that waited longest (not among them), then the next lane
     assert shown == ["tests/test_b.py::test_heavy", "tests/test_c.py::test_mid", "tests/test_e.py::test_small",

@@ -18,16 +18,39 @@ defer()
 @pytest.fixture(scope="session")
 def tiny_arch_dir(tmp_path_factory):
     """arch -> a small dflash-tiny OUTDIR of that --arch (target/, data/, heldout/; 48 train / 8 held-out
-    sequences), each built once per session: one per target family (tests/test_families.py)."""
+    sequences), each built once per session: one per target family (tests/test_families.py). With
+    DFLASH_TINY_CACHE set (tests/run.sh: a directory of the run), once per run for all its lanes: the build
+    is deterministic (seed 0), the first lane to ask builds it under a lock and marks it complete, the
+    others wait and read it. Tests copy what they change (the dirs are shared within a session anyway)."""
+    import fcntl
+    import os
+    import shutil
+    from pathlib import Path
+
     from trainer.tools.tiny import make_tiny
 
+    shared = os.environ.get("DFLASH_TINY_CACHE")
     built = {}
 
+    def build(out, arch):
+        make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch=arch)
+
     def get(arch: str):
-        if arch not in built:
-            out = tmp_path_factory.mktemp(f"dflash-tiny-{arch}") / "out"
-            make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch=arch)
-            built[arch] = out
+        if arch in built:
+            return built[arch]
+        if shared:
+            root = Path(shared) / arch
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (root / ".complete").exists():
+                    shutil.rmtree(root / "out", ignore_errors=True)   # a lane killed mid-build
+                    build(root / "out", arch)
+                    (root / ".complete").touch()
+            built[arch] = root / "out"
+        else:
+            built[arch] = tmp_path_factory.mktemp(f"dflash-tiny-{arch}") / "out"
+            build(built[arch], arch)
         return built[arch]
     return get
 

@@ -52,6 +52,8 @@ fi
 
 work="$(mktemp -d /tmp/dflash-run.XXXXXX)"      # logs and each pytest's own temp root
 export DFLASH_FAULTS_EVIDENCE="${DFLASH_FAULTS_EVIDENCE:-$work/faults-evidence}"
+# the tiny targets and data of tests/conftest.py's fixtures, built once for all the lanes of this run
+export DFLASH_TINY_CACHE="$work/tiny"
 declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=() CPU=()
 # On every exit (the normal end too: the trap stays set to the end; bash runs it on TERM, INT and HUP as
 # well): the lanes still running killed (none at the normal end), the lxc/ weight put back. The trap
@@ -238,7 +240,7 @@ containers=$(( $(containers_cpu_s) - containers0 ))
 set +e; "$PY" tests/budget.py "$work" "$wall" "$busy" "$containers"; rc_budget=$?; set -e
 (( overall == 0 && rc_budget == 3 )) && overall=3
 echo "run: all lanes done after ${wall}s in all (host setup included) on $(getconf _NPROCESSORS_ONLN) cores; logs in $work"
-rm -rf "$work/tmp-"*
+rm -rf "$work/tmp-"* "$work/tiny"
 # The lanes' cgroups go when empty; a process a test left running keeps its cgroup (and is named),
 # never the exit status (CI's all-green run once ended with exit 1 here: under set -e, "$CG"/* also
 # matched the cgroup's own interface files, which rmdir refuses).

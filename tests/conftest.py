@@ -18,16 +18,39 @@ defer()
 @pytest.fixture(scope="session")
 def tiny_arch_dir(tmp_path_factory):
     """arch -> a small dflash-tiny OUTDIR of that --arch (target/, data/, heldout/; 48 train / 8 held-out
-    sequences), each built once per session: one per target family (tests/test_families.py)."""
+    sequences), each built once per session: one per target family (tests/test_families.py). With
+    DFLASH_TINY_CACHE set (tests/run.sh: a directory of the run), once per run for all its lanes: the build
+    is deterministic (seed 0), the first lane to ask builds it under a lock and marks it complete, the
+    others wait and read it. Tests copy what they change (the dirs are shared within a session anyway)."""
+    import fcntl
+    import os
+    import shutil
+    from pathlib import Path
+
     from trainer.tools.tiny import make_tiny
 
+    shared = os.environ.get("DFLASH_TINY_CACHE")
     built = {}
 
+    def build(out, arch):
+        make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch=arch)
+
     def get(arch: str):
-        if arch not in built:
-            out = tmp_path_factory.mktemp(f"dflash-tiny-{arch}") / "out"
-            make_tiny(out, seed=0, num_train=48, num_heldout=8, log=lambda *a, **k: None, arch=arch)
-            built[arch] = out
+        if arch in built:
+            return built[arch]
+        if shared:
+            root = Path(shared) / arch
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (root / ".complete").exists():
+                    shutil.rmtree(root / "out", ignore_errors=True)   # a lane killed mid-build
+                    build(root / "out", arch)
+                    (root / ".complete").touch()
+            built[arch] = root / "out"
+        else:
+            built[arch] = tmp_path_factory.mktemp(f"dflash-tiny-{arch}") / "out"
+            build(built[arch], arch)
         return built[arch]
     return get
 
@@ -90,8 +113,10 @@ def run_molecule(scenario: str) -> None:
 
 # CPU per test, beside pytest's wall-clock --durations: on a 2-core machine the suite's wall time is
 # its CPU time shared out, so the tests that cost the most CPU (their own process and every child
-# they waited for; containers' processes are not children) are the ones to make cheaper.
-_CPU = {}
+# they waited for; containers' processes are not children) are the ones to make cheaper. A test's
+# figure includes its fixtures' setup (a module fixture's cost lands on its first test), which
+# --durations splits apart. tests/run.sh's summary quotes the first lines of this table per lane.
+_COST = {}
 
 
 def _cpu_now() -> float:
@@ -103,21 +128,25 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = _cpu_now()
+    import time
+
+    cpu, wall = _cpu_now(), time.monotonic()
     yield
-    _CPU[item.nodeid] = _cpu_now() - start
+    _COST[item.nodeid] = (_cpu_now() - cpu, time.monotonic() - wall)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _CPU:
+    if not _COST:
         return
     import json
     import os
 
-    if os.environ.get("DFLASH_TEST_CPU_JSON"):   # every test's figure, for a closer look than the top 15
+    if os.environ.get("DFLASH_TEST_CPU_JSON"):   # every test's figures, for a closer look than the top 15
         with open(os.environ["DFLASH_TEST_CPU_JSON"], "w") as f:
-            json.dump(_CPU, f, indent=1)
-    top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
-    terminalreporter.write_sep("=", f"most CPU (this process and its children): {sum(_CPU.values()):.0f}s in all")
-    for nodeid, s in top:
-        terminalreporter.write_line(f"{s:8.1f}s cpu  {nodeid}")
+            json.dump({k: {"cpu_s": round(c, 2), "wall_s": round(w, 2)} for k, (c, w) in _COST.items()}, f, indent=1)
+    top = sorted(_COST.items(), key=lambda kv: -kv[1][0])[:15]
+    cpu_all, wall_all = sum(c for c, _ in _COST.values()), sum(w for _, w in _COST.values())
+    terminalreporter.write_sep("=", f"most CPU (this process and its children): {cpu_all:.0f}s in all, "
+                                    f"{wall_all:.0f}s wall")
+    for nodeid, (cpu, wall) in top:
+        terminalreporter.write_line(f"{cpu:8.1f}s cpu {wall:8.1f}s wall  {nodeid}")

@@ -7,24 +7,32 @@
 # With no arguments the suite runs as lanes side by side, because the container scenarios spend most
 # of their time waiting (boots, apt, pip, systemd restarts, watchdog and RestartSec windows, health
 # polls) while the trainer tests want a core:
-#   lanes B1 B2 P     -m "not standin"   everything without a container, in three pytests (below);
+#   lanes B1 B2 B3 P  -m "not standin"   everything without a container, in four pytests (below);
 #   lane R            -m real            the chain on a real pretrained model (dflash-real), its own pytest;
-#   lane A            the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
+#   lanes A-*, F      the stand-in's caches (debootstrapped rootfs and its bare variant, wheelhouse,
 #                     tiny model) built once, then every container test in a pytest of its own, all at
 #                     once: each molecule scenario (-m "standin and not faults", one process per test)
 #                     and the fault-injection suite (-m faults, its own CT 201). They share nothing but
 #                     the caches: each has its own containers, node sshd port and state directory
 #                     (tests/test_standin_vmids.py checks the VMIDs and ports).
-# Every lane writes a log, shown whole when it ends, and its slowest tests (--durations); the summary
-# at the end gives each lane's wall time. The fault suite's evidence (one JSON per case) goes to
-# $DFLASH_FAULTS_EVIDENCE (default: a directory of this run), and its report to faults-report.md there
-# (tests/faults/report.py; docs/reliability.md is rendered the same way).
+# Every lane writes a log, shown whole when it ends, with its slowest tests (--durations) and its
+# costliest in CPU (tests/conftest.py); the summary at the end (tests/budget.py) gives each lane's exit,
+# wall and CPU seconds with its three costliest tests, then checks the suite's budget (25 minutes wall
+# and 40 CPU-minutes from a fresh clone on 2 cores, and each lane's CPU share): an overrun is a warning
+# line naming the lane (`run: OVER BUDGET: ...`), and DFLASH_SUITE_BUDGET_STRICT=1 makes it exit 3.
+# The fault suite's evidence (one JSON per case) goes to $DFLASH_FAULTS_EVIDENCE (default: a directory
+# of this run), and its report to faults-report.md there (tests/faults/report.py; docs/reliability.md is
+# rendered the same way).
 # Extra arguments run one plain pytest instead, e.g. `tests/run.sh -m "not standin"` or
 # `tests/run.sh -m faults`.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 start=$(date +%s)
+machine_busy_s() {   # CPU seconds all cores spent outside idle and iowait since boot
+    awk '$1 == "cpu" {printf "%d", ($2 + $3 + $4 + $7 + $8 + $9) / 100}' /proc/stat
+}
+busy0=$(machine_busy_s)   # the budget counts from here: a fresh clone's host setup is part of the run
 bash tests/setup-host.sh
 echo "run: host setup took $(( $(date +%s) - start ))s"
 export PATH="$REPO/.venv/bin:$PATH"
@@ -44,6 +52,8 @@ fi
 
 work="$(mktemp -d /tmp/dflash-run.XXXXXX)"      # logs and each pytest's own temp root
 export DFLASH_FAULTS_EVIDENCE="${DFLASH_FAULTS_EVIDENCE:-$work/faults-evidence}"
+# the tiny targets and data of tests/conftest.py's fixtures, built once for all the lanes of this run
+export DFLASH_TINY_CACHE="$work/tiny"
 declare -A PIDS=() T0=() LOGS=() RCS=() TOOK=() CPU=()
 # On every exit (the normal end too: the trap stays set to the end; bash runs it on TERM, INT and HUP as
 # well): the lanes still running killed (none at the normal end), the lxc/ weight put back. The trap
@@ -70,10 +80,18 @@ cpu_s() {   # cpu_s NAME: CPU seconds used so far by lane NAME's cgroup
         awk '{printf "%d", $1 / 1e9}' "$CG/$1/cpuacct.usage" 2>/dev/null || echo "?"
     fi
 }
-machine_busy_s() {   # CPU seconds all cores spent outside idle and iowait since boot
-    awk '$1 == "cpu" {printf "%d", ($2 + $3 + $4 + $7 + $8 + $9) / 100}' /proc/stat
+# The containers' own CPU (LXC puts them under lxc/, in the cpuacct hierarchy too; a removed
+# container's usage stays counted in its parent).
+containers_cpu_s() {
+    local f
+    for f in /sys/fs/cgroup/cpuacct/lxc/cpuacct.usage /sys/fs/cgroup/lxc/cpu.stat; do
+        [[ -r "$f" ]] || continue
+        if [[ $f == *cpu.stat ]]; then awk '$1 == "usage_usec" {printf "%d", $2 / 1e6}' "$f"; else awk '{printf "%d", $1 / 1e9}' "$f"; fi
+        return
+    done
+    echo 0
 }
-busy0=$(machine_busy_s)
+containers0=$(containers_cpu_s)
 
 # The containers' CPU weight. Every stand-in container sits under one cgroup parent, lxc/ (pve-container's
 # layout: lxc/<vmid>), which the scheduler weighs as ONE nice-0 task against each host process: the four
@@ -113,41 +131,55 @@ lane() {
     if [[ -n "$CG" ]] && mkdir -p "$CG/$name" 2>/dev/null; then
         cg="$CG/$name/cgroup.procs"; [[ $CG_KIND == v1 ]] && cg="$CG/$name/tasks"
     fi
-    CG_PROCS="$cg" bash -c '[[ -n "$CG_PROCS" ]] && echo $$ > "$CG_PROCS" 2>/dev/null; exec "$@"' lane \
+    DFLASH_TEST_CPU_JSON="$work/$name.tests.json" CG_PROCS="$cg" bash -c '[[ -n "$CG_PROCS" ]] && echo $$ > "$CG_PROCS" 2>/dev/null; exec "$@"' lane \
         nice -n "${LANE_NICE:-0}" "${PYTEST[@]}" -p no:cacheprovider --basetemp="$work/tmp-$name" "$@" \
         > "${LOGS[$name]}" 2>&1 &
     PIDS[$name]=$!
     echo "run: lane $name started (pid ${PIDS[$name]}): pytest $*"
 }
 
-# Lane B, no containers, in three pytests that share nothing (own temp roots, free ports):
-#   P   -m "provision and not standin"  the provision playbook against the Proxmox API stand-in (it boots
-#                                        LXC containers behind the API and mostly waits on them);
-#   B1  the files whose trainer runs take the most CPU (measured: test_trainer + test_regenerate alone
-#       took 713 s while B2 was at 45% after 14 min, so two more multi-rank files moved here);
+# Lane B, no containers, in four pytests that share nothing (own temp roots, free ports):
+#   P   -m "provision and not standin"  the provision playbook and the first-deploy runbook against the
+#                                        Proxmox API stand-in with fake LXC: chains of ansible-playbook runs;
+#   B1  the multi-rank trainer runs (test_trainer, test_distributed, test_eval_training) and test_regenerate;
+#   B3  the other files whose tests start a training job: every job is a supervisor and its rank
+#       processes, each importing torch and transformers (about 5 CPU-s) before its first step;
 #   B2  everything else without a container (a new test file lands here).
-HEAVY=()
-for f in tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py; do
-    [[ -f "$f" ]] && HEAVY+=("$f")
-done
-# B1 and B2 only compute; the container lanes (P, F, A*) are chains of short steps (ssh, pct exec, a
+# On 2 cores the run's wall time is at least its longest lane's CPU, so no lane may hold much more than
+# a sixth of the suite's: B2 alone took 785 CPU-s (2026-12-06), which B2 and B3 now share.
+B1_FILES=(tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py)
+B3_FILES=(tests/test_streamcheck.py tests/test_multinode.py tests/test_hybrid_chain.py tests/test_fp8.py
+          tests/test_heartbeat.py tests/test_families.py tests/test_startup_progress.py tests/test_warm_start.py
+          tests/test_contract.py tests/test_identity.py tests/test_dflash2.py tests/test_drafter_work.py
+          tests/test_resume_keeps.py tests/test_failure_message.py)
+existing() { local f; for f in "$@"; do [[ -f "$f" ]] && echo "$f"; done; }
+mapfile -t B1_FILES < <(existing "${B1_FILES[@]}")
+mapfile -t B3_FILES < <(existing "${B3_FILES[@]}")
+B_MARK="not standin and not provision and not real"
+# B1..B3 only compute; the container lanes (P, F, A-*) are chains of short steps (ssh, pct exec, a
 # module, a poll) that each wait for a core, and each multi-rank trainer test runs 3-4 busy processes.
 # Niced, the B lanes take the cores the chains leave, instead of making every step of a chain queue
 # behind them (their tests' time bounds are on detection and exits, measured from the event).
-lane P -m "provision and not standin"
-if (( ${#HEAVY[@]} )); then
-    LANE_NICE=10 lane B1 -m "not standin and not provision and not real" "${HEAVY[@]}"
-    LANE_NICE=10 lane B2 -m "not standin and not provision and not real" "${HEAVY[@]/#/--ignore=}"
-else
-    LANE_NICE=10 lane B2 -m "not standin and not provision and not real"
-fi
+# marked NAME: the test files that use pytest marker NAME, for the lanes that run one marker's tests
+# (collecting the whole suite imports every test module: about 10 CPU-s a pytest); -m still selects
+marked() { grep -rlE --include='test_*.py' "pytest\.mark\.$1\b" tests | sort; }
+mapfile -t P_FILES < <(marked provision)
+mapfile -t R_FILES < <(marked real)
+mapfile -t F_FILES < <(marked faults)
+mapfile -t A_FILES < <(marked standin)
+lane P -m "provision and not standin" "${P_FILES[@]}"
+(( ${#B1_FILES[@]} )) && LANE_NICE=10 lane B1 -m "$B_MARK" "${B1_FILES[@]}"
+(( ${#B3_FILES[@]} )) && LANE_NICE=10 lane B3 -m "$B_MARK" "${B3_FILES[@]}"
+LANE_NICE=10 lane B2 -m "$B_MARK" "${B1_FILES[@]/#/--ignore=}" "${B3_FILES[@]/#/--ignore=}"
 # Lane R: the real pretrained model (tests/test_real_model.py): dflash-real builds it once per machine into
 # $DFLASH_REAL_CACHE (default /var/lib/dflash-real, kept like the stand-in's caches), then the README's chain
-# on it, niced like the B lanes
-LANE_NICE=10 lane R -m real
+# on it. Niced less than the B lanes (nice 5 weighs three times nice 10): it is one chain, the longest in
+# CPU (about 800 s on 2026-12-06), so the run ends when it does; at nice 10 beside three B lanes its
+# 30-step training timed out (1,800 s) on a loaded machine.
+LANE_NICE=5 lane R -m real "${R_FILES[@]}"
 
 # Lane A's test ids, collected while the caches build (collection imports every test module).
-"$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" > "$work/collect.txt" 2>&1 &
+"$PY" -m pytest -p no:cacheprovider --collect-only -q -m "standin and not faults" "${A_FILES[@]}" > "$work/collect.txt" 2>&1 &
 collect_pid=$!
 # Lane A: the caches every stand-in copies, built once before the scenarios start side by side
 # (two first builds at once would both debootstrap, and race on the rename).
@@ -159,7 +191,7 @@ if [[ $EUID -eq 0 ]] && command -v debootstrap >/dev/null && command -v lxc-star
     DFLASH_STANDIN_ARCH=qwen3_5 tests/standin/standin.sh tiny >/dev/null   # molecule multinode's target
     echo "run: stand-in caches (rootfs, bare rootfs, wheelhouse, tiny models) ready in $(( $(date +%s) - t ))s"
 fi
-lane F -m faults
+lane F -m faults "${F_FILES[@]}"
 # One process per molecule scenario test: the collected ids, so a new scenario runs without an edit here.
 set +e; wait "$collect_pid"; rc_collect=$?; set -e
 mapfile -t scenarios < <(grep '::' "$work/collect.txt" || true)
@@ -168,10 +200,11 @@ if (( rc_collect != 0 )) || (( ${#scenarios[@]} == 0 )); then
     cat "$work/collect.txt"
     lane A -m "standin and not faults"
 else
-    i=0
+    # each lane named for its scenario: tests/x.py::test_molecule_default_scenario -> A-molecule_default
     for id in "${scenarios[@]}"; do
-        i=$((i + 1))
-        lane "A$i" "$id"
+        name="${id##*::test_}"; name="${name%_scenario}"; name="A-${name//[^A-Za-z0-9_]/_}"
+        [[ -n "${LOGS[$name]:-}" ]] && name="$name-$(( ${#LOGS[@]} ))"
+        lane "$name" "$id"
     done
 fi
 
@@ -198,13 +231,16 @@ fi
 echo "================ summary ================"
 overall=0
 for name in $(printf '%s\n' "${!RCS[@]}" | sort); do
-    echo "run: lane $name exit ${RCS[$name]} in ${TOOK[$name]}s wall, ${CPU[$name]:-?}s CPU: $(tail -1 "${LOGS[$name]}" | tr -d '=' | sed 's/^ *//')"
+    printf '%s\t%s\t%s\t%s\n' "$name" "${RCS[$name]}" "${TOOK[$name]}" "${CPU[$name]:-?}"
     (( RCS[$name] == 0 )) || overall=${RCS[$name]}
-done
+done > "$work/lanes.tsv"
 wall=$(( $(date +%s) - start ))
 busy=$(( $(machine_busy_s) - busy0 ))
-echo "run: all lanes done after ${wall}s in all (host setup included); the machine's $(getconf _NPROCESSORS_ONLN) cores were busy ${busy}s of CPU since the lanes started (containers and other work included)"
-rm -rf "$work/tmp-"*
+containers=$(( $(containers_cpu_s) - containers0 ))
+set +e; "$PY" tests/budget.py "$work" "$wall" "$busy" "$containers"; rc_budget=$?; set -e
+(( overall == 0 && rc_budget == 3 )) && overall=3
+echo "run: all lanes done after ${wall}s in all (host setup included) on $(getconf _NPROCESSORS_ONLN) cores; logs in $work"
+rm -rf "$work/tmp-"* "$work/tiny"
 # The lanes' cgroups go when empty; a process a test left running keeps its cgroup (and is named),
 # never the exit status (CI's all-green run once ended with exit 1 here: under set -e, "$CG"/* also
 # matched the cgroup's own interface files, which rmdir refuses).

@@ -52,7 +52,7 @@ IDENT_RE = re.compile(r"`([A-Z][a-z0-9]+[A-Z][A-Za-z0-9]*(?:\.[a-z_][a-z0-9_]*)?
 def corpus() -> str:
     """Every tracked file outside the docs, as one text (what the names must occur in)."""
     files = subprocess.run(["git", "-C", str(REPO), "ls-files", *SOURCES], capture_output=True, text=True).stdout.split()
-    files += [str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")]   # new, not yet tracked
+    files += [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")]   # new, not yet tracked
     text = []
     for f in sorted(set(files) - {"tests/test_docs.py"}):   # this file names the removed things on purpose
         p = REPO / f
@@ -206,7 +206,7 @@ SECTION_RE = re.compile(r"((?:docs/)[\w.-]+\.md|README\.md)`?,?\s+\"([^\"\n]{2,8
 def test_every_cited_doc_section_exists():
     """`docs/x.md, "Section"` anywhere in the repo (docs, code comments, tests) names a heading of that doc."""
     files = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True).stdout.split()
-    files += [str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")]
+    files += [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")]
     missing = []
     for f in sorted(set(files)):
         p = REPO / f

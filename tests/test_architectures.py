@@ -174,7 +174,8 @@ import json
 from trainer.__main__ import main
 from trainer.model.checkpoint_format import CheckpointManager
 from trainer.serving.export import export_drafter, read_checkpoint
-from trainer.tools import bench, recipe
+from trainer.lab import recipe
+from trainer.lab.bench import run as bench
 assert main({train!r}) == 0
 dst = export_drafter(CheckpointManager({str(out)!r}).latest(), {str(exp)!r})
 print(json.dumps({{"arch": read_checkpoint(dst)[0].architecture.name, "resume": main({resume!r}),

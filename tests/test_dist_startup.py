@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 
 from trainer.distributed.groups import Groups
-from trainer.tools.opreplay import topology
+from trainer.lab.opreplay import topology
 
 COUNTED = "countednccl"       # the default backend of the count: NCCL's stand-in
 

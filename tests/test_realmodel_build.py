@@ -61,8 +61,8 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, named):
 
 
 def test_recipe_tool_draws_one_curve_a_variant(tmp_path):
-    """trainer/tools/recipe.py's picture (its arguments and runs: tests/test_recipe.py): one curve a variant."""
-    from trainer.tools import recipe
+    """trainer/lab/recipe.py's picture (its arguments and runs: tests/test_recipe.py): one curve a variant."""
+    from trainer.lab import recipe
     rows = [{"variant": "base", "curve": [[50, 1000, 1.02], [100, 2000, 1.1]]},
             {"variant": "b32", "curve": [[50, 1000, 1.0], [100, 2000, 1.05]]}]
     recipe.svg(rows, tmp_path / "c.svg", "t")

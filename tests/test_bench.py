@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from trainer.tools import bench, bench_flops, bench_shapes
+from trainer.lab.bench import flops as bench_flops
+from trainer.lab.bench import run as bench
+from trainer.lab.bench import shapes as bench_shapes
 
 
 @pytest.mark.slow
@@ -14,7 +16,7 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "trainer.lab.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
                         "--dataset-tokens", "20000", "--work", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -37,7 +39,7 @@ def test_bench_tiny_cpu_smoke(tmp_path):
 # bytes per new input shape, kept; nothing on a shape seen before. Run in a process of its own below.
 LEAKY_PROBE = """
 import json, sys
-from trainer.tools import bench
+from trainer.lab.bench import run as bench
 from trainer.model import target
 real, cache, leak_mb = target.decoder, {}, int(sys.argv[2])
 
@@ -116,7 +118,7 @@ def test_bench_hybrid_shape_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny-hybrid", "--settings", "b16",
+    r = subprocess.run([sys.executable, "-m", "trainer.lab.bench", "--shape", "tiny-hybrid", "--settings", "b16",
                         "--steps", "2", "--parts", "target,drafter,async", "--dataset-tokens", "20000",
                         "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
                        timeout=900)
@@ -268,7 +270,7 @@ def test_bench_drafter_stage_of_dflash2_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.tools.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "trainer.lab.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
                         "--parts", "drafter", "--variants", "base,dflash2+dpace", "--dataset-tokens", "20000",
                         "--work", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
@@ -303,7 +305,7 @@ def test_profile_classes_tell_a_librarys_triton_kernels_from_eager_ones():
     """The H200 regeneration profile of Qwen3.6-27B (results/h200-qwen3.6-27b-regenerate-steps.json) put FLA's
     fused recurrent kernel, 13.1 ms of a 38.4 ms step, under "elementwise/reduce (eager)", and a page read it
     as eager conv and gating. A library's Triton kernel (a plain function name) is its own class now."""
-    from trainer.tools.bench_profile import KERNEL_CLASSES, _kernel_class
+    from trainer.lab.bench.profile import KERNEL_CLASSES, _kernel_class
 
     named = {
         "fused_recurrent_gated_delta_rule_fwd_kernel": "triton (libraries)",

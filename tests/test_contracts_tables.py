@@ -1,5 +1,5 @@
 """docs/contracts.md says what status.json reports and which flags dflash-train takes, as the code has them
-(issue 42): its generated tables are what trainer/tools/contracts_tables.py renders from trainer/status/schema.py's
+(issue 42): its generated tables are what trainer/lab/contracts_tables.py renders from trainer/status/schema.py's
 STATUS_SCHEMA and TrainConfig's options, and a status key written but not declared fails."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("contracts_tables", REPO / "trainer" / "tools" / "contracts_tables.py")
+_spec = importlib.util.spec_from_file_location("contracts_tables", REPO / "trainer" / "lab" / "contracts_tables.py")
 ct = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ct)
 
@@ -38,10 +38,10 @@ def test_the_check_command_fails_on_a_stale_table_and_names_the_fix(tmp_path, mo
 def test_the_check_runs_as_a_command_and_names_the_fix(tmp_path):
     """`--check` in a checkout whose doc is stale: exit 1 and the command that fixes it."""
     copy = tmp_path / "repo"
-    (copy / "trainer" / "tools").mkdir(parents=True)
+    (copy / "trainer" / "lab").mkdir(parents=True)
     (copy / "docs").mkdir()
-    script = copy / "trainer" / "tools" / "contracts_tables.py"
-    script.write_text((REPO / "trainer" / "tools" / "contracts_tables.py").read_text())
+    script = copy / "trainer" / "lab" / "contracts_tables.py"
+    script.write_text((REPO / "trainer" / "lab" / "contracts_tables.py").read_text())
     (copy / "docs" / "contracts.md").write_text(ct.render(ct.DOC.read_text()).replace("| `pid` | always |", "| `pid` | once |"))
     r = subprocess.run([sys.executable, str(script), "--check"],
                        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

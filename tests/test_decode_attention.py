@@ -6,7 +6,7 @@ not read) equals SDPA over the same mask, also when whole chunks are masked; the
 reference (Triton's interpreter, where Triton is installed); the captured decoder with
 `decode_kernel="triton"` (the reference on the CPU) writes the same tokens as with SDPA; and
 `--decode-attention` reaches the decoder and needs `--decoder captured`. The kernel itself is compared
-with SDPA on the GPU by trainer/tools/gpu/regenerate_bench.py --decode-attention-parity.
+with SDPA on the GPU by trainer/lab/gpu/regenerate_bench.py --decode-attention-parity.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 "shift" turns e4m3 bytes into fp16 operands by moving bits (no conversion instruction); the CPU checks that
 arithmetic for every byte, and where Triton is installed, each conversion mode of the kernel against the
-reference in Triton's interpreter. Speed is measured on the GPU (trainer/tools/gpu/regenerate_bench.py
+reference in Triton's interpreter. Speed is measured on the GPU (trainer/lab/gpu/regenerate_bench.py
 --attention-check --attn-fp8)."""
 
 from __future__ import annotations

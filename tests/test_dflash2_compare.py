@@ -1,4 +1,4 @@
-"""trainer/tools/gpu/dflash2_compare.py (issue 43) on the CPU: its commands, as the H200 runs them, parse as the
+"""trainer/lab/gpu/dflash2_compare.py (issue 43) on the CPU: its commands, as the H200 runs them, parse as the
 programs read them and differ only in the recipe; its summary of the records it collects."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer" / "tools" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu"))
 import dflash2_compare as cmp  # noqa: E402
 
 

@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 
 from trainer.distributed.groups import Groups
-from trainer.tools.opreplay import topology
+from trainer.lab.opreplay import topology
 
 COUNTED = "countednccl"       # the default backend of the count: NCCL's stand-in
 
@@ -171,7 +171,7 @@ def test_the_first_steps_allow_a_compile_more_before_the_timeout(tmp_path):
 import datetime, os, sys, time
 import torch, torch.distributed as dist
 from trainer.distributed.groups import FIRST_STEPS, Groups
-from trainer.tools.opreplay import topology
+from trainer.lab.opreplay import topology
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(hours=3))

@@ -120,9 +120,9 @@ def test_reliability_results_block_lists_the_fault_suites_cases():
 # pair|world`, `--fp8 tensorwise`) must be one the command accepts. The archive is a dated record of past
 # runs (its flags are those of their day), so it is left out.
 CURRENT_DOCS = [d for d in DOCS if d.name != "performance-archive.md"]
-CLIS = ("trainer.tools.bench", "trainer.serving.evaluate", "trainer.serving.regenerate", "trainer.serving.export", "trainer.data.prepare",
+CLIS = ("trainer.lab.bench.run", "trainer.serving.evaluate", "trainer.serving.regenerate", "trainer.serving.export", "trainer.data.prepare",
         "trainer.tools.tiny", "trainer.status.cli", "trainer.tools.streamcheck_cli",
-        "trainer.tools.opreplay")
+        "trainer.lab.opreplay")
 VALUE_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]([a-z0-9_][a-z0-9_.+,|-]*)")
 
 
@@ -165,7 +165,7 @@ def flag_choices() -> dict[str, set[str]]:
             if action.choices and not isinstance(action.choices, dict):     # dict: subcommands
                 for opt in action.option_strings:
                     out.setdefault(opt, set()).update(str(c) for c in action.choices)
-    from trainer.tools.bench import VARIANTS
+    from trainer.lab.bench.run import VARIANTS
     out["--variants"] = set(VARIANTS)
     return out
 
@@ -196,7 +196,7 @@ def test_flag_values_in_the_doc_are_accepted_by_the_code(doc):
 def test_the_value_check_catches_the_stale_ones():
     """The values issue 42 found stale fail here; today's pass."""
     assert _bad_values("`--transport auto|peer|pinned`") == ["--transport auto|peer|pinned"] * 3
-    assert _bad_values("```\npython -m trainer.tools.bench --variants pinned+flash\n```") == ["--variants pinned+flash"]
+    assert _bad_values("```\npython -m trainer.lab.bench --variants pinned+flash\n```") == ["--variants pinned+flash"]
     assert _bad_values("`--transport pair|world`, `--fp8 tensorwise`, `--kv-fp8 on`, `--variants base,fp8`") == []
 
 
@@ -393,7 +393,7 @@ def test_the_python_name_check_catches_stale_names():
                  "trainer.no_such_wing.x", "warmup.run", "model.PackedMetaOld", "checkpoint.Checkpointer.no_such_method",
                  "warmup.py", "ckpt_format.py"):
         assert _stale_python_names(f"see `{name}` and") == [name], name
-    fine = ("trainer.engine.checkpoint.Checkpointer", "drafter_stage.build_drafter", "trainer.tools.bench",
+    fine = ("trainer.engine.checkpoint.Checkpointer", "drafter_stage.build_drafter", "trainer.lab.bench",
             "compiling.no_new_graphs", "report.paused_s", "checkpoint.Checkpointer.save", "torch.compile",
             "config.layer_types", "dist.send", "status.json", "train_state.py", "flex_decoding.py",
             "trainer.checkpoint")

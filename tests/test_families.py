@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from trainer.lab.bench.shapes import SHAPES
 from trainer.model import families
 from trainer.model.families import FAMILIES, GENERIC, GENERIC_HYBRID, family_for
 from trainer.tools import tiny
-from trainer.tools.bench_shapes import SHAPES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import tiny_args  # noqa: E402

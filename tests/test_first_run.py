@@ -1,4 +1,4 @@
-"""trainer/tools/gpu/first_multi_gpu_run.py, the one command for a fresh GPU machine: its CPU-checkable parts."""
+"""trainer/lab/gpu/first_multi_gpu_run.py, the one command for a fresh GPU machine: its CPU-checkable parts."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 from trainer.tools.tiny import ARCHES
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "trainer" / "tools" / "gpu" / "first_multi_gpu_run.py"
+SCRIPT = REPO / "trainer" / "lab" / "gpu" / "first_multi_gpu_run.py"
 
 
 @pytest.fixture(scope="module")

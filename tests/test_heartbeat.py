@@ -130,7 +130,7 @@ def _tree(pid: int) -> list[int]:
     """`pid` and every descendant (the GPU smoke script's own walk of /proc)."""
     import importlib.util
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "trainer" / "tools" / "gpu" / "first_multi_gpu_run.py"
+    script = Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu" / "first_multi_gpu_run.py"
     spec = importlib.util.spec_from_file_location("first_multi_gpu_run", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -336,7 +336,7 @@ def test_exported_model_and_the_reference_class_compute_the_trainers_windowed_fo
 def test_bench_counts_the_pairs_a_sliding_layer_sees_and_computes(plan):
     """The benchmark's MFU counts the pairs each layer attends to (fewer in a sliding layer) and its executed
     work the tiles it runs (the window's cut lists)."""
-    from trainer.tools.bench_flops import _executed_pairs, _visible_pairs
+    from trainer.lab.bench.flops import _executed_pairs, _visible_pairs
     c = plan.chunks[0]
     meta = _meta(c, 4)
     for window in (W, None):

@@ -575,7 +575,7 @@ def test_the_regeneration_bench_reports_each_headline_pass(hybrid, monkeypatch, 
     whole number of passes is refused before anything is built (exit 2)."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "tools" / "gpu"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu"))
     import regenerate_bench as rb
 
     with pytest.raises(SystemExit) as e:

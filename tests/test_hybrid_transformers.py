@@ -1,6 +1,6 @@
 """A hybrid target on a transformers older than our cache API stops in one line (trainer/model/families.py: check_hybrid_transformers).
 
-The H200 run of trainer/tools/gpu/regenerate_bench.py --shape qwen3.6-27b on transformers 5.17 failed in every
+The H200 run of trainer/lab/gpu/regenerate_bench.py --shape qwen3.6-27b on transformers 5.17 failed in every
 variant with `AttributeError: '_KVCache' object has no attribute 'has_previous_state'`: 5.17's Gated
 DeltaNet asks the cache another API than the one of transformers >= 5.25 that our loops answer. Every hybrid
 generation path now checks the release first (the installed version is monkeypatched here, not the install):
@@ -100,7 +100,7 @@ def test_every_library_path_raises_the_one_error_on_a_hybrid_only(old, tiny_hybr
 
 
 def test_the_gpu_scripts_stop_before_building_a_hybrid_target(old, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "tools" / "gpu"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu"))
     import eval_bench
     import regenerate_bench
 

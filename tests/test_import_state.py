@@ -1,7 +1,7 @@
 """Importing the package changes no global state (issue 42): `import trainer` used to put
 sys.modules["torchao"] = None for every importer, so a library user's own torchao vanished. Now the
 programs defer it (trainer/optional.py): the console scripts through trainer/cli.py, `python -m trainer`
-and `python -m trainer.tools.bench`. Each check runs in a fresh interpreter, as an importer would."""
+and `python -m trainer.lab.bench`. Each check runs in a fresh interpreter, as an importer would."""
 
 import os
 import subprocess

@@ -3,6 +3,8 @@ imports (every `import`, at module level or inside a function):
 
 - serving (export, eval, regenerate and their generation loops) never imports the training engine or the
   tools, so what a serving user runs cannot grow a dependency on the training job;
+- the lab (the team's instruments: bench, GPU scripts, probes, doc generators) is left out of the wheel, and
+  nothing outside it imports it, so the production install carries only what production runs;
 - no import circle between modules, and no pair of wings importing each other;
 - the model wing stands on ops and the top floor alone (no flags, no process groups, no stage);
 - the status wing (status.json, sd_notify, dflash-status) stands on the top floor alone, one job per module;
@@ -15,7 +17,7 @@ import ast
 from pathlib import Path
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
-WINGS = {"config", "data", "distributed", "engine", "model", "ops", "serving", "status", "tools"}
+WINGS = {"config", "data", "distributed", "engine", "lab", "model", "ops", "serving", "status", "tools"}
 TOP = {"__init__", "__main__", "cli", "errors", "fsutil", "optional", "procs"}
 
 
@@ -62,7 +64,7 @@ def test_the_top_floor_holds_only_entry_points_and_shared_facts():
 
 def test_serving_never_imports_the_engine_or_the_tools():
     g = graph()
-    bad = {m: sorted(d for d in deps if d.startswith(("trainer.engine", "trainer.tools")))
+    bad = {m: sorted(d for d in deps if d.startswith(("trainer.engine", "trainer.tools", "trainer.lab")))
            for m, deps in g.items() if m.startswith("trainer.serving")}
     assert not {m: d for m, d in bad.items() if d}, bad
 
@@ -115,8 +117,8 @@ def wing_edges() -> dict[tuple[str, str], set[tuple[str, str]]]:
 
 
 def test_no_pair_of_wings_imports_each_other():
-    """Wings form layers: tools and the engine on top, then serving, config, data, model, distributed, ops,
-    status.
+    """Wings form layers: the lab, tools and the engine on top, then serving, config, data, model, distributed,
+    ops, status.
     No arrow runs back up (issue 55: the last one, model -> config for the --draft-layer-types rule and the
     slow-kernel message, went when those facts moved into the model wing)."""
     edges = wing_edges()
@@ -153,19 +155,36 @@ def test_the_status_wing_stands_on_the_top_floor_alone_one_job_per_module():
     assert '_run("trainer.status.cli"' in (TRAINER / "cli.py").read_text()   # the console script, by name
 
 
-def test_the_package_build_ships_every_wing():
-    """pyproject's package discovery finds every subpackage (`packages = ["trainer"]` shipped the top floor
-    alone, and the role's install of the trainer in the container would have lost the wings), a package
-    inside a wing too."""
+def _found_packages() -> set[str]:
+    """The packages pyproject's package discovery puts in the wheel."""
     import tomllib
 
     from setuptools import find_packages
     cfg = tomllib.loads((TRAINER.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    found = set(find_packages(where=str(TRAINER.parent), include=cfg["include"]))
-    assert {"trainer"} | {f"trainer.{w}" for w in WINGS} <= found, found
-    # and every room inside a wing that is a package of its own (serving/captured/)
+    return set(find_packages(where=str(TRAINER.parent), include=cfg["include"], exclude=cfg.get("exclude", ())))
+
+
+def test_the_package_build_ships_every_wing_but_the_lab():
+    """pyproject's package discovery finds every shipped subpackage (`packages = ["trainer"]` shipped the top
+    floor alone, and the role's install of the trainer in the container would have lost the wings), a package
+    inside a wing too; and no package of the lab."""
+    found = _found_packages()
+    shipped = {"trainer"} | {f"trainer.{w}" for w in WINGS - {"lab"}}
+    assert shipped <= found, found
+    # and every room inside a wing that is a package of its own (serving/captured/), the lab's left out
     on_disk = {".".join(p.parent.relative_to(TRAINER.parent).parts) for p in TRAINER.rglob("__init__.py")}
-    assert found == on_disk, sorted(on_disk ^ found)
+    lab = {p for p in on_disk if p == "trainer.lab" or p.startswith("trainer.lab.")}
+    assert lab >= {"trainer.lab", "trainer.lab.bench", "trainer.lab.gpu"}, lab
+    assert found == on_disk - lab, sorted(on_disk ^ found)
+
+
+def test_nothing_shipped_imports_the_lab():
+    """The wheel leaves trainer/lab/ out, so a shipped module that imported it (at module level or inside a
+    function) would fail in the production container: every import of the lab comes from the lab."""
+    bad = sorted((m, d) for m, deps in graph().items() if not m.startswith("trainer.lab")
+                 for d in deps if d.startswith("trainer.lab"))
+    assert not bad, bad
+
 
 
 def test_code_says_why_not_which_ticket():
@@ -188,7 +207,7 @@ FUNCTION_PARAMS = 12
 LONG_FUNCTIONS = {   # module stem.qualified name: its lines today
     "streamcheck.simulate": 194, "regenerate_bench.main": 185, "regenerate.regenerate": 150,
     "regenerate_bench.attention_check": 142, "oprecord.install": 134, "plan.plan_micro_batch": 126,
-    "eval_bench.main": 126, "fp8_parity.main": 125, "bench.main": 111, "launch.launch": 101,
+    "eval_bench.main": 126, "fp8_parity.main": 125, "run.main": 111, "launch.launch": 101,
 }
 WIDE_FUNCTIONS = {   # module stem.qualified name: its parameters today (self and cls not counted)
     "decode_attn._decode_attention_split_kv": 36,   # a Triton kernel: every stride is a parameter

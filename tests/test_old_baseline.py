@@ -1,4 +1,4 @@
-"""trainer/tools/gpu/old_drafter_baseline.py refuses what would time the wrong work: a directory without a bench,
+"""trainer/lab/gpu/old_drafter_baseline.py refuses what would time the wrong work: a directory without a bench,
 and a target cut that would hand the drafter fewer distinct taps (a narrower fc) than the full target."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "trainer" / "tools" / "gpu" / "old_drafter_baseline.py"
+SCRIPT = REPO / "trainer" / "lab" / "gpu" / "old_drafter_baseline.py"
 
 
 def run(*args):
@@ -16,7 +16,8 @@ def run(*args):
 def test_a_directory_without_a_bench_is_refused(tmp_path):
     r = run(str(tmp_path), "--", "--shape", "tiny")
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"old_drafter_baseline: {tmp_path}: no trainer/bench.py or trainer/tools/bench.py there"]
+    assert r.stderr.strip().splitlines() == [f"old_drafter_baseline: {tmp_path}: no trainer/bench.py, trainer/tools/bench.py, "
+                                        "trainer/lab/bench/run.py there"]
 
 
 def test_a_cut_that_merges_taps_is_refused_before_any_work(tmp_path):

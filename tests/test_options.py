@@ -87,7 +87,7 @@ def test_measurement_flags_keep_their_checks_and_the_bench_still_sets_them():
         parse_args(PATHS + ["--fsdp-prefetch", "never"])
     with pytest.raises(ConfigError, match="^--flex-ctx-group: must be >= 0, got -1"):
         validate_flags(parse_args(PATHS + ["--flex-ctx-group", "-1"]), gpu_count=-1)
-    from trainer.tools.bench import parse_sets
+    from trainer.lab.bench.run import parse_sets
     assert parse_sets(["fsdp_prefetch=forward", "loss-dedup=false", "flex_ctx_group=16"]) == {
         "fsdp_prefetch": "forward", "loss_dedup": False, "flex_ctx_group": 16}
 

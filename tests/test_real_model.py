@@ -13,7 +13,7 @@ Specifications, on the real model and the README's commands:
 - the drafter's loss depends on the target's context features: zeroing the tapped states raises it;
 - the drafter learns 16 real sequences of the real target beyond their unigram entropy within a CPU-minutes
   budget, and its loss rises when the target's states are shuffled over positions (the overfit and context
-  checks, run on the servable drafter class with the target's states computed once: trainer/tools/slot_probe.py).
+  checks, run on the servable drafter class with the target's states computed once: trainer/lab/slot_probe.py).
 
 The lane (tests/run.sh, marker `real`) builds the model once per machine into $DFLASH_REAL_CACHE (default
 /var/lib/dflash-real) and keeps it there, as the stand-in keeps its caches.
@@ -156,7 +156,7 @@ def test_reference_generation_loop_agrees_with_dflash_eval(chain, monkeypatch):
 
 def _block_loss(drafter, embed, taps, ids, anchors, block):
     """Mean CE of block slots 1..B-1 at `anchors` (each row of `ids`), context strictly before the anchor."""
-    from trainer.tools.slot_probe import block_inputs
+    from trainer.lab.slot_probe import block_inputs
     blk, noise_ids, pos, mask = block_inputs(ids, anchors, block, drafter.mask_token_id)
     n, na = anchors.shape
     h = drafter(position_ids=pos, noise_embedding=embed(noise_ids.reshape(n, -1)), target_hidden=taps,
@@ -199,7 +199,7 @@ def test_the_drafters_loss_depends_on_the_targets_context(chain):
 @pytest.fixture(scope="module")
 def overfit(real):
     """The servable drafter class trained on 16 real sequences, the target's taps computed once."""
-    from trainer.tools.slot_probe import Probe, target_states
+    from trainer.lab.slot_probe import Probe, target_states
     cache, _ = real
     torch.manual_seed(0)
     st = target_states(str(cache / "smollm2-135m-instruct"), seqs=16, length=32)

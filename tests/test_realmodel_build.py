@@ -164,8 +164,8 @@ def test_the_large_set_reads_pinned_wheels_in_two_forms_without_overlaps_or_repe
 
 
 def test_recipe_tool_draws_one_curve_a_variant(tmp_path):
-    """trainer/tools/recipe.py's picture (its arguments and runs: tests/test_recipe.py): one curve a variant."""
-    from trainer.tools import recipe
+    """trainer/lab/recipe.py's picture (its arguments and runs: tests/test_recipe.py): one curve a variant."""
+    from trainer.lab import recipe
     rows = [{"variant": "base", "curve": [[50, 1000, 1.02], [100, 2000, 1.1]]},
             {"variant": "b32", "curve": [[50, 1000, 1.0], [100, 2000, 1.05]]}]
     recipe.svg(rows, tmp_path / "c.svg", "t")

@@ -1,4 +1,4 @@
-"""trainer/tools/recipe.py, the recipe judged by tau on the real model: its arguments, what it reads back from a
+"""trainer/lab/recipe.py, the recipe judged by tau on the real model: its arguments, what it reads back from a
 run directory (a resumed run's repeated steps counted once), and its deadline (the runs stopped by SIGTERM,
 their seconds kept, the command returning so that a rerun carries on). The GPU run itself: docs/performance.md,
 "Real model (SmolLM2-135M-Instruct)"."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.tools import recipe
+from trainer.lab import recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def cache(tmp_path):
     (["--train-prompts", "/nonexistent/large.jsonl"], "--train-prompts /nonexistent/large.jsonl: no such file"),
 ])
 def test_bad_arguments_exit_2_in_one_line(tmp_path, cache, extra, names):
-    r = subprocess.run([sys.executable, "-m", "trainer.tools.recipe", "--cache", str(cache), "--work",
+    r = subprocess.run([sys.executable, "-m", "trainer.lab.recipe", "--cache", str(cache), "--work",
                         str(tmp_path / "w"), "--out", str(tmp_path / "o.json"), *extra],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and names in r.stderr, r.stderr
@@ -41,7 +41,7 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path, cache, extra, names):
 
 
 def test_a_cache_without_the_model_is_named(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "trainer.tools.recipe", "--cache", str(tmp_path), "--work",
+    r = subprocess.run([sys.executable, "-m", "trainer.lab.recipe", "--cache", str(tmp_path), "--work",
                         str(tmp_path / "w"), "--out", str(tmp_path / "o.json")], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 2 and f"--cache {tmp_path}: no {recipe.MODEL_DIR}/config.json" in r.stderr

@@ -400,10 +400,10 @@ def test_samples_per_prompt_writes_that_many_sampled_completions_of_each_prompt(
 
 
 def test_the_batch_sweep_reports_tok_s_per_batch_size_on_the_same_tokens(tiny_small_dir, tmp_path, capsys):
-    """trainer/tools/gpu/regenerate_sweep.py on the CPU: one row per batch size, each completing the same
+    """trainer/lab/gpu/regenerate_sweep.py on the CPU: one row per batch size, each completing the same
     prompts; greedy in fp32, so the completions are the same bytes at every batch size, and the slot use is
     the generated tokens over each batch's rows x its longest completion."""
-    from trainer.tools.gpu import regenerate_sweep
+    from trainer.lab.gpu import regenerate_sweep
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "ab cd " + "ef " * i}) + "\n" for i in range(7)))
     rc = regenerate_sweep.main(["--target-model", str(tiny_small_dir / "target"), "--input", str(prompts),

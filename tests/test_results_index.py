@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("results_index", REPO / "trainer" / "tools" / "results_index.py")
+_spec = importlib.util.spec_from_file_location("results_index", REPO / "trainer" / "lab" / "results_index.py")
 ri = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ri)
 
@@ -20,7 +20,7 @@ def test_every_result_file_has_one_line_and_every_line_a_file():
 
 def test_index_md_is_the_rendering_of_index_json():
     assert ri.INDEX_MD.read_text() == ri.render(ri.load_runs()), \
-        "results/INDEX.md is stale: python trainer/tools/results_index.py --write"
+        "results/INDEX.md is stale: python trainer/lab/results_index.py --write"
 
 
 def test_the_current_performance_page_quotes_only_indexed_files_and_says_where():
@@ -72,11 +72,11 @@ def test_brace_lists_and_patterns_in_the_docs_count_as_quotes():
 
 
 def test_a_benchmark_records_the_commit_it_ran_at(monkeypatch):
-    """bench's metadata (and results_file's, which the trainer/tools/gpu scripts use) carries `git rev-parse HEAD`,
+    """bench's metadata (and results_file's, which the trainer/lab/gpu scripts use) carries `git rev-parse HEAD`,
     or $DFLASH_GIT_COMMIT where the tree was copied without its .git."""
     import subprocess
 
-    from trainer.tools import bench
+    from trainer.lab.bench import run as bench
     monkeypatch.delenv("DFLASH_GIT_COMMIT", raising=False)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     got = bench.git_commit()

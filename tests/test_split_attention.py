@@ -11,7 +11,7 @@ tiles) and the in-block part as a small dense attention, and merges the two by l
 - loss and every parameter gradient of the drafter equal the dense-mask model's (float64), with the context
   part computed by a dense mask (the structure under test: the block part, the merge, the gradient through
   the log-sum-exp), by autograd (SPLIT_BLOCKS=true) and by BlockMerge's written-out backward (=2). FlexAttention's own gradients with the log-sum-exp are checked on the GPU
-  (trainer/tools/gpu/split_attention.py, output in results/).
+  (trainer/lab/gpu/split_attention.py, output in results/).
 """
 
 from __future__ import annotations

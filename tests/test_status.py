@@ -492,7 +492,7 @@ def test_every_key_a_writer_puts_in_status_json_is_declared():
     assert {"phase", "error", "nan_streak", "world_size", "ranks", "eval"} <= set().union(*written.values())
     undeclared = {f: sorted(k - STATUS_KEYS) for f, k in written.items() if k - STATUS_KEYS}
     assert not undeclared, (f"status.json keys written but not declared in trainer/status/schema.py STATUS_SCHEMA: "
-                            f"{undeclared}; declare them, then .venv/bin/python trainer/tools/contracts_tables.py --write")
+                            f"{undeclared}; declare them, then .venv/bin/python trainer/lab/contracts_tables.py --write")
 
 
 def test_the_scan_finds_an_undeclared_key_in_every_writer_form(tmp_path):
@@ -524,7 +524,7 @@ def test_the_writer_refuses_an_undeclared_key_under_the_tests(tmp_path):
     w = StatusWriter(p, "r")                           # strict by default under pytest
     assert w.strict
     with pytest.raises(UndeclaredStatusField, match=r"gpu_temp not declared in trainer/status/schema.py STATUS_SCHEMA.*"
-                                                    r"trainer/tools/contracts_tables.py --write"):
+                                                    r"trainer/lab/contracts_tables.py --write"):
         w.update(phase="training", gpu_temp=71)
     assert not p.exists() and "gpu_temp" not in w.snapshot()   # nothing merged, nothing written
     with pytest.raises(UndeclaredStatusField):

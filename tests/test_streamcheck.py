@@ -207,7 +207,7 @@ def test_sender_slot_ring_bounds_what_is_in_flight(mode):
 
 # ------------------------------------------------------------------ the trainer's own op order
 # Recorded from the real trainer (gloo on the CPU, DFLASH_RECORD_OPS) and replayed from a DispatchPlan
-# (trainer/tools/opreplay.py: the real loop, feed, transport and DrafterStage protocol, no heavy work).
+# (trainer/lab/opreplay.py: the real loop, feed, transport and DrafterStage protocol, no heavy work).
 
 import glob  # noqa: E402
 import os  # noqa: E402
@@ -216,8 +216,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from trainer.distributed.streamcheck import load_programs, window  # noqa: E402
-from trainer.tools import opreplay  # noqa: E402
-from trainer.tools.opreplay import run_plan  # noqa: E402
+from trainer.lab import opreplay  # noqa: E402
+from trainer.lab.opreplay import run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the two orders: what shipped before this check existed, and what ships now (the defaults)

@@ -93,7 +93,7 @@ def test_refuses_non_empty_outdir(tmp_path, capsys):
 
 
 def test_width_options_build_a_wider_target_that_loads(tmp_path):
-    """--hidden-size etc. (a wider target for FP8 parity, trainer/tools/gpu/fp8_parity.py); the defaults' shape is
+    """--hidden-size etc. (a wider target for FP8 parity, trainer/lab/gpu/fp8_parity.py); the defaults' shape is
     MODEL_SHAPE itself, so every fixture stays byte-identical."""
     from transformers import AutoModelForCausalLM
 

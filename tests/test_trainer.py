@@ -376,7 +376,7 @@ def test_flex_block_sparse_path_matches_the_dense_mask(ctx_group):
 
 def test_context_copies_sum_their_gradients_in_fp32():
     """The copies' backward adds every copy's gradient into its source row, in fp32, rounding once (the
-    gradients through FlexAttention itself are checked on the GPU: trainer.tools.bench's flex check)."""
+    gradients through FlexAttention itself are checked on the GPU: trainer.lab.bench's flex check)."""
     from trainer.model.drafter import context_copies
     g = torch.Generator().manual_seed(0)
     t = torch.randn(256 + 40, 2, 8, generator=g).bfloat16().requires_grad_(True)

@@ -7,7 +7,7 @@ every CLI call, --help included, and in the unit's journal. A None in sys.module
 absent to importlib (find_spec returns None, import raises ModuleNotFoundError) until allow() lifts it.
 
 Who calls defer(): the programs, before they import transformers (the console scripts through
-trainer/cli.py, `python -m trainer` and its ranks, `python -m trainer.tools.bench`). `import trainer` and the
+trainer/cli.py, `python -m trainer` and its ranks, `python -m trainer.lab.bench`). `import trainer` and the
 modules under it leave sys.modules alone, so a library user's own torchao is theirs.
 """
 

@@ -227,7 +227,7 @@ def end_warmup() -> str:
     and that broke forwards running in other threads in the old thread-per-replica engine
     (results/h200x2-1.7b-memory-fx-race.json), which is why the graphs used to be frozen after the warmup.
     DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze (nothing compiles, so nothing is counted);
-    fail_on_recompile (trainer/tools/gpu/warmup_recompiles.sh; the unit's dflash_service_environment can set it) refuses
+    fail_on_recompile (trainer/lab/gpu/warmup_recompiles.sh; the unit's dflash_service_environment can set it) refuses
     a recompile: an uncovered shape ends the run with an error that names the guard it failed.
     Returns the stance set."""
     import os

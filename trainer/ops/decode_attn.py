@@ -17,7 +17,7 @@ h200-8b-regenerate-step-variants.json). Here:
 The grid depends only on the shapes (rows, KV heads, L): no host sync, capturable. `split_kv_reference`
 is the same algorithm in plain torch (chunks, per-chunk max / sum / output, the log-sum-exp merge); the
 CPU tests compare it with SDPA, and the Triton kernel with it (under TRITON_INTERPRET=1 where Triton is
-installed). trainer/tools/gpu/regenerate_bench.py compares the kernel with SDPA on the GPU.
+installed). trainer/lab/gpu/regenerate_bench.py compares the kernel with SDPA on the GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ except ImportError:   # pragma: no cover - depends on the install
 
 LOG2E = 1.4426950408889634
 
-# the kernel's tile and split; trainer/tools/gpu/regenerate_bench.py may set them from its own sweep
+# the kernel's tile and split; trainer/lab/gpu/regenerate_bench.py may set them from its own sweep
 # (the fastest of the sweep in results/h200-8b-regenerate-triton.json, its results/INDEX.md row)
 # fp8_convert: how the kernel turns an fp8 cache's tiles into tensor-core operands (results/h200-8b-regenerate-fp8.json:
 # "bf16", Triton's e4m3 -> bf16 cast, left the fp8 read no faster than bf16's). "fp16": Triton's e4m3 -> fp16 cast

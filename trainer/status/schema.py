@@ -1,6 +1,6 @@
 """What status.json holds, declared once: every key's meaning, the phases that write it, and whether it is
 there from the first write on. docs/contracts.md's table is rendered from it
-(``trainer/tools/contracts_tables.py --write``); the writer (trainer/status/writer.py) refuses, when strict, a
+(``trainer/lab/contracts_tables.py --write``); the writer (trainer/status/writer.py) refuses, when strict, a
 key it does not declare. Standard library only.
 """
 
@@ -22,7 +22,7 @@ class StatusField(NamedTuple):
 
 
 # What status.json reports, declared once. StatusWriter refuses (under pytest, or DFLASH_STATUS_STRICT=1) a key
-# not declared here; docs/contracts.md's table is rendered from it (python trainer/tools/contracts_tables.py --write);
+# not declared here; docs/contracts.md's table is rendered from it (python trainer/lab/contracts_tables.py --write);
 # tests/test_status.py checks every writer in trainer/ against it.
 STATUS_SCHEMA: tuple[StatusField, ...] = (
     StatusField("phase", "where the job is: " + "|".join(PHASES) + " (`failed` also by the supervisor for a "

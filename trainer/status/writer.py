@@ -132,7 +132,7 @@ class StatusWriter:
     def _undeclared(self, keys: list[str]) -> None:
         msg = (f"status.json field(s) {', '.join(keys)} not declared in trainer/status/schema.py STATUS_SCHEMA: declare "
                f"each there (meaning, phases), then render docs/contracts.md with "
-               f"`.venv/bin/python trainer/tools/contracts_tables.py --write`")
+               f"`.venv/bin/python trainer/lab/contracts_tables.py --write`")
         if self.strict:
             raise UndeclaredStatusField(msg)
         new = [k for k in keys if k not in self._undeclared_logged]

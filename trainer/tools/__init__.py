@@ -1,1 +1,2 @@
-"""Measurement and developer tools: the benchmark (bench.py and its bench_* rooms), the stream-order replay and checker CLI, dflash-tiny, the doc generators (results_index.py, contracts_tables.py), and the hand-run GPU measurements (gpu/)."""
+"""The shipped command-line tools beside the trainer: dflash-tiny (tiny.py), dflash-real (realmodel.py) and the
+stream-order checker of a recorded run (streamcheck_cli.py). The team's instruments are trainer/lab/."""

@@ -1,7 +1,7 @@
 """The checker's command line: `python -m trainer.tools.streamcheck_cli check <dir>` decides whether a recorded
 run's op order (a DFLASH_RECORD_OPS directory, trainer/distributed/oprecord.py) can hang under NCCL's rules. The
 rules themselves are trainer/distributed/streamcheck.py, which imports nothing of the trainer. Replaying the
-trainer's loop over DispatchPlans and checking them is the team's instrument, trainer/tools/opreplay.py's."""
+trainer's loop over DispatchPlans and checking them is the team's instrument, trainer/lab/opreplay.py's."""
 
 from __future__ import annotations
 

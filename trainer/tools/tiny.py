@@ -23,7 +23,7 @@ continuations (the loss mask covers the completion only), so a drafter can learn
 downloaded.
 
 The width options make a wider target of the same kind (the drafter takes its width from the target),
-e.g. for FP8 parity at a width where FP8 matters (trainer/tools/gpu/fp8_parity.py); head_dim is hidden / heads.
+e.g. for FP8 parity at a width where FP8 matters (trainer/lab/gpu/fp8_parity.py); head_dim is hidden / heads.
 The defaults give the shape every test and fixture uses. `--device cuda` generates the data on a GPU
 (in fp32, like the CPU), which a wide target needs to finish in seconds.
 """

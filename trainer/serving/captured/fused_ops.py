@@ -101,7 +101,7 @@ def fused_small_ops(model, whole_mlp: bool = False, linear: bool = True):
     kernels, FLA's on GPUs, and its gates among them).
     whole_mlp: the MLP's projections are compiled with it (one graph per shape for every layer: the
     weights are its arguments), so that work around its GEMMs (e.g. the input quantizations of quantized
-    weights, trainer/tools/gpu/regenerate_bench.py's `w8` variants) fuses too.
+    weights, trainer/lab/gpu/regenerate_bench.py's `w8` variants) fuses too.
     linear: a hybrid's gated norm and conv update are compiled too (False: as before they were, for the
     bench's side-by-side `-nolinear` variants)."""
     import sys

@@ -1,7 +1,7 @@
 """dflash-regenerate at serving speed: the captured decoder beside transformers' generate.
 
-    python trainer/tools/gpu/regenerate_bench.py --shape 8b --out results/h200-8b-regenerate-captured.json
-    python trainer/tools/gpu/regenerate_bench.py --shape 27b --skip-old --batches 128 --out ...
+    python trainer/lab/gpu/regenerate_bench.py --shape 8b --out results/h200-8b-regenerate-captured.json
+    python trainer/lab/gpu/regenerate_bench.py --shape 27b --skip-old --batches 128 --out ...
 
 Not part of the test suite: it needs a GPU. One process, one random-init target of the shape (real
 shapes, bf16; random weights never emit EOS, so every row generates --new-tokens), all timings on the
@@ -41,14 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
-from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
-from trainer.serving.regenerate import TargetGenerator  # noqa: E402
-from trainer.tools.bench import results_file  # noqa: E402
-from trainer.tools.bench_profile import kernel_profile  # noqa: E402
-from trainer.tools.bench_shapes import (  # noqa: E402
+from trainer.lab.bench.profile import kernel_profile  # noqa: E402
+from trainer.lab.bench.run import results_file  # noqa: E402
+from trainer.lab.bench.shapes import (  # noqa: E402
     SHAPES,
     make_target_factory,
 )
+from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
+from trainer.serving.regenerate import TargetGenerator  # noqa: E402
 
 
 def prompts_of(rng, n, lo, hi, vocab):

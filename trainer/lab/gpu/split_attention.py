@@ -1,11 +1,11 @@
 """GPU parity of the split attention path (--flex-kernel-options SPLIT_BLOCKS=1|2, bench variants
 `split` and `split2`): FlexAttention over the context keys with its log-sum-exp, the in-block part apart, merged.
 
-    python trainer/tools/gpu/split_attention.py --out results/h200-split-attention-parity.json
+    python trainer/lab/gpu/split_attention.py --out results/h200-split-attention-parity.json
 
 The CPU has no FlexAttention backward, so tests/test_split_attention.py checks the split path's gradients
 with a dense context part; here the real one runs, with
-gradients, against a float64 CPU reference of the dense-mask model (trainer.tools.bench_checks.check_flex_on_gpu):
+gradients, against a float64 CPU reference of the dense-mask model (trainer.lab.bench.checks.check_flex_on_gpu):
 compiled alone and inside compiled layers, grouped-query attention with 2 and 4 KV heads, and a loss mask
 from position 0, so that some blocks anchor at 0 and see no context (their context log-sum-exp is -inf)
 while the others see some. Passes when every relative error is below 1e-4.
@@ -75,9 +75,9 @@ def main() -> int:
     a = p.parse_args()
     import torch
 
-    from trainer.tools.bench_checks import check_flex_on_gpu
+    from trainer.lab.bench.checks import check_flex_on_gpu
     dev = torch.device("cuda", 0)
-    from trainer.tools.bench import git_commit
+    from trainer.lab.bench.run import git_commit
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit()}
     # eager FlexAttention materialises every score with its gradient: slow, and the compiled kernels are
     # what trains, so the check runs them only (compiled alone and inside compiled layers)

@@ -1,7 +1,7 @@
 """Pipeline benchmark: each stage alone, then the whole pipeline sync and async, in one process.
 
-    python -m trainer.tools.bench --shape 8b --settings orig,b16 --out results/h200x2-8b.json
-    python -m trainer.tools.bench --shape tiny            # CPU smoke test (the test suite runs this)
+    python -m trainer.lab.bench --shape 8b --settings orig,b16 --out results/h200x2-8b.json
+    python -m trainer.lab.bench --shape tiny            # CPU smoke test (the test suite runs this)
 
 Targets are random-init Qwen3-shaped models built in memory (no weights on disk); the hybrid shapes
 (qwen3.6-27b, tiny-hybrid) are Qwen3.5's language model, Qwen3_5ForCausalLM (3 Gated DeltaNet : 1 gated
@@ -11,9 +11,9 @@ FLOPs (counted as in docs/performance-archive.md, "The benchmark") over wall tim
 Prints a table last and writes everything to JSON.
 
 Here: the settings and variants, the stage and pipeline timings, the serving figures, the results file and
-the command line. Beside it: bench_shapes.py (the random-init targets by shape, the synthetic data),
-bench_flops.py (the model FLOPs and the peak), bench_profile.py (memory, kernel classes, compiles) and
-bench_checks.py (the shape-cache probe, FlexAttention's parity on the GPU).
+the command line. Beside it: bench/shapes.py (the random-init targets by shape, the synthetic data),
+bench/flops.py (the model FLOPs and the peak), bench/profile.py (memory, kernel classes, compiles) and
+bench/checks.py (the shape-cache probe, FlexAttention's parity on the GPU).
 """
 
 from __future__ import annotations
@@ -35,12 +35,9 @@ import torch
 from trainer.config.options import TrainConfig
 from trainer.data.dataset import Dataset
 from trainer.engine.runlog import format_table, setup_console
-from trainer.model import architectures
-from trainer.model.target import decoder
-from trainer.ops.compiling import compile_counters
-from trainer.tools.bench_checks import check_flex_on_gpu, probe_shape_cache
-from trainer.tools.bench_flops import model_flops_drafter, model_flops_drafter_before, model_flops_target, peak_flops
-from trainer.tools.bench_profile import (
+from trainer.lab.bench.checks import check_flex_on_gpu, probe_shape_cache
+from trainer.lab.bench.flops import model_flops_drafter, model_flops_drafter_before, model_flops_target, peak_flops
+from trainer.lab.bench.profile import (
     KERNEL_CLASSES,
     compiles_since,
     gpu_name,
@@ -50,7 +47,10 @@ from trainer.tools.bench_profile import (
     reset_peaks,
     sync_all,
 )
-from trainer.tools.bench_shapes import SHAPES, make_target_factory, synthetic_dataset
+from trainer.lab.bench.shapes import SHAPES, make_target_factory, synthetic_dataset
+from trainer.model import architectures
+from trainer.model.target import decoder
+from trainer.ops.compiling import compile_counters
 
 log = logging.getLogger("trainer.bench")
 
@@ -609,7 +609,7 @@ def kernel_table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     from trainer.optional import defer
     defer()   # a program: torchao only when a variant asks for it (trainer/optional.py)
-    p = argparse.ArgumentParser(prog="python -m trainer.tools.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.lab.bench", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--settings", default="orig,b16")
     p.add_argument("--parts", default="target,drafter,sync,async")

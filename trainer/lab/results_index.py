@@ -6,9 +6,9 @@ What the docs quote changes with the docs, so it is not stored: the renderer fin
 result file in README.md and docs/*.md (plain names, `{a,b}` lists and `*` patterns) and names the doc
 section around it.
 
-    python trainer/tools/results_index.py --write    # render results/INDEX.md
-    python trainer/tools/results_index.py --check    # exit 1 when INDEX.md is stale or a file has no line
-    python trainer/tools/results_index.py --add FILE [--topic T] [--headline H]   # a new run's line, from its metadata
+    python trainer/lab/results_index.py --write    # render results/INDEX.md
+    python trainer/lab/results_index.py --check    # exit 1 when INDEX.md is stale or a file has no line
+    python trainer/lab/results_index.py --add FILE [--topic T] [--headline H]   # a new run's line, from its metadata
 
 A result written from now on records its commit (`meta.commit`, `git rev-parse HEAD`); older ones name the
 commit that added the file (`git log --diff-filter=A`), the closest record there is.
@@ -83,7 +83,7 @@ def render(runs: list[dict]) -> str:
     quoted = quotes(names)
     out = ["# results/: every run, by date and topic",
            "",
-           "Rendered by `python trainer/tools/results_index.py --write` from `results/index.json`; do not edit by hand.",
+           "Rendered by `python trainer/lab/results_index.py --write` from `results/index.json`; do not edit by hand.",
            "`tests/test_results_index.py` fails when a file in results/ has no line here, or a line names a file",
            "that is gone. Commit: `meta.commit` where the result records it, else the commit that added the",
            "file (results before 2026-12-04 did not record theirs). Date: the run's start (UTC) where recorded,",
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         print(f"wrote {INDEX_MD.relative_to(REPO)}: {len(runs)} runs")
     bad = problems(runs)
     if a.check and INDEX_MD.read_text() != render(runs):
-        bad.append("results/INDEX.md is stale: run python trainer/tools/results_index.py --write")
+        bad.append("results/INDEX.md is stale: run python trainer/lab/results_index.py --write")
     for b in bad:
         print(b, file=sys.stderr)
     return 1 if bad else 0

@@ -1,7 +1,7 @@
 """The recipe judged by tau on a real model: one training run per variant, the same data, seed, steps and
 token budget, each measured on held-out prompts at greedy and at T = 1, with its learning curve.
 
-    python -m trainer.tools.recipe --cache DIR --work DIR --out results/real-recipe.json
+    python -m trainer.lab.recipe --cache DIR --work DIR --out results/real-recipe.json
         [--variants base,b32,...] [--steps 400] [--eval-every 50] [--device cpu | cuda:0]
         [--parallel N] [--deadline-s S] [--set FLAG=VALUE ...] [--train-prompts FILE]
         [--speed-prompts N] [--speed-batch 1,16] [--t1-prompts N]
@@ -167,7 +167,7 @@ class Recipe:
         p.write_text(json.dumps(cur, indent=1) + "\n")
 
     def write(self, names: list[str], state: str) -> list[dict]:
-        from trainer.tools.bench import git_commit  # the one commit record results/INDEX.md reads
+        from trainer.lab.bench.run import git_commit  # the one commit record results/INDEX.md reads
         rows = [self.row(n) for n in names]
         a = self.a
         doc = {**git_commit(), "state": state, "target_model": MODEL_DIR, "device": a.device,

@@ -1,14 +1,14 @@
 """DFlash vs DFlash2, CE vs CE + D-PACE: four drafters on the same data and steps, judged by tau.
 
-    python trainer/tools/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
+    python trainer/lab/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
 
 Not part of the test suite: it needs a GPU (`--dry-run` prints the commands and checks their flags, which
 tests/test_dflash2_compare.py does on the CPU; `--gpu cpu` runs it all at a tiny size). Offline: nothing is
-downloaded. The real pipeline, end to end, as trainer/tools/gpu/fp8_parity.py runs it:
+downloaded. The real pipeline, end to end, as trainer/lab/gpu/fp8_parity.py runs it:
 
 1. dflash-tiny writes a wider random target (width 1,024: the shape of docs/performance.md's "FP8 parity",
    where DFlash's tau reached 1.85 in 640 steps) and data that target generated itself (--device cuda).
-2. The drafter stage alone, one variant at a time on the idle GPU: `python -m trainer.tools.bench --parts drafter
+2. The drafter stage alone, one variant at a time on the idle GPU: `python -m trainer.lab.bench --parts drafter
    --variants base,dflash2` at --bench-shape (1.7b: width 2,048, the real vocabulary), so DFlash2's cost
    per block row stands beside DFlash's at a real width.
 3. Four dflash-train runs started together on the one GPU, the same seed (the same batches in the same
@@ -62,7 +62,7 @@ def plan(a) -> dict:
                  *([] if gpu == "cpu" else ["--device", f"cuda:{gpu}"])]
     bench = None
     if a.bench_shape:
-        bench = [sys.executable, "-m", "trainer.tools.bench", "--shape", a.bench_shape, "--settings", "b16",
+        bench = [sys.executable, "-m", "trainer.lab.bench", "--shape", a.bench_shape, "--settings", "b16",
                  "--parts", "drafter", "--variants", "base,dflash2", "--steps", str(a.bench_steps),
                  "--dataset-tokens", str(a.bench_tokens), "--no-flex-check", "--work", str(work / "bench"),
                  "--out", str(work / "bench.json"),
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                          "runs": {n: v[1:] for n, v in cmds["runs"].items()}}}
     try:
         sys.path.insert(0, str(REPO))
-        from trainer.tools.bench import git_commit
+        from trainer.lab.bench.run import git_commit
         meta.update(git_commit())
         import torch
         import transformers

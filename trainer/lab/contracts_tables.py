@@ -10,8 +10,8 @@ stale.
 Each table sits in docs/contracts.md between ``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``;
 the prose around them is written by hand.
 
-    .venv/bin/python trainer/tools/contracts_tables.py --write    # render the tables into docs/contracts.md
-    .venv/bin/python trainer/tools/contracts_tables.py --check    # exit 1 when docs/contracts.md is not the rendering
+    .venv/bin/python trainer/lab/contracts_tables.py --write    # render the tables into docs/contracts.md
+    .venv/bin/python trainer/lab/contracts_tables.py --check    # exit 1 when docs/contracts.md is not the rendering
 
 tests/test_contracts_tables.py runs the check.
 """
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 DOC = REPO / "docs" / "contracts.md"
-COMMAND = ".venv/bin/python trainer/tools/contracts_tables.py --write"
+COMMAND = ".venv/bin/python trainer/lab/contracts_tables.py --write"
 HIDDEN_GROUPS = ("measurement",)
 BLOCK_RE = re.compile(r"(<!-- generated: (?P<name>[\w .-]+?) \(.*?\) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)",
                       re.S)

@@ -2,7 +2,7 @@
 source), the frozen target's taps computed once, the servable DFlash drafter class (modeling_dflash) trained by a
 minimal loop with hard CE on block slots 1..B-1, and a slot's accuracy printed as it learns.
 
-    python -m trainer.tools.slot_probe --target-model DIR [--len 64] [--block 2] [--anchors 16] [--steps 150]
+    python -m trainer.lab.slot_probe --target-model DIR [--len 64] [--block 2] [--anchors 16] [--steps 150]
         [--taps 15] [--noctx] [--shuffle-ctx] [--tapnorm none|fcstd] [--mask 16] [--lr 3e-3]
 
 A probe, not the trainer: it isolates what the drafter can learn per step from what a step costs (the LM

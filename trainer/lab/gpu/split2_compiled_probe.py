@@ -4,7 +4,7 @@ was right and SPLIT_BLOCKS=1 was right. This probe varies one thing at a time on
 GPU, against a float64 CPU reference of the dense mask) and records each case's relative errors and gradient
 norms:
 
-    python trainer/tools/gpu/split2_compiled_probe.py --out results/h200-split2-compiled-probe.json
+    python trainer/lab/gpu/split2_compiled_probe.py --out results/h200-split2-compiled-probe.json
 
 - eager: no compile (the reference path of the switch);
 - layers_dynamic: compile_layers(dynamic=True), as the trainer does (the failing case);
@@ -33,9 +33,9 @@ def main() -> int:
     import torch
     import torch._dynamo
 
+    from trainer.lab.bench.checks import flex_check_case
     from trainer.model import drafter as M
     from trainer.ops.compiling import compile_layers
-    from trainer.tools.bench_checks import flex_check_case
 
     base, c, taps, emb, proj = flex_check_case(kv_heads=2, ctx_group=0, supervised_from=0)
 
@@ -65,7 +65,7 @@ def main() -> int:
 
     ref = grads(torch.device("cpu"), torch.float64, 0)
     dev = torch.device("cuda", 0)
-    from trainer.tools.bench import git_commit
+    from trainer.lab.bench.run import git_commit
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), **git_commit(), "cases": {}}
     # the cases most likely to tell first (each writes the file): eager FlexAttention with gradients is slow
     cases = {"layers_dynamic": dict(compiled=True),

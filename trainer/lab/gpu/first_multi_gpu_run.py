@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The first run of a multi-GPU layout, ready to go: run as is on a machine with 1, 2, 4 or 8 GPUs.
 
-    python trainer/tools/gpu/first_multi_gpu_run.py --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 \
+    python trainer/lab/gpu/first_multi_gpu_run.py --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 \
         [--target-model DIR --data-dir DIR | --arch qwen3_5] [--steps 200] [--step-bound 900] \
         [--out results/NAME.json]
 
@@ -480,7 +480,7 @@ def main() -> int:
     la, lb = losses(resumed), losses(straight)
     common = sorted(set(la) & set(lb))
     worst = max((abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12) for s in common), default=None)
-    from trainer.tools.bench import git_commit  # $DFLASH_GIT_COMMIT where the tree travelled without .git
+    from trainer.lab.bench.run import git_commit  # $DFLASH_GIT_COMMIT where the tree travelled without .git
     result = {**git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "p2p": mode, "nccl_smoke": smoke_result, "recipe": recipe_name,
               "layout": {"target_gpus": a.target_gpus, "drafter_gpus": a.drafter_gpus},

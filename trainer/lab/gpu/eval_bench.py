@@ -1,9 +1,9 @@
 """dflash-eval's loop: today's one-prompt loop beside the batched, captured one.
 
-    python trainer/tools/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
+    python trainer/lab/gpu/eval_bench.py --shape 8b --out results/h200-8b-eval-loop.json
 
 Not part of the test suite: it needs a GPU. One process, a random-init bf16 target of the shape and a random
-drafter (5 layers, block 16), as `python -m trainer.tools.bench --serving` builds them; prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
+drafter (5 layers, block 16), as `python -m trainer.lab.bench --serving` builds them; prompts of --prompt-len random tokens, --new-tokens each, no stop tokens. Random weights accept
 about one token per verify step, so verify steps/s is the loop's cost per step, not a serving speed-up.
 Each variant is warmed on prompts of the same shapes first (the captures happen there), then timed:
 
@@ -30,14 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.engine.runlog import format_table  # noqa: E402
+from trainer.lab.bench.profile import kernel_profile  # noqa: E402
+from trainer.lab.bench.run import results_file  # noqa: E402
+from trainer.lab.bench.shapes import SHAPES, make_target_factory  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
-from trainer.tools.bench import results_file  # noqa: E402
-from trainer.tools.bench_profile import kernel_profile  # noqa: E402
-from trainer.tools.bench_shapes import SHAPES, make_target_factory  # noqa: E402
 
 
 def sync():

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer.tools.bench_profile import gpu_name
-from trainer.tools.bench_shapes import SHAPES
+from trainer.lab.bench.profile import gpu_name
+from trainer.lab.bench.shapes import SHAPES
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16, datasheet
 

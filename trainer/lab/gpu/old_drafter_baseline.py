@@ -1,7 +1,7 @@
 """Re-measure an older checkout's drafter stage on one GPU, in the same device call as today's code.
 
     git archive df36c97 trainer | tar -x -C .bench_old
-    python trainer/tools/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
+    python trainer/lab/gpu/old_drafter_baseline.py .bench_old --target-layers 8 -- \
         --shape 27b --settings b16 --steps 2 --parts drafter --target-gpus 0 --drafter-gpus 0 ...
 
 Not part of the test suite. A speed-up is a ratio against the code before it (the in-process engine,
@@ -43,18 +43,22 @@ def main(argv=None) -> int:
     p.add_argument("--no-freeze", action="store_true", help="leave compiled graphs unfrozen after the warmup")
     a = p.parse_args(own)
     root = Path(a.checkout).resolve()
-    flat = (root / "trainer" / "bench.py").is_file()   # the flat layout before the wings, or after
-    if not flat and not (root / "trainer" / "tools" / "bench.py").is_file():
-        print(f"old_drafter_baseline: {a.checkout}: no trainer/bench.py or trainer/tools/bench.py there",
-              file=sys.stderr)
+    # where the checkout keeps its bench: the flat layout before the wings, the wings', or the lab's
+    layouts = {"flat": "trainer/bench.py", "wings": "trainer/tools/bench.py", "lab": "trainer/lab/bench/run.py"}
+    layout = next((k for k, f in layouts.items() if (root / f).is_file()), None)
+    if layout is None:
+        print(f"old_drafter_baseline: {a.checkout}: no {', '.join(layouts.values())} there", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
-    if flat:   # the older checkout's, from here on
+    if layout == "flat":   # the older checkout's, from here on
         from trainer import bench, model, train
     else:
         from trainer.engine import train
         from trainer.model import drafter as model
-        from trainer.tools import bench
+        if layout == "wings":
+            from trainer.tools import bench
+        else:
+            from trainer.lab.bench import run as bench
     if a.no_freeze:
         train.freeze_compiled = lambda on: None
 

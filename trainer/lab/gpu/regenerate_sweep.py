@@ -1,6 +1,6 @@
 """dflash-regenerate's speed against its batch size, on a real target and real prompts, in one call.
 
-    python trainer/tools/gpu/regenerate_sweep.py --target-model $R/smollm2-135m-instruct \
+    python trainer/lab/gpu/regenerate_sweep.py --target-model $R/smollm2-135m-instruct \
         --input $R/prompts/large.jsonl --batches 128,256,512,1024 --prompts 2048 --max-new-tokens 256 \
         --device cuda:0 --out results/h100-smollm2-regenerate-sweep.json
 
@@ -11,7 +11,7 @@ prompts (a seeded sample of the input's lines, greedy), timed to the last token.
 generated tokens, seconds, tok/s, and the slot use: generated tokens over rows x decode steps of each
 batch, the share of decode work that went to rows still generating (a batch decodes until its longest
 row stops, so a row that stopped early idles until then). A table on stderr, one JSON line on stdout,
-and --out the whole result (trainer/tools/bench.py results_file). Runs on a CPU too (small sizes).
+and --out the whole result (trainer/lab/bench/run.py results_file). Runs on a CPU too (small sizes).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             "device_arg": a.device, "switches": dict(zip(("static_cache", "decoder", "fuse", "decode_attention",
                                                            "kv_fp8"), switches))}
     if a.out:
-        from trainer.tools.bench import results_file
+        from trainer.lab.bench.run import results_file
         res, save = results_file(a.out, meta, rows=rows)
         save()
     print(json.dumps({**meta, "rows": rows}))

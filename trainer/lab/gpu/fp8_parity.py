@@ -1,8 +1,8 @@
 """FP8 parity: does --fp8 train the drafter as well as bf16, by loss and by tau?
 
-    python trainer/tools/gpu/fp8_parity.py --out results/h200-fp8-parity.json [--gpu 0] [--steps 300]
+    python trainer/lab/gpu/fp8_parity.py --out results/h200-fp8-parity.json [--gpu 0] [--steps 300]
     # a wide target, long enough for tau to climb (docs/performance.md, "FP8 parity")
-    python trainer/tools/gpu/fp8_parity.py --out results/h200-fp8-parity-wide.json --hidden-size 1024 \\
+    python trainer/lab/gpu/fp8_parity.py --out results/h200-fp8-parity-wide.json --hidden-size 1024 \\
         --intermediate-size 3072 --num-heads 16 --num-kv-heads 8 --num-train 2048 --steps 1200 \\
         --eval-every 400 --labels hard --lr 1e-3 --max-anchors 32
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
             "train_argv": {n: v[3][2:] for n, v in procs.items()}}
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-        from trainer.tools.bench import git_commit
+        from trainer.lab.bench.run import git_commit
         meta.update(git_commit())
         import torch
         meta["device"] = torch.cuda.get_device_name(int(a.gpu)) if a.gpu != "cpu" else "cpu"

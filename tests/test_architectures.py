@@ -52,10 +52,8 @@ def test_the_architecture_table_is_standard_library_only():
 
 
 def test_no_module_tests_an_arch_name_itself():
-    """The seams ask the entry: no `arch == "dflash2"` or `is_dflash2` outside the table, except the eval
-    modules that route through it separately (trainer/serving/evaluate.py, dflash2_eval.py) and the
-    compatibility property that serves them."""
-    allowed = {"trainer/model/architectures.py", "trainer/serving/evaluate.py", "trainer/serving/dflash2_eval.py"}
+    """The seams ask the entry: no `arch == "dflash2"` or `is_dflash2` outside the table."""
+    allowed = {"trainer/model/architectures.py"}
     bad = []
     for path in sorted((REPO / "trainer").rglob("*.py")):
         rel = str(path.relative_to(REPO))
@@ -69,13 +67,7 @@ def test_no_module_tests_an_arch_name_itself():
                 bad.append(f"{rel}:{node.lineno}")
             if isinstance(node, ast.Attribute) and node.attr == "is_dflash2":
                 bad.append(f"{rel}:{node.lineno}")
-    # the one compatibility property (DFlashConfig.is_dflash2, while evaluate.py asks it) compares its entry's name
-    assert bad == [f"trainer/model/drafter.py:{i}" for i in _is_dflash2_lines()], bad
-
-
-def _is_dflash2_lines() -> list[int]:
-    text = (REPO / "trainer/model/drafter.py").read_text().splitlines()
-    return [i for i, line in enumerate(text, 1) if 'self.architecture.name == "dflash2"' in line]
+    assert bad == [], bad
 
 
 def test_options_take_the_choices_and_help_from_the_table():

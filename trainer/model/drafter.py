@@ -117,11 +117,6 @@ class DFlashConfig:
         """The architecture this config builds (architectures.for_config: its `architectures` class name)."""
         return for_config(self.__dict__)
 
-    @property
-    def is_dflash2(self) -> bool:
-        """What trainer/serving/evaluate.py asks; everything else reads `architecture`."""
-        return self.architecture.name == "dflash2"
-
     def with_architecture(self, name: str, **values) -> "DFlashConfig":
         """This config made --arch `name`'s: its added keys at their defaults updated by `values` (the keys
         of the others cleared), its class name recorded. ValueError naming what does not fit (a key it

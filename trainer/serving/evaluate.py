@@ -168,8 +168,8 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
     loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
     (eval_decoder.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
-    A hybrid target on a transformers older than trainer/model/hybrid.py's floor: HybridTransformersTooOld first."""
-    from trainer.model.hybrid import check_hybrid_transformers
+    A hybrid target on a transformers older than trainer/model/families.py's floor: HybridTransformersTooOld first."""
+    from trainer.model.families import check_hybrid_transformers
     check_hybrid_transformers(target)
     dev = next(target.parameters()).device
     stop_ids = stop_token_ids(target) if stop_ids is None else stop_ids
@@ -477,7 +477,7 @@ def main(argv=None) -> int:
     from trainer.config.preflight import check_model_dir
     from trainer.data.dataset import DataError, load_dataset, read_index
     from trainer.model import identity
-    from trainer.model.hybrid import check_hybrid_transformers
+    from trainer.model.families import check_hybrid_transformers
     src = a.checkpoint or a.output_dir
     try:
         if not src:

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from trainer.model.hybrid import check_hybrid_transformers
+from trainer.model.families import check_hybrid_transformers
 from trainer.model.target import decoder
 from trainer.serving.captured.attention import layer_masks, register_attention, sliding_window, verify_attention
 from trainer.serving.captured.kv_cache import PAD_TO, RowKV
@@ -62,7 +62,7 @@ class BatchedSpecDecoder:
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(target.parameters()).dtype
         # a hybrid target: its linear-attention states are rolled back to each row's accepted length (on
-        # transformers >= trainer/model/hybrid.py's floor, else one line, here)
+        # transformers >= trainer/model/families.py's floor, else one line, here)
         check_hybrid_transformers(self.cfg)
         why = hybrid_unsupported(self.base, speculative=True)
         if why:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from trainer.model.hybrid import check_hybrid_transformers
+from trainer.model.families import check_hybrid_transformers
 from trainer.model.target import decoder
 from trainer.serving.captured.attention import (
     DECODE_KERNELS,
@@ -158,7 +158,7 @@ class GraphDecoder:
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self.dtype = next(model.parameters()).dtype
         # a hybrid target (Qwen3.5): its linear-attention layers' states live in the cache too (LinearStates),
-        # which answers the cache API of transformers >= trainer/model/hybrid.py's floor (else one line, here)
+        # which answers the cache API of transformers >= trainer/model/families.py's floor (else one line, here)
         check_hybrid_transformers(self.cfg)
         why = hybrid_unsupported(self.base)
         if why:

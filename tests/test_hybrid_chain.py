@@ -84,7 +84,7 @@ def test_three_ranks_killed_and_resumed_train_what_world_size_one_trains(world1,
                                                        *THREE_RANKS)]
     env = dict(os.environ, DFLASH_FAULT_DIE_AT_STEP="3", DFLASH_FAULT_DIE_RANK="1")
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: _status(out).get("step", 0) >= 2 or p.poll() is not None, 150, "step 2")
+    _wait_for(lambda: _status(out).get("step", 0) >= 2 or p.poll() is not None, 600, "step 2")
     stderr = p.communicate(timeout=180)[1]
     assert p.returncode == 1, stderr[-2000:]
     st = _status(out)

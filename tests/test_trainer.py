@@ -169,13 +169,19 @@ def test_no_async_runs_the_same_math(tiny_small_dir, tmp_path):
         assert a[step] == pytest.approx(s[step], rel=1e-6, abs=1e-7)
 
 
-def _wait_for(pred, timeout, what):
+def _wait_for(pred, timeout, what, proc=None, log=None):
+    """Poll ``pred`` until it holds. The bound is generous (a 2-core CI host running four lanes
+    starts a torch process in minutes, not seconds); a watched ``proc`` that exits first fails at
+    once with the tail of its ``log``."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if pred():
             return
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"the process exited ({proc.returncode}) before {what}:\n{tail}")
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _status(out: Path) -> dict:
@@ -192,12 +198,14 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, t
     assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
-    # 0.5 s per step: the signal lands mid-run however fast this host trains the tiny model
-    env = dict(os.environ, DFLASH_FAULT_STEP_DELAY="0.5")
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _wait_for(lambda: _status(out).get("step", 0) >= 4, 120, "step 4")
+    # 1 s per step: the signal lands mid-run however fast this host trains the tiny model
+    env = dict(os.environ, DFLASH_FAULT_STEP_DELAY="1.0")
+    log = tmp_path / "interrupted.stderr"
+    with open(log, "wb") as err:  # a file, not a pipe: nobody drains a pipe while we wait
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    _wait_for(lambda: _status(out).get("step", 0) >= 4, 600, "step 4", p, log)
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
+    assert p.wait(timeout=300) == 0, log.read_text()[-2000:]
     st = _status(out)
     stopped_at = st["step"]
     assert st["phase"] == "done" and 4 <= stopped_at < 14

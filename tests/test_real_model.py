@@ -166,9 +166,8 @@ def _block_loss(drafter, embed, taps, ids, anchors, block):
     n, na = anchors.shape
     h = drafter(position_ids=pos, noise_embedding=embed(noise_ids.reshape(n, -1)), target_hidden=taps,
                 attention_mask=mask).reshape(n, na, block, -1)[:, :, 1:]
-    logits = h @ embed.weight.t()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             blk[:, :, 1:].reshape(-1)).item()
+    logits = h.reshape(-1, h.shape[-1]) @ embed.weight.t()   # 2-D: the sliced 4-D view would go to a slow bmm
+    return torch.nn.functional.cross_entropy(logits, blk[:, :, 1:].reshape(-1)).item()
 
 
 def test_the_drafters_loss_depends_on_the_targets_context(chain):

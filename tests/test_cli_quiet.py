@@ -65,11 +65,11 @@ def test_a_refused_start_says_why_in_status_json_of_an_existing_output_dir(tmp_p
     (out / "status.json").write_text('{"phase": "done", "step": 7}')
     args = ["--target-model", str(tmp_path / "no-such-model"), "--data-dir", str(tmp_path), "--target-gpus", "cpu",
             "--drafter-gpus", "cpu"]
-    r = _run("dflash-train", *args, "--output-dir", str(out), timeout=120)
+    r = _run("dflash-train", *args, "--output-dir", str(out), timeout=600)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("dflash-train: error: --target-model")
     import json
     st = json.loads((out / "status.json").read_text())
     assert st["phase"] == "failed" and st["error"] == r.stderr.strip().removeprefix("dflash-train: error: ")
     assert st["step"] == 7
-    r = _run("dflash-train", *args, "--output-dir", str(tmp_path / "typo" / "out"), timeout=120)
+    r = _run("dflash-train", *args, "--output-dir", str(tmp_path / "typo" / "out"), timeout=600)
     assert r.returncode == 2 and not (tmp_path / "typo").exists()

@@ -192,7 +192,7 @@ os._exit(0)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).parents[1]))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env) for r in (0, 1)]
-    out0 = procs[0].communicate(timeout=120)[0]
+    out0 = procs[0].communicate(timeout=600)[0]
     procs[1].communicate(timeout=60)
     assert "first WAITED" in out0 and "settled TIMEOUT" in out0, out0
 

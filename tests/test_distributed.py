@@ -173,7 +173,7 @@ def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(arch, tiny_sma
     # are what a loaded CI machine stretches, not the detection
     _wait_for(lambda: _status(out).get("step", 0) >= 2 or p.poll() is not None, 600, "step 2")
     t0 = time.time()
-    stderr = p.communicate(timeout=180)[1]
+    stderr = p.communicate(timeout=600)[1]
     took = time.time() - t0
     assert p.returncode == 1, stderr[-2000:]
     st = _status(out)
@@ -183,7 +183,7 @@ def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(arch, tiny_sma
     assert sorted(p.name for p in out.glob("step-*")) == ["step-00000002"]
     assert not _procs_with(str(out)), "ranks left behind"
     # systemd restarts it: it resumes from step 2 and trains what the uninterrupted run trained
-    assert subprocess.run(cmd, capture_output=True, timeout=180).returncode == 0
+    assert subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
     a, b = losses(ref), losses(out)
     assert sorted(b) == [1, 2, 3, 4, 5, 6], "metrics.jsonl holds each step once"
     for step in range(3, 7):

@@ -14,7 +14,7 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
 def _py(code: str) -> str:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 

@@ -18,7 +18,7 @@ NO_TORCH = "import sys\nsys.modules['torch'] = None\n"   # `import torch` raises
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", NO_TORCH + code], capture_output=True, text=True, cwd=REPO,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=600)
 
 
 def test_options_import_build_and_parse_with_torch_blocked():

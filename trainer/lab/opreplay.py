@@ -332,8 +332,11 @@ def replay_config(setting: str, **over):
 
 def plan_programs(layout: str, setting: str = "orig", steps: int = 1000, seed: int = 0,
                   dataset_tokens: int | None = None, **over) -> list[Program]:
-    """Every rank's program for `steps` optimizer steps of `layout` at `setting`."""
-    logging.getLogger("trainer").setLevel(logging.WARNING)
+    """Every rank's program for `steps` optimizer steps of `layout` at `setting`. The trainer's loggers say
+    nothing under WARNING meanwhile (thousands of replayed steps), and get their level back after."""
+    log = logging.getLogger("trainer")
+    level = log.level
+    log.setLevel(logging.WARNING)
     cfg = replay_config(setting, seed=seed, max_steps=steps, **over)
     topos = topology(layout)
     # a corpus of about 2M tokens (the plan goes through it epoch after epoch, reshuffled each time)
@@ -342,6 +345,7 @@ def plan_programs(layout: str, setting: str = "orig", steps: int = 1000, seed: i
     try:
         return [rank_program(cfg, t, ds, steps, net) for t in topos]
     finally:
+        log.setLevel(level)
         shutil.rmtree(cfg.output_dir, ignore_errors=True)    # replay_config's scratch directory
 
 

@@ -8,7 +8,8 @@ Specifications, on the tiny hybrid (dflash-tiny --arch qwen3_5) and the dense ti
 - the timer changes nothing: the same accept lengths and tokens generated with it as without it;
 - off, the loops hold one shared no-op whose phase() is one shared null context;
 - dflash-eval --profile-phases puts "phases" in the JSON result and one line per phase on stderr; without
-  the flag the result has no "phases".
+  the flag the result has no "phases"; the GPU script that measured the single loop (eval_bench.py) puts
+  them in its single row.
 """
 
 from __future__ import annotations
@@ -113,3 +114,20 @@ def test_dflash_eval_profile_phases_puts_them_in_the_json(tiny_hybrid_dir, tmp_p
     assert sum(p["share"] for p in on["phases"].values()) <= 1.0 + 1e-3
     names = [line.split()[0] for line in lines]
     assert names == [*on["phases"], "untimed"], lines   # one line per phase, then what none covers
+
+
+def test_the_eval_bench_times_the_single_loops_phases(tmp_path, capsys, monkeypatch):
+    """The GPU script that measured the single loop's 294 ms a verify step (trainer/lab/gpu/eval_bench.py) puts
+    the same phases in its single row with --profile-phases; a CPU smoke at the tiny hybrid shape."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu"))
+    import eval_bench
+
+    out = tmp_path / "bench.json"
+    assert eval_bench.main(["--shape", "qwen3.5-tiny", "--prompt-len", "24", "--new-tokens", "6", "--single-prompts",
+                            "1", "--batches", "1", "--eager-batches", "", "--profile-phases", "--out", str(out)]) == 0
+    single = json.loads(out.read_text())["rows"][0]
+    assert single["variant"] == "single" and single["phase_steps"] == single["verify_steps"]
+    assert set(single["phases"]) == {*STEP_PHASES, "rollback"}
+    assert "phases of the single loop" in capsys.readouterr().out

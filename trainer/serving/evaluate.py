@@ -243,9 +243,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
     }
     timer = phases.active()
     if timer.enabled:   # inside phases.recording: where the loop's steps went (dflash-eval --profile-phases)
-        res["phase_steps"] = timer.steps
-        res["phase_step_ms"] = round(secs * 1e3 / timer.steps, 3) if timer.steps else None
-        res["phases"] = timer.summary(res["phase_step_ms"])
+        res.update(phases.report(timer, secs))
     return res
 
 

@@ -103,6 +103,13 @@ class PhaseTimer:
         return out
 
 
+def report(timer: PhaseTimer, seconds: float) -> dict:
+    """What a result gains from a run of `seconds` wall clock: "phase_steps", "phase_step_ms" (the wall clock of a
+    loop step) and "phases" (`PhaseTimer.summary`, each with its share of that step)."""
+    step_ms = round(seconds * 1e3 / timer.steps, 3) if timer.steps else None
+    return {"phase_steps": timer.steps, "phase_step_ms": step_ms, "phases": timer.summary(step_ms)}
+
+
 def lines(phases: dict[str, dict], step_ms: float, loop: str) -> list[str]:
     """One human line per phase (ms per step, share of the step), then the part no phase covers."""
     out = [f"phases of the {loop} loop, {step_ms:.2f} ms a step (wall clock):"]

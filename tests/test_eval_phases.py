@@ -3,8 +3,9 @@
 Specifications, on the tiny hybrid (dflash-tiny --arch qwen3_5) and the dense tiny target, on the CPU:
 - both loops, recording to a PhaseTimer, time every phase of their step (prefill, draft, verify, accept),
   each with calls and milliseconds; the rollback of the linear-attention states only on the hybrid (the
-  dense single loop crops its KV cache instead); one timer step per verify step of the single loop and one
-  per batched step of the batched loop;
+  dense single loop crops its KV cache instead), and in the hybrid's single loop transformers' recording
+  of a state per position ("record", inside verify and prefill); one timer step per verify step of the
+  single loop and one per batched step of the batched loop;
 - the timer changes nothing: the same accept lengths and tokens generated with it as without it;
 - off, the loops hold one shared no-op whose phase() is one shared null context;
 - dflash-eval --profile-phases puts "phases" in the JSON result and one line per phase on stderr; without
@@ -62,6 +63,11 @@ def test_each_loop_times_every_phase_and_changes_nothing(case, loop):
     assert ("rollback" in got) == (kind == "hybrid"), got
     if kind == "hybrid":
         assert got["rollback"]["ms_total"] > 0 and got["rollback"]["calls"] == got["verify"]["calls"]
+    # transformers' one-token kernel recording a state per position: the single loop on a hybrid only
+    assert ("record" in got) == (kind == "hybrid" and loop == "single"), got
+    if "record" in got:
+        assert 0 < got["record"]["ms_total"] < got["verify"]["ms_total"] + got["prefill"]["ms_total"]
+        assert got["record"]["calls"] >= got["verify"]["calls"]
     steps = sum(len(lengths) for lengths, _ in plain)
     if loop == "single":
         assert timer.steps == steps == got["verify"]["calls"]       # one verify step, one target forward
@@ -107,11 +113,12 @@ def test_dflash_eval_profile_phases_puts_them_in_the_json(tiny_hybrid_dir, tmp_p
     assert "phases" not in res[False]
     on = res[True]
     assert on["accept_length_histogram"] == res[False]["accept_length_histogram"]
-    assert set(on["phases"]) == {*STEP_PHASES, "rollback"}
+    assert set(on["phases"]) == {*STEP_PHASES, "rollback", "record"}
     assert on["phase_steps"] == on["verify_steps"] and on["phase_step_ms"] > 0
     for p in on["phases"].values():
         assert p["calls"] > 0 and p["ms_total"] > 0 and 0 < p["share"] < 1
-    assert sum(p["share"] for p in on["phases"].values()) <= 1.0 + 1e-3
+    # the phases partition the step, "record" lying inside verify and prefill
+    assert sum(p["share"] for name, p in on["phases"].items() if name not in phases.WITHIN) <= 1.0 + 1e-3
     names = [line.split()[0] for line in lines]
     assert names == [*on["phases"], "untimed"], lines   # one line per phase, then what none covers
 
@@ -129,5 +136,5 @@ def test_the_eval_bench_times_the_single_loops_phases(tmp_path, capsys, monkeypa
                             "1", "--batches", "1", "--eager-batches", "", "--profile-phases", "--out", str(out)]) == 0
     single = json.loads(out.read_text())["rows"][0]
     assert single["variant"] == "single" and single["phase_steps"] == single["verify_steps"]
-    assert set(single["phases"]) == {*STEP_PHASES, "rollback"}
+    assert set(single["phases"]) == {*STEP_PHASES, "rollback", "record"}
     assert "phases of the single loop" in capsys.readouterr().out

@@ -198,13 +198,16 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
         return [(lengths, len(toks)) for i in range(0, len(prompts), dec.batch)
                 for lengths, toks in dec.generate(prompts[i:i + dec.batch])]
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    from trainer.model.target import decoder
+    from trainer.serving.captured.linear_states import timed_recurrent_steps
     timer = phases.active()
     each = []
-    for p in prompts:
-        ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
-        res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen,
-                              timer if timer.enabled else None)
-        each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
+    with timed_recurrent_steps(decoder(target), timer):
+        for p in prompts:
+            ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
+            res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen,
+                                  timer if timer.enabled else None)
+            each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
     return each
 
 

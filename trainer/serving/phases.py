@@ -25,6 +25,8 @@ PHASES = {
     "draft": "the drafter's forward and its pick of the drafts (the first block's too)",
     "verify": "the target's forward over [last token, drafts] (a hybrid's single loop: its recording of a "
               "state per position too), the head and argmax",
+    "record": "within verify and prefill, a hybrid's single loop: transformers' one-token recurrent kernel "
+              "calls that record a state per position (linear_states.timed_recurrent_steps)",
     "rollback": "a hybrid's linear-attention states set to those after the accepted tokens (single loop: "
                 "transformers' crop of the recorded states; batched: LinearStates.commit re-running the "
                 "accepted prefix)",
@@ -33,6 +35,9 @@ PHASES = {
     "step": "one batched step replayed as a CUDA graph (verify, rollback, accept and draft inside it)",
     "capture": "the batched step captured as a CUDA graph (its eager warm-up step included)",
 }
+
+
+WITHIN = {"record"}   # phases timed inside others: their time is already in the enclosing phase's
 
 
 class NoPhases:
@@ -115,8 +120,8 @@ def lines(phases: dict[str, dict], step_ms: float, loop: str) -> list[str]:
     out = [f"phases of the {loop} loop, {step_ms:.2f} ms a step (wall clock):"]
     for name, p in phases.items():
         out.append(f"  {name:<9} {p['ms_per_verify_step']:9.2f} ms a step  {100 * p.get('share', 0):5.1f}%  "
-                   f"({p['calls']} calls)")
-    rest = step_ms - sum(p["ms_per_verify_step"] for p in phases.values())
+                   f"({p['calls']} calls{', within the phases above' if name in WITHIN else ''})")
+    rest = step_ms - sum(p["ms_per_verify_step"] for name, p in phases.items() if name not in WITHIN)
     out.append(f"  {'untimed':<9} {rest:9.2f} ms a step  {100 * rest / step_ms if step_ms else 0:5.1f}%  "
                "(host work between the phases)")
     return out

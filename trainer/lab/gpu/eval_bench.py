@@ -40,14 +40,25 @@ from trainer.lab.bench.shapes import SHAPES, make_target_factory  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
+from trainer.model.target import decoder  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
+from trainer.serving.captured.linear_states import timed_recurrent_steps  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
-from trainer.serving.phases import PhaseTimer, lines, report  # noqa: E402
+from trainer.serving.phases import NO_PHASES, PhaseTimer, lines, report  # noqa: E402
 
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def single_loop(drafter, target, prompts, new: int, dev, timer: PhaseTimer | None = None) -> list:
+    """Today's loop on each prompt: (accept lengths, generated tokens); `timer`: its phases, the recording of the
+    hybrid's per-position states among them (linear_states.timed_recurrent_steps)."""
+    with timed_recurrent_steps(decoder(target), timer or NO_PHASES):
+        outs = [dflash_generate(drafter, target, torch.as_tensor(q, device=dev)[None], new, [], phases=timer)
+                for q in prompts]
+    return [(o.accept_lengths, o.output_ids[0, o.num_prompt_tokens:].tolist()) for o in outs]
 
 
 def timed_phases(timer: PhaseTimer | None, secs: float) -> tuple[float, dict]:
@@ -109,14 +120,10 @@ def main(argv=None) -> int:
         save()
 
     # today's loop (what generate_each(loop="single") runs): warm on one prompt, then timed; tokens kept
-    def single_loop(prompts, timer=None):
-        outs = [dflash_generate(drafter, target, torch.as_tensor(q, device=dev)[None], new, [], phases=timer)
-                for q in prompts]
-        return [(o.accept_lengths, o.output_ids[0, o.num_prompt_tokens:].tolist()) for o in outs]
-    single_loop(pool[-1:])
+    single_loop(drafter, target, pool[-1:], new, dev)
     sync()
     timer, t = PhaseTimer(dev) if a.profile_phases else None, time.perf_counter()
-    single = single_loop(pool[:a.single_prompts], timer)
+    single = single_loop(drafter, target, pool[:a.single_prompts], new, dev, timer)
     sync()
     row("single", 1, a.single_prompts, [(x, len(y)) for x, y in single], *timed_phases(timer, time.perf_counter() - t))
 

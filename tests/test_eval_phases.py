@@ -8,6 +8,7 @@ Specifications, on the tiny hybrid (dflash-tiny --arch qwen3_5) and the dense ti
   single loop and one per batched step of the batched loop;
 - the timer changes nothing: the same accept lengths and tokens generated with it as without it;
 - off, the loops hold one shared no-op whose phase() is one shared null context;
+- on a GPU (a stand-in for CUDA's events) a phase is an event pair, read with one sync at the end;
 - dflash-eval --profile-phases puts "phases" in the JSON result and one line per phase on stderr; without
   the flag the result has no "phases"; the GPU script that measured the single loop (eval_bench.py) puts
   them in its single row.
@@ -138,3 +139,37 @@ def test_the_eval_bench_times_the_single_loops_phases(tmp_path, capsys, monkeypa
     assert single["variant"] == "single" and single["phase_steps"] == single["verify_steps"]
     assert set(single["phases"]) == {*STEP_PHASES, "rollback", "record"}
     assert "phases of the single loop" in capsys.readouterr().out
+
+
+def test_on_a_gpu_each_phase_is_an_event_pair_read_once_at_the_end(monkeypatch):
+    """A stand-in for CUDA's events (this suite runs on CPUs): a phase records one event before and one after on
+    the current stream, no synchronisation happens while phases run, and summary() synchronises once and sums
+    each phase's elapsed times."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = len(log)
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return 2.0 * (end.t - self.t)   # ms: two per log entry between the events
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
+    timer = phases.PhaseTimer("cuda")
+    for _ in range(3):
+        with timer.phase("verify"):
+            log.append("work")
+        with timer.phase("accept"):
+            pass
+        timer.step()
+    assert "sync" not in log and log.count("record") == 12
+    got = timer.summary(step_ms=10.0)
+    assert log.count("sync") == 1
+    assert got["verify"] == {"ms_total": 12.0, "ms_per_verify_step": 4.0, "calls": 3, "share": 0.4}
+    assert got["accept"]["ms_total"] == 6.0 and list(got) == ["verify", "accept"]

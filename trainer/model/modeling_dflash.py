@@ -21,6 +21,7 @@ Returns the final-normed hidden states of the block rows [b, Tq, H]; feed them t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,8 +45,14 @@ def crop_cache(cache, length: int) -> None:
     records the past (a hybrid target's linear-attention layers, `target_cache`) is cropped even by 0:
     that is what frees the states it recorded for the rollback."""
     extra = int(cache.get_seq_length()) - length
-    if extra > 0 or any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ())):
+    if extra > 0 or records_past(cache):
         cache.crop(-max(extra, 0))
+
+
+def records_past(cache) -> bool:
+    """Whether `cache` records the past (a hybrid's linear-attention layers: `target_cache`), so that its crop
+    rolls states back rather than only forgetting KV positions."""
+    return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
 
 
 def target_cache(target, block_size: int):
@@ -252,12 +259,14 @@ def _cache_kw(target) -> str:
 @torch.no_grad()
 def dflash_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens: int,
                     stop_token_ids: Optional[list[int]] = None, temperature: float = 0.0,
-                    generator: Optional[torch.Generator] = None) -> SpecResult:
+                    generator: Optional[torch.Generator] = None, phases=None) -> SpecResult:
     """Speculative generation for one prompt [1, P], the loop serving engines run:
     prefill -> first token; then repeat: the drafter proposes B-1 tokens from the target's taps of the
     accepted prefix, the target verifies the block [last token, drafts] in one forward, the matching
     prefix plus one target token (the bonus) are emitted. `accept_lengths` holds the tokens emitted per
-    verify step; their mean is tau. `drafter` needs block_size, extract_taps and draft_logits."""
+    verify step; their mean is tau. `drafter` needs block_size, extract_taps and draft_logits. `phases`: a
+    timer whose phase(name) is a context manager around each phase of the step (dflash-eval --profile-phases:
+    trainer/serving/phases.py); None: none."""
     dev = input_ids.device
     bs = drafter.block_size
     stops = set(stop_token_ids or [])
@@ -265,32 +274,48 @@ def dflash_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens
     cache_t = target_cache(target, bs)
     cache_d = DynamicCache()
     kw = _cache_kw(target)
-    out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
-                 use_cache=True, output_hidden_states=True, **{kw: cache_t})
-    token = int(_pick(out.logits[0, -1], temperature, generator))
-    new_taps = drafter.extract_taps(out.hidden_states)
-    crop_cache(cache_t, n_prompt)   # a hybrid's recorded prefill states are not needed: free them
+    phase = phases.phase if phases is not None else _no_phase
+    crop = "rollback" if records_past(cache_t) else "crop"   # a dense target's crop only forgets KV positions
+    with phase("prefill"):
+        out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
+                     use_cache=True, output_hidden_states=True, **{kw: cache_t})
+        token = int(_pick(out.logits[0, -1], temperature, generator))
+        new_taps = drafter.extract_taps(out.hidden_states)
+        crop_cache(cache_t, n_prompt)   # a hybrid's recorded prefill states are not needed: free them
     generated = [token]
     res = SpecResult(output_ids=input_ids, num_prompt_tokens=n_prompt)
     start = n_prompt  # position of `token`, the newest token, not yet seen by the target
     while len(generated) < max_new_tokens and token not in stops:
-        q_logits = drafter.draft_logits(target, new_taps, token, start, cache_d)
-        drafts = _pick(q_logits, temperature, generator).to(dev)
-        block = torch.cat([torch.tensor([token], device=dev), drafts])[None]
-        out = target(input_ids=block, position_ids=torch.arange(start, start + bs, device=dev)[None],
-                     use_cache=True, output_hidden_states=True, **{kw: cache_t})
-        acc, nxt = verify_block(drafts, q_logits, out.logits[0], temperature, generator)
-        emitted = drafts[:acc].tolist() + [nxt]
+        with phase("draft"):
+            q_logits = drafter.draft_logits(target, new_taps, token, start, cache_d)
+            drafts = _pick(q_logits, temperature, generator).to(dev)
+        with phase("verify"):
+            block = torch.cat([torch.tensor([token], device=dev), drafts])[None]
+            out = target(input_ids=block, position_ids=torch.arange(start, start + bs, device=dev)[None],
+                         use_cache=True, output_hidden_states=True, **{kw: cache_t})
+        with phase("accept"):
+            acc, nxt = verify_block(drafts, q_logits, out.logits[0], temperature, generator)
+            emitted = drafts[:acc].tolist() + [nxt]
         res.accept_lengths.append(len(emitted))
         new_taps = drafter.extract_taps(out.hidden_states)[:, :acc + 1]
         start += acc + 1
-        crop_cache(cache_t, start)
+        with phase(crop):
+            crop_cache(cache_t, start)
+        if phases is not None:
+            phases.step()
         for t in emitted:
             generated.append(t)
             if t in stops:
                 break
         token = generated[-1]
     return finish_output(res, input_ids, generated, stops, max_new_tokens)
+
+
+_NULL = nullcontext()
+
+
+def _no_phase(name: str):
+    return _NULL
 
 
 def finish_output(res, input_ids, generated: list, stops, max_new_tokens: int):

@@ -19,7 +19,7 @@ the batched loop, and is verified against the selector's q at temperature > 0 in
     dflash-eval --target-model DIR --checkpoint CKPT_OR_OUTPUT_DIR_OR_EXPORT --data-dir DIR
                 [--device cpu|cuda:N] [--max-prompts 16] [--max-new-tokens 128] [--temperature 0]
                 [--loop auto|batched|single] [--batch-size 16] [--speed-batch 1,16]
-                [--ngram-max 3] [--ngram-min 1] [--ngram-k 0] [--dtype auto|bfloat16|float32]
+                [--ngram-max 3] [--ngram-min 1] [--ngram-k 0] [--dtype auto|bfloat16|float32] [--profile-phases]
 
 Greedy evals also measure wall-clock speed (trainer/serving/speedup.py, --speed-batch; '' skips it): the
 target decoding alone (the captured decoder) against speculative decoding with the drafter and with prompt
@@ -32,6 +32,12 @@ prompt at a time. Both give the same accept lengths (tests/test_eval_specgen.py)
 (Qwen3.5/3.6: Gated DeltaNet layers) both roll the linear layers' states back to the accepted tokens after
 each verify step (docs/serving.md, "Hybrid targets"; tests/test_hybrid_generation.py); where the batched
 loop cannot, it says so in one line and the single loop runs (`runnable_loop`).
+
+--profile-phases times each phase of the loop's steps (trainer/serving/phases.py: prefill, draft, verify,
+rollback on hybrids, accept with its host reads; CUDA events on GPUs, read once at the end): the result gains
+"phases" ({phase: ms_total, ms_per_verify_step, calls, share}, per step of the loop that ran: a verify step of
+the single loop, a batched step of the batched loop, whose phases on GPUs are one graph "step"),
+"phase_steps" and "phase_step_ms" (the wall clock of a step), and stderr one line per phase.
 
 Public entry point for the trainer: `evaluate_checkpoint(checkpoint, target_model, eval_data)`.
 """
@@ -56,6 +62,7 @@ from trainer.config.options import EVAL_MAX_NEW_TOKENS, EVAL_PROMPTS, ConfigErro
 from trainer.model.architectures import resolve
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta
 from trainer.model.modeling_dflash import DFlashDraftModel, dflash_generate
+from trainer.serving import phases
 from trainer.serving.export import ExportError, hf_config_dict, read_checkpoint
 
 log = logging.getLogger("trainer.evaluate")
@@ -168,7 +175,8 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
     """(tokens emitted per verify step, tokens generated) for each prompt, in order. loop "single": today's
     loop, one prompt at a time (`dflash_generate`); "batched": `batch_size` prompts per step
     (eval_decoder.BatchedSpecDecoder; greedy; `graphs`: CUDA graphs of the step, None = on GPUs).
-    A hybrid target on a transformers older than trainer/model/families.py's floor: HybridTransformersTooOld first."""
+    A hybrid target on a transformers older than trainer/model/families.py's floor: HybridTransformersTooOld first.
+    Inside phases.recording(timer) both loops time their phases to `timer` (trainer/serving/phases.py)."""
     from trainer.model.families import check_hybrid_transformers
     check_hybrid_transformers(target)
     dev = next(target.parameters()).device
@@ -190,11 +198,16 @@ def generate_each(target, drafter: DFlashDraftModel, prompts: list, max_new_toke
         return [(lengths, len(toks)) for i in range(0, len(prompts), dec.batch)
                 for lengths, toks in dec.generate(prompts[i:i + dec.batch])]
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    from trainer.model.target import decoder
+    from trainer.serving.captured.linear_states import timed_recurrent_steps
+    timer = phases.active()
     each = []
-    for p in prompts:
-        ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
-        res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen)
-        each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
+    with timed_recurrent_steps(decoder(target), timer):
+        for p in prompts:
+            ids = torch.as_tensor(np.asarray(p), dtype=torch.long, device=dev)[None]
+            res = dflash_generate(drafter, target, ids, max_new_tokens, stop_ids, temperature, gen,
+                                  timer if timer.enabled else None)
+            each.append((res.accept_lengths, res.output_ids.shape[1] - res.num_prompt_tokens))
     return each
 
 
@@ -217,7 +230,7 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
     if not lengths:
         raise ValueError("no verify steps: every prompt stopped at its first token")
     arr = np.asarray(lengths)
-    return {
+    res = {
         "tau": float(arr.mean()),
         "verify_steps": int(len(arr)),
         "prompts": len(prompts),
@@ -231,6 +244,10 @@ def speculative_eval(target, drafter: DFlashDraftModel, prompts: list, max_new_t
         "seconds": round(secs, 3),
         "verify_steps_per_s": round(len(arr) / secs, 2) if secs > 0 else None,
     }
+    timer = phases.active()
+    if timer.enabled:   # inside phases.recording: where the loop's steps went (dflash-eval --profile-phases)
+        res.update(phases.report(timer, secs))
+    return res
 
 
 # ------------------------------------------------------------------------------- teacher-forced figure
@@ -464,6 +481,9 @@ class EvalConfig:
     dtype: str = opt("auto", "the target's and drafter's dtype (auto: bfloat16 on GPUs, float32 on CPUs); float32 "
                              "gives the lossless check a verdict free of bf16 near-ties", group=EVAL,
                      choices=("auto", "bfloat16", "float32"))
+    profile_phases: bool = opt(False, "time the loop's phases (prefill, draft, verify, rollback, accept; "
+                                      "trainer/serving/phases.py): \"phases\" in the result, one line each on "
+                                      "stderr", group=EVAL)
     json: bool = opt(False, "print the result as JSON", group=EVAL)
 
 
@@ -520,8 +540,12 @@ def main(argv=None) -> int:
         state = fresh.state_dict()
     drafter = hf_drafter(cfg, state, dev, dtype)
     target = load_target(a.target_model, dev, dtype)
-    res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
-                   a.block_accuracy, a.loop, a.batch_size, graphs=None)
+    with phases.recording(phases.PhaseTimer(dev) if a.profile_phases else None):
+        res = evaluate(target, drafter, cfg, ds, dev, a.max_prompts, a.max_new_tokens, a.temperature, a.seed,
+                       a.block_accuracy, a.loop, a.batch_size, graphs=None)
+    if "phases" in res:
+        for line in phases.lines(res["phases"], res["phase_step_ms"] or 0.0, res["loop"]):
+            log.info("%s", line)
     res["checkpoint"] = str(ckpt)
     speed = speed_section(target, drafter, cfg, ds, a.max_prompts, a.max_new_tokens, speed_batches,
                           (a.ngram_max, a.ngram_min, a.ngram_k), graphs=None) if speed_batches else None

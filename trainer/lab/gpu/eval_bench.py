@@ -11,6 +11,10 @@ Each variant is warmed on prompts of the same shapes first (the captures happen 
     batched-eager-B   eval_decoder.BatchedSpecDecoder at batch B, no graphs
     batched-B         the same with the step captured as CUDA graphs (dflash-eval's default on GPUs)
 
+--profile-phases: the timed single loop's phases (trainer/serving/phases.py: prefill, draft, verify, rollback,
+accept; CUDA events read once at the end) in its row, as dflash-eval --profile-phases gives them, and one line
+each on stdout.
+
 Parity: per prompt, the accept lengths and tokens of `single` and `batched-16` on the timed prompts (bf16:
 batched GEMMs round differently, so near-ties of random logits may part; reported, not asserted; on the
 CPU in fp32 tests/test_eval_specgen.py asserts equality).
@@ -36,13 +40,34 @@ from trainer.lab.bench.shapes import SHAPES, make_target_factory  # noqa: E402
 from trainer.model.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from trainer.model.families import HybridTransformersTooOld, check_hybrid_transformers  # noqa: E402
 from trainer.model.modeling_dflash import dflash_generate  # noqa: E402
+from trainer.model.target import decoder  # noqa: E402
 from trainer.serving.captured.eval_decoder import BatchedSpecDecoder  # noqa: E402
+from trainer.serving.captured.linear_states import timed_recurrent_steps  # noqa: E402
 from trainer.serving.evaluate import hf_drafter  # noqa: E402
+from trainer.serving.phases import NO_PHASES, PhaseTimer, lines, report  # noqa: E402
 
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def single_loop(drafter, target, prompts, new: int, dev, timer: PhaseTimer | None = None) -> list:
+    """Today's loop on each prompt: (accept lengths, generated tokens); `timer`: its phases, the recording of the
+    hybrid's per-position states among them (linear_states.timed_recurrent_steps)."""
+    with timed_recurrent_steps(decoder(target), timer or NO_PHASES):
+        outs = [dflash_generate(drafter, target, torch.as_tensor(q, device=dev)[None], new, [], phases=timer)
+                for q in prompts]
+    return [(o.accept_lengths, o.output_ids[0, o.num_prompt_tokens:].tolist()) for o in outs]
+
+
+def timed_phases(timer: PhaseTimer | None, secs: float) -> tuple[float, dict]:
+    """(secs, a row's phases: phases.report, their lines printed; {} without a timer)."""
+    if timer is None:
+        return secs, {}
+    out = report(timer, secs)
+    print("\n".join(lines(out["phases"], out["phase_step_ms"] or 0.0, "single")), flush=True)
+    return secs, out
 
 
 def main(argv=None) -> int:
@@ -54,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,16,64", help="batched loop batch sizes (graphs on)")
     p.add_argument("--eager-batches", default="16", help="batched loop batch sizes without graphs")
     p.add_argument("--profile-batch", type=int, default=16, help="kernel classes of one eager step (0: none)")
+    p.add_argument("--profile-phases", action="store_true", help="time the single loop's phases (phases.py)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     try:   # a hybrid shape on a transformers older than our cache API: one line, before the target is built
@@ -67,7 +93,6 @@ def main(argv=None) -> int:
     res, save = results_file(a.out, {"shape": a.shape, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                                      "block_size": 16, "draft_layers": 5}, rows=[], parity={})
     meta = res["meta"]
-
     t0 = time.perf_counter()
     target = make_target_factory(a.shape, dtype)(dev)
     dcfg = DFlashConfig.from_target(target.config, num_draft_layers=5, block_size=16,
@@ -83,7 +108,6 @@ def main(argv=None) -> int:
     eager = [int(b) for b in a.eager_batches.split(",") if b]
     pool = [rng.integers(0, vocab, a.prompt_len) for _ in range(2 * max(batches + eager) + 16 + a.single_prompts)]
     L, new = a.prompt_len, a.new_tokens
-
     def row(name, batch, prompts, each, secs, extra=None):
         steps = sum(len(x[0]) for x in each)
         r = {"variant": name, "batch_size": batch, "prompts": prompts, "verify_steps": steps,
@@ -96,15 +120,12 @@ def main(argv=None) -> int:
         save()
 
     # today's loop (what generate_each(loop="single") runs): warm on one prompt, then timed; tokens kept
-    def single_loop(prompts):
-        outs = [dflash_generate(drafter, target, torch.as_tensor(q, device=dev)[None], new, []) for q in prompts]
-        return [(o.accept_lengths, o.output_ids[0, o.num_prompt_tokens:].tolist()) for o in outs]
-    single_loop(pool[-1:])
+    single_loop(drafter, target, pool[-1:], new, dev)
     sync()
-    t = time.perf_counter()
-    single = single_loop(pool[:a.single_prompts])
+    timer, t = PhaseTimer(dev) if a.profile_phases else None, time.perf_counter()
+    single = single_loop(drafter, target, pool[:a.single_prompts], new, dev, timer)
     sync()
-    row("single", 1, a.single_prompts, [(x, len(y)) for x, y in single], time.perf_counter() - t)
+    row("single", 1, a.single_prompts, [(x, len(y)) for x, y in single], *timed_phases(timer, time.perf_counter() - t))
 
     for b, graphs in [(b, False) for b in eager] + [(b, True) for b in batches]:
         name = f"batched-{b}" if graphs else f"batched-eager-{b}"

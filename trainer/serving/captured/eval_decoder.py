@@ -15,6 +15,7 @@ import torch
 
 from trainer.model.families import check_hybrid_transformers
 from trainer.model.target import decoder
+from trainer.serving import phases
 from trainer.serving.captured.attention import layer_masks, register_attention, sliding_window, verify_attention
 from trainer.serving.captured.kv_cache import PAD_TO, RowKV
 from trainer.serving.captured.linear_states import (
@@ -74,6 +75,7 @@ class BatchedSpecDecoder:
         self._pool = None
         self.captures = 0
         self.steps = 0            # batched steps run (each verifies every unfinished row once)
+        self.timer = phases.NO_PHASES    # the phases' timer of the batch running (phases.active(), set by generate)
         register_attention()
 
     # ---------------------------------------------------------------- state
@@ -125,17 +127,30 @@ class BatchedSpecDecoder:
         mask = layer_masks(self.cfg, keys <= queries, keep, self.linear_ids)
         if tc.linear is not None:   # a hybrid: record the block, commit each row's accepted prefix below
             tc.linear.defer = True
-        # a missing draft (-1) runs as token 0 and is rejected by the comparison below
-        out = self.base(input_ids=self.tokens.clamp_min(0), position_ids=pos, attention_mask=mask, use_cache=True,
-                        output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
-        choice = self.head(out.last_hidden_state).float().argmax(-1)      # [R, B] the target's tokens
-        taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1) if self.taps else None
+        timer = self.timer
+        with timer.phase("verify"):   # a missing draft (-1) runs as token 0 and is rejected by the comparison below
+            out = self.base(input_ids=self.tokens.clamp_min(0), position_ids=pos, attention_mask=mask, use_cache=True,
+                            output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
+            choice = self.head(out.last_hidden_state).float().argmax(-1)      # [R, B] the target's tokens
+            taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1) if self.taps else None
+        with timer.phase("accept"):
+            nxt, acc = self._accept(choice, pos)
+        if tc.linear is not None:   # linear-attention states after [last token, accepted drafts]
+            with timer.phase("rollback"):
+                tc.linear.defer = False
+                tc.linear.commit(acc + 1)
+        with timer.phase("draft"):
+            drafts = self.proposer.step(self, nxt, taps, pos, view)   # the next drafts, from the new start
+        self.tokens[:, 0] = nxt
+        self.tokens[:, 1:] = drafts
+        self.step.add_(1)
+
+    def _accept(self, choice: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's matching prefix plus the bonus token emitted, its position and stop advanced, on the
+        device; (the bonus token [R], drafts accepted [R])."""
         ok = (self.tokens[:, 1:] == choice[:, :-1]).long().cumprod(-1)
         acc = ok.sum(-1)                                                  # drafts accepted per row
         nxt = choice.gather(1, acc[:, None])[:, 0]                        # the bonus token
-        if tc.linear is not None:   # linear-attention states after [last token, accepted drafts]
-            tc.linear.defer = False
-            tc.linear.commit(acc + 1)
         live = ~self.done
         emitted = self.slot[None] <= acc[:, None]                         # [R, B]: choice[:, :acc+1] is emitted
         self.accepted.index_copy_(1, self.step, torch.where(live, acc + 1, 0)[:, None])
@@ -149,10 +164,7 @@ class BatchedSpecDecoder:
         self.done |= live & (hit | (ngen >= self.max_new))
         self.ngen.copy_(torch.where(live, ngen, self.ngen))
         self.start.copy_(torch.where(live, start, self.start))
-        drafts = self.proposer.step(self, nxt, taps, pos, view)   # the next drafts, from the new start
-        self.tokens[:, 0] = nxt
-        self.tokens[:, 1:] = drafts
-        self.step.add_(1)
+        return nxt, acc
 
     def _capture(self, view: int) -> torch.cuda.CUDAGraph:
         """This step, run eagerly (the warm-up outside the capture), then the graph of the next ones captured
@@ -169,6 +181,50 @@ class BatchedSpecDecoder:
             self._step(view)
         self.captures += 1
         return g
+
+    def _replay_or_capture(self, view: int) -> None:
+        """One step on a GPU as its graph; the first at this view captures it, timed as one "capture" (no event
+        is recorded inside a capture: the step's own phases are off while it runs)."""
+        g = self._graphs.get(view)
+        if g is not None:
+            with self.timer.phase("step"):
+                g.replay()
+            return
+        timer, self.timer = self.timer, phases.NO_PHASES
+        try:
+            with timer.phase("capture"):   # the capture runs this step eagerly
+                self._graphs[view] = self._capture(view)
+        finally:
+            self.timer = timer
+
+    def _prefill(self, ids: torch.Tensor, last: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over the right-padded prompts `ids` [R, width] (causal, so the padding changes nothing before
+        each row's end `last`), in row chunks: (each row's first token [R], the proposer's taps or None)."""
+        r, dev, tc = self.batch, self.device, self.tcache
+        chunk = max(1, self.prefill_tokens // width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()[None, None]
+        ar = torch.arange(width, device=dev)
+        keep = (ar[None, :] > ar[:, None] - self.window) if self.window is not None else None
+        pos = torch.arange(width, device=dev)[None]
+        first = torch.empty(r, dtype=torch.long, device=dev)
+        taps = []
+        for r0 in range(0, r, chunk):
+            r1 = min(r, r0 + chunk)
+            tc.rows = slice(r0, r1)
+            mask = layer_masks(self.cfg, causal.expand(r1 - r0, -1, -1, -1), keep, self.linear_ids)
+            if tc.linear is not None:   # a hybrid: each row's states after its own prompt, not the padding
+                tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(r0, r1), True, last[r0:r1] + 1
+            o = self.base(input_ids=ids[r0:r1], position_ids=pos.expand(r1 - r0, -1),
+                          attention_mask=mask, use_cache=True,
+                          output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
+            h_last = o.last_hidden_state[torch.arange(r1 - r0, device=dev), last[r0:r1]]
+            first[r0:r1] = self.head(h_last).float().argmax(-1)
+            if self.taps:
+                taps.append(torch.cat([o.hidden_states[i] for i in self.taps], dim=-1))
+        if tc.linear is not None:
+            tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(None), False, None
+        taps = torch.cat(taps) if taps else None
+        return first, taps
 
     # ---------------------------------------------------------------- one batch
     @torch.no_grad()
@@ -191,36 +247,14 @@ class BatchedSpecDecoder:
             ids[i, :len(p)] = torch.as_tensor(np.asarray(p), dtype=torch.long)
         ids = ids.to(dev)
         last = torch.as_tensor(lens, device=dev) - 1
-        tc = self.tcache
+        timer = self.timer = phases.active()
         self.out.zero_()
         self.hist.zero_()
         self.accepted.zero_()
         self.step.zero_()
         with self._target_attn(), self._rollback():
-            # target prefill, right padded, in row chunks; first token and taps of each row
-            chunk = max(1, self.prefill_tokens // width)
-            causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()[None, None]
-            ar = torch.arange(width, device=dev)
-            keep = (ar[None, :] > ar[:, None] - self.window) if self.window is not None else None
-            pos = torch.arange(width, device=dev)[None]
-            first = torch.empty(r, dtype=torch.long, device=dev)
-            taps = []
-            for r0 in range(0, r, chunk):
-                r1 = min(r, r0 + chunk)
-                tc.rows = slice(r0, r1)
-                mask = layer_masks(self.cfg, causal.expand(r1 - r0, -1, -1, -1), keep, self.linear_ids)
-                if tc.linear is not None:   # a hybrid: each row's states after its own prompt, not the padding
-                    tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(r0, r1), True, last[r0:r1] + 1
-                o = self.base(input_ids=ids[r0:r1], position_ids=pos.expand(r1 - r0, -1),
-                              attention_mask=mask, use_cache=True,
-                              output_hidden_states=bool(self.taps), **{self.cache_kw: tc})
-                h_last = o.last_hidden_state[torch.arange(r1 - r0, device=dev), last[r0:r1]]
-                first[r0:r1] = self.head(h_last).float().argmax(-1)
-                if self.taps:
-                    taps.append(torch.cat([o.hidden_states[i] for i in self.taps], dim=-1))
-            if tc.linear is not None:
-                tc.linear.rows, tc.linear.fresh, tc.linear.keep = slice(None), False, None
-            taps = torch.cat(taps) if taps else None
+            with timer.phase("prefill"):
+                first, taps = self._prefill(ids, last, width)
             self.hist[:, :width] = ids
             self.hist.scatter_(1, (last + 1)[:, None], first[:, None])
             self.out[:, 0] = first
@@ -228,25 +262,24 @@ class BatchedSpecDecoder:
             self.start.copy_(last + 1)
             # the first drafts (a drafter: row by row, its context the whole prompt)
             self.tokens[:, 0] = first
-            self.tokens[:, 1:] = self.proposer.first(self, first, taps, lens)
+            with timer.phase("draft"):
+                self.tokens[:, 1:] = self.proposer.first(self, first, taps, lens)
             del taps
             stopped = (first[:, None] == self.stop).any(-1) if self.stop_ids else torch.zeros_like(self.done)
             self.done.copy_(stopped | (self.max_new <= 1))
             self.done[n:] = True
             steps = 0
             while True:
-                top, finished = torch.stack([self.start.max(), self.done.all().long()]).tolist()
+                with timer.phase("accept"):   # the host's one read a step
+                    top, finished = torch.stack([self.start.max(), self.done.all().long()]).tolist()
                 if finished:
                     break
                 view = -(-(top + bs) // self.view_step) * self.view_step
                 if self.graphs:
-                    g = self._graphs.get(view)
-                    if g is None:       # the capture runs this step eagerly
-                        self._graphs[view] = self._capture(view)
-                    else:
-                        g.replay()
+                    self._replay_or_capture(view)
                 else:
                     self._step(view)
+                timer.step()
                 steps += 1
         self.steps += steps
         acc = self.accepted[:n, :steps].cpu().numpy()

@@ -297,6 +297,30 @@ def inplace_recurrent_state(base, states: LinearStates, fla_module=None, tile: t
             setattr(mod, RECURRENT_FN, orig)
 
 
+@contextmanager
+def timed_recurrent_steps(base, timer):
+    """While active, each call of the linear layers' one-token recurrent kernel (RECURRENT_FN) is the phase
+    "record" of `timer` (trainer/serving/phases.py): in the single loop those are transformers' recording of a
+    state per position of the verified block (`activate_past_recording`: 16 one-token calls a layer at
+    B = 16), inside its verify and prefill. Nothing is patched for a dense target or a timer that records
+    nothing."""
+    import sys
+
+    ids = linear_layer_ids(base.config) if timer.enabled else []
+    mods = {sys.modules[type(base.layers[i].linear_attn).__module__] for i in ids}
+    saved = [(mod, mod.__dict__[RECURRENT_FN]) for mod in mods if RECURRENT_FN in mod.__dict__]
+    for mod, orig in saved:
+        def recurrent(*args, _orig=orig, **kwargs):
+            with timer.phase("record"):
+                return _orig(*args, **kwargs)
+        setattr(mod, RECURRENT_FN, recurrent)
+    try:
+        yield
+    finally:
+        for mod, orig in saved:
+            setattr(mod, RECURRENT_FN, orig)
+
+
 def _conv_step(x, state, w):
     """One new position of a depthwise causal conv (transformers' `causal_conv1d_update` torch fallback for
     seq_len 1, bias-free): x [B, C, 1] enters the window `state` [B, C, K] in place (its oldest input

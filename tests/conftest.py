@@ -11,14 +11,14 @@ import pytest
 from trainer.optional import defer
 
 # The suite is a program: torchao loads only where a test asks for it (allow), as in the console scripts.
-# Importing trainer no longer defers it (trainer/optional.py); tests/test_import_state.py checks both.
+# Importing trainer no longer defers it (trainer/optional.py); tests/repo/test_import_state.py checks both.
 defer()
 
 
 @pytest.fixture(scope="session")
 def tiny_arch_dir(tmp_path_factory):
     """arch -> a small dflash-tiny OUTDIR of that --arch (target/, data/, heldout/; 48 train / 8 held-out
-    sequences), each built once per session: one per target family (tests/test_families.py). With
+    sequences), each built once per session: one per target family (tests/model/test_families.py). With
     DFLASH_TINY_CACHE set (tests/run.sh: a directory of the run), once per run for all its lanes: the build
     is deterministic (seed 0), the first lane to ask builds it under a lock and marks it complete, the
     others wait and read it. Tests copy what they change (the dirs are shared within a session anyway)."""

@@ -14,7 +14,7 @@
 #                     once: each molecule scenario (-m "standin and not faults", one process per test)
 #                     and the fault-injection suite (-m faults, its own CT 201). They share nothing but
 #                     the caches: each has its own containers, node sshd port and state directory
-#                     (tests/test_standin_vmids.py checks the VMIDs and ports).
+#                     (tests/pve/test_standin_vmids.py checks the VMIDs and ports).
 # Every lane writes a log, shown whole when it ends, with its slowest tests (--durations) and its
 # costliest in CPU (tests/conftest.py); the summary at the end (tests/budget.py) gives each lane's exit,
 # wall and CPU seconds with its three costliest tests, then checks the suite's budget (25 minutes wall
@@ -141,17 +141,17 @@ lane() {
 # Lane B, no containers, in four pytests that share nothing (own temp roots, free ports):
 #   P   -m "provision and not standin"  the provision playbook and the first-deploy runbook against the
 #                                        Proxmox API stand-in with fake LXC: chains of ansible-playbook runs;
-#   B1  the multi-rank trainer runs (test_trainer, test_distributed, test_eval_training) and test_regenerate;
+#   B1  the multi-rank trainer runs (test_trainer, test_multi_rank, test_evaltrain) and test_regenerate;
 #   B3  the other files whose tests start a training job: every job is a supervisor and its rank
 #       processes, each importing torch and transformers (about 5 CPU-s) before its first step;
 #   B2  everything else without a container (a new test file lands here).
 # On 2 cores the run's wall time is at least its longest lane's CPU, so no lane may hold much more than
 # a sixth of the suite's: B2 alone took 785 CPU-s (2026-12-06), which B2 and B3 now share.
-B1_FILES=(tests/test_trainer.py tests/test_regenerate.py tests/test_distributed.py tests/test_eval_training.py)
-B3_FILES=(tests/test_streamcheck.py tests/test_multinode.py tests/test_hybrid_chain.py tests/test_fp8.py
-          tests/test_heartbeat.py tests/test_families.py tests/test_startup_progress.py tests/test_warm_start.py
-          tests/test_contract.py tests/test_identity.py tests/test_dflash2.py tests/test_drafter_work.py
-          tests/test_resume_keeps.py tests/test_failure_message.py)
+B1_FILES=(tests/engine/test_trainer.py tests/serving/test_regenerate.py tests/distributed/test_multi_rank.py tests/engine/test_evaltrain.py)
+B3_FILES=(tests/distributed/test_streamcheck.py tests/ansible/test_molecule_multinode.py tests/chain/test_hybrid_chain.py tests/engine/test_fp8.py
+          tests/distributed/test_heartbeat.py tests/model/test_families.py tests/distributed/test_startup.py tests/engine/test_warm_start.py
+          tests/model/test_contract.py tests/model/test_identity.py tests/model/test_dflash2.py tests/ops/test_loss_no_redundant_work.py
+          tests/engine/test_resume_contract.py tests/distributed/test_launch.py)
 existing() { local f; for f in "$@"; do [[ -f "$f" ]] && echo "$f"; done; }
 mapfile -t B1_FILES < <(existing "${B1_FILES[@]}")
 mapfile -t B3_FILES < <(existing "${B3_FILES[@]}")
@@ -171,7 +171,7 @@ lane P -m "provision and not standin" "${P_FILES[@]}"
 (( ${#B1_FILES[@]} )) && LANE_NICE=10 lane B1 -m "$B_MARK" "${B1_FILES[@]}"
 (( ${#B3_FILES[@]} )) && LANE_NICE=10 lane B3 -m "$B_MARK" "${B3_FILES[@]}"
 LANE_NICE=10 lane B2 -m "$B_MARK" "${B1_FILES[@]/#/--ignore=}" "${B3_FILES[@]/#/--ignore=}"
-# Lane R: the real pretrained model (tests/test_real_model.py): dflash-real builds it once per machine into
+# Lane R: the real pretrained model (tests/chain/test_real_model.py): dflash-real builds it once per machine into
 # $DFLASH_REAL_CACHE (default /var/lib/dflash-real, kept like the stand-in's caches), then the README's chain
 # on it. Niced less than the B lanes (nice 5 weighs three times nice 10): it is one chain, the longest in
 # CPU (about 800 s on 2026-12-06), so the run ends when it does; at nice 10 beside three B lanes its

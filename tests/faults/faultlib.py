@@ -1,4 +1,4 @@
-"""Helpers of the fault-injection suite (tests/test_faults.py, docs/reliability.md).
+"""Helpers of the fault-injection suite (tests/faults/test_faults.py, docs/reliability.md).
 
 The suite runs against its own local stand-in: LXC container 201 (booted with systemd) and an
 sshd on 127.0.0.1:2223 playing the Proxmox node, built by tests/standin/standin.sh exactly like

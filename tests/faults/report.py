@@ -1,6 +1,6 @@
 """Render the fault suite's evidence as the results table of docs/reliability.md.
 
-tests/test_faults.py writes one JSON per case (what it saw: steps, checkpoints, unit state, journal
+tests/faults/test_faults.py writes one JSON per case (what it saw: steps, checkpoints, unit state, journal
 lines, timings) and 00-setup.json (commit, start and end, CPUs, load) to $DFLASH_FAULTS_EVIDENCE;
 tests/run.sh renders them after the suite. The expectation of each case is its test's docstring and
 the result is read from its evidence, so the table cannot say more than a run saw.
@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SUITE = REPO / "tests" / "test_faults.py"
+SUITE = REPO / "tests" / "faults" / "test_faults.py"
 BEGIN = "<!-- BEGIN fault-suite results (tests/faults/report.py renders this block from the suite's evidence) -->"
 END = "<!-- END fault-suite results -->"
 
 
 def suite_cases() -> dict[str, str]:
     """{case id as pytest names it (test_05_...[unknown-flag]): its test's docstring}, in file order."""
-    sys.path.insert(0, str(SUITE.parent))
-    sys.path.insert(0, str(SUITE.parent / "faults"))
+    sys.path.insert(0, str(SUITE.parent))   # faultlib.py, beside the suite
     spec = importlib.util.spec_from_file_location("dflash_fault_suite", SUITE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -165,7 +164,7 @@ def check(doc: Path) -> list[str]:
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     rows = re.findall(r"^\| \d+ \| `([^`]+)` \|", block, re.M)
     cases = list(suite_cases())
-    problems = [f"{doc}: row for {c}, which tests/test_faults.py does not have" for c in rows if c not in cases]
+    problems = [f"{doc}: row for {c}, which tests/faults/test_faults.py does not have" for c in rows if c not in cases]
     problems += [f"{doc}: no row for {c} (render it: tests/faults/report.py EVIDENCE --docs {doc})"
                  for c in cases if c not in rows]
     return problems

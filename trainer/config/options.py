@@ -8,7 +8,7 @@ The defaults are the recipe we recommend: the seed run's (block 32, 1024 anchors
 0.05 -> 0.01, soft labels); `dflash-train --help` lists them.
 
 Only the flags are here, and the rules that need nothing but the flags: no file is read, no model or
-checkpoint opened, and torch is never imported at module level (tests/test_options.py imports this
+checkpoint opened, and torch is never imported at module level (tests/config/test_options.py imports this
 module with torch blocked). What reads files before a run starts (the target's config and shard
 headers, the data index, checkpoints in --output-dir) is trainer/config/preflight.py; `python -m
 trainer.config` (the Ansible role's flag check) is trainer/config/__main__.py.

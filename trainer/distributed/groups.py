@@ -51,7 +51,7 @@ class Groups:
     new group (gloo included) splits with no color, and NCCL pairs the splits of all ranks by call order
     alone. A gloo group that some ranks are outside of (dctl) is therefore created with
     use_local_synchronization=True: torch then returns at once on the ranks outside it, with no split,
-    and every rank makes the same number of splits (tests/test_dist_startup.py counts them with torch's
+    and every rank makes the same number of splits (tests/distributed/test_groups.py counts them with torch's
     own group-creation code)."""
 
     def __init__(self, topo: Topology, timeout: datetime.timedelta, transport: str = "pair",

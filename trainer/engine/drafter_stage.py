@@ -184,7 +184,7 @@ class DrafterStage:
         Issued by FSDP at the first forward instead, the all-gather would wait for that forward's receive
         (FSDP's all-gather streams wait on the current stream), while another drafter's receive can sit
         behind this drafter's next one on a target's communicator: a wait cycle on the GPUs that gloo never
-        shows (docs/distributed.md; tests/test_streamcheck.py finds it in the order FSDP issues).
+        shows (docs/distributed.md; tests/distributed/test_streamcheck.py finds it in the order FSDP issues).
         --fsdp-prefetch forward restores FSDP's order, for the checker's tests and measurements."""
         self.model.set_requires_gradient_sync(False)
         self.model.set_reshard_after_backward(False)

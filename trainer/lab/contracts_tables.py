@@ -13,7 +13,7 @@ the prose around them is written by hand.
     .venv/bin/python trainer/lab/contracts_tables.py --write    # render the tables into docs/contracts.md
     .venv/bin/python trainer/lab/contracts_tables.py --check    # exit 1 when docs/contracts.md is not the rendering
 
-tests/test_contracts_tables.py runs the check.
+tests/lab/test_contracts_tables.py runs the check.
 """
 
 from __future__ import annotations

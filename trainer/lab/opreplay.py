@@ -132,7 +132,7 @@ class EmulatedFSDP:
     the all-gather streams wait on the current stream; an all-gather per unit when not unsharded, on
     FSDP's all-gather stream, the current stream waiting for it; per syncing backward a reduce-scatter
     per unit from the current stream; resharding when told) is tested op for op against recordings of
-    the real FSDP2 module (tests/test_streamcheck.py)."""
+    the real FSDP2 module (tests/distributed/test_streamcheck.py)."""
 
     def __init__(self, units: int):
         self.units = units

@@ -84,7 +84,7 @@ def render(runs: list[dict]) -> str:
     out = ["# results/: every run, by date and topic",
            "",
            "Rendered by `python trainer/lab/results_index.py --write` from `results/index.json`; do not edit by hand.",
-           "`tests/test_results_index.py` fails when a file in results/ has no line here, or a line names a file",
+           "`tests/lab/test_results_index.py` fails when a file in results/ has no line here, or a line names a file",
            "that is gone. Commit: `meta.commit` where the result records it, else the commit that added the",
            "file (results before 2026-12-04 did not record theirs). Date: the run's start (UTC) where recorded,",
            "else the commit's. Quoted in: the doc sections that name the file (found in README.md and docs/*.md",

@@ -6,7 +6,7 @@ minimal loop with hard CE on block slots 1..B-1, and a slot's accuracy printed a
         [--taps 15] [--noctx] [--shuffle-ctx] [--tapnorm none|fcstd] [--mask 16] [--lr 3e-3]
 
 A probe, not the trainer: it isolates what the drafter can learn per step from what a step costs (the LM
-head's 576 x 49,152 product a label row). tests/test_real_model.py runs `train` and `context_loss` as the
+head's 576 x 49,152 product a label row). tests/chain/test_real_model.py runs `train` and `context_loss` as the
 lane's overfit and context checks.
 """
 import argparse

@@ -82,7 +82,7 @@ def text_config(config: dict) -> dict:
 
 def tap_layers(num_target_layers: int, num_taps: int) -> list[int]:
     """Evenly spread taps: round(1 + i * (L - 4) / (K - 1)); Qwen3-8B (36 layers, 5) -> [1, 9, 17, 25, 33].
-    The rule trainer/model/drafter.py's tap_layers applies (tests/test_identity.py holds the two together)."""
+    The rule trainer/model/drafter.py's tap_layers applies (tests/model/test_identity.py holds the two together)."""
     if num_taps < 1:
         raise ValueError("need at least one tap")
     if num_taps == 1:

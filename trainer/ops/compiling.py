@@ -223,7 +223,7 @@ def end_warmup() -> str:
     5,120 block rows or more at width 1,024, and block plus context rows of 10,240 or more:
     results/log-warmup-recompiles-5.txt.gz).
     A compile in the middle of a run is safe because a rank runs every module forward on its main thread
-    (tests/test_fast.py checks it): compiling traces with FX, which patches nn.Module.__call__ process-wide,
+    (tests/ops/test_compiling.py checks it): compiling traces with FX, which patches nn.Module.__call__ process-wide,
     and that broke forwards running in other threads in the old thread-per-replica engine
     (results/h200x2-1.7b-memory-fx-race.json), which is why the graphs used to be frozen after the warmup.
     DFLASH_AFTER_WARMUP_STANCE=eager_on_recompile restores that freeze (nothing compiles, so nothing is counted);

@@ -1,1 +1,1 @@
-"""What serving engines and users run after training: dflash-export, dflash-eval, dflash-regenerate and their generation loops (the captured decoders: trainer/serving/captured/). Never imports trainer.engine (tests/test_layout.py)."""
+"""What serving engines and users run after training: dflash-export, dflash-eval, dflash-regenerate and their generation loops (the captured decoders: trainer/serving/captured/). Never imports trainer.engine (tests/repo/test_layout.py)."""

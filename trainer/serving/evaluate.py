@@ -28,9 +28,9 @@ every speculative output must equal the target's greedy output, else exit 1 with
 
 The batched loop (greedy; trainer/serving/captured/eval_decoder.py BatchedSpecDecoder) verifies --batch-size prompts per step,
 each row at its own position, with the step captured as CUDA graphs on GPUs; the single loop runs one
-prompt at a time. Both give the same accept lengths (tests/test_eval_specgen.py). On a hybrid target
+prompt at a time. Both give the same accept lengths (tests/serving/test_evaluate.py). On a hybrid target
 (Qwen3.5/3.6: Gated DeltaNet layers) both roll the linear layers' states back to the accepted tokens after
-each verify step (docs/serving.md, "Hybrid targets"; tests/test_hybrid_generation.py); where the batched
+each verify step (docs/serving.md, "Hybrid targets"; tests/serving/test_hybrid_generation.py); where the batched
 loop cannot, it says so in one line and the single loop runs (`runnable_loop`).
 
 --profile-phases times each phase of the loop's steps (trainer/serving/phases.py: prefill, draft, verify,

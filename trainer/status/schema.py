@@ -23,7 +23,7 @@ class StatusField(NamedTuple):
 
 # What status.json reports, declared once. StatusWriter refuses (under pytest, or DFLASH_STATUS_STRICT=1) a key
 # not declared here; docs/contracts.md's table is rendered from it (python trainer/lab/contracts_tables.py --write);
-# tests/test_status.py checks every writer in trainer/ against it.
+# tests/status/test_status.py checks every writer in trainer/ against it.
 STATUS_SCHEMA: tuple[StatusField, ...] = (
     StatusField("phase", "where the job is: " + "|".join(PHASES) + " (`failed` also by the supervisor for a "
                 "failed rank, and by a start refused as bad input)", PHASES),

@@ -1,6 +1,6 @@
 """Filters for the dflash_node role: parse /proc/devices and `pct config`, render GPU passthrough.
 
-Kept as plain functions so tests/test_provision*.py can check them without Ansible.
+Kept as plain functions so tests/pve/test_provision*.py can check them without Ansible.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Filters for the dflash_provision role: what the API token needs, what it lacks, and how the
 container's current config differs from the wanted one.
 
-Plain functions, so tests/test_provision*.py and the stand-in's user.cfg use the same facts.
+Plain functions, so tests/pve/test_provision*.py and the stand-in's user.cfg use the same facts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Hand-run GPU measurements, each a script of its own, not run by the test suite (tests/ checks what of them
-a CPU can: test_first_run.py, test_dflash2_compare.py, test_old_baseline.py and others). Each writes its
+a CPU can: test_first_multi_gpu_run.py, test_dflash2_compare.py, test_old_drafter_baseline.py and others). Each writes its
 results with bench.results_file (device, versions, commit) for results/.
 
     python trainer/lab/gpu/first_multi_gpu_run.py ...   # the first run on a fresh GPU machine

@@ -3,7 +3,7 @@
     python trainer/lab/gpu/dflash2_compare.py --out results/h200-dflash2-compare.json     # one H200, ~7 minutes
 
 Not part of the test suite: it needs a GPU (`--dry-run` prints the commands and checks their flags, which
-tests/test_dflash2_compare.py does on the CPU; `--gpu cpu` runs it all at a tiny size). Offline: nothing is
+tests/lab/test_dflash2_compare.py does on the CPU; `--gpu cpu` runs it all at a tiny size). Offline: nothing is
 downloaded. The real pipeline, end to end, as trainer/lab/gpu/fp8_parity.py runs it:
 
 1. dflash-tiny writes a wider random target (width 1,024: the shape of docs/performance.md's "FP8 parity",

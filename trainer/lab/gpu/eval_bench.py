@@ -17,7 +17,7 @@ each on stdout.
 
 Parity: per prompt, the accept lengths and tokens of `single` and `batched-16` on the timed prompts (bf16:
 batched GEMMs round differently, so near-ties of random logits may part; reported, not asserted; on the
-CPU in fp32 tests/test_eval_specgen.py asserts equality).
+CPU in fp32 tests/serving/test_evaluate.py asserts equality).
 """
 
 from __future__ import annotations

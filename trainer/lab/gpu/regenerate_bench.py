@@ -9,7 +9,7 @@ same GPU in the same call:
 
 1. parity: the captured decoder's CUDA graphs against the same loop run eagerly (the same kernels: the
    tokens must be identical), and agreement with `generate` (bf16 on random weights: near-ties, so only
-   reported, not asserted; on the CPU in fp32 tests/test_regenerate.py asserts byte equality);
+   reported, not asserted; on the CPU in fp32 tests/serving/test_regenerate.py asserts byte equality);
 2. ratio: `generate` with a static cache (today's path, --decoder generate) and the captured decoder at
    the same batch size on the same prompts (--ratio-prompt-len tokens each, --ratio-new-tokens), then
    the captured decoder at each of --batches on the same prompt distribution;

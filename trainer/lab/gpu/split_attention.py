@@ -3,7 +3,7 @@
 
     python trainer/lab/gpu/split_attention.py --out results/h200-split-attention-parity.json
 
-The CPU has no FlexAttention backward, so tests/test_split_attention.py checks the split path's gradients
+The CPU has no FlexAttention backward, so tests/model/test_split_attention.py checks the split path's gradients
 with a dense context part; here the real one runs, with
 gradients, against a float64 CPU reference of the dense-mask model (trainer.lab.bench.checks.check_flex_on_gpu):
 compiled alone and inside compiled layers, grouped-query attention with 2 and 4 KV heads, and a loss mask

@@ -17,6 +17,6 @@ CUDA graphs on GPUs. Two loops, and the rooms they share:
                          in-place recurrent step, and what these loops can hold (`hybrid_unsupported`)
 
 Same tokens as transformers' `generate` (greedy) and the same accept lengths as `dflash_generate`;
-tests/test_regenerate.py and tests/test_eval_specgen.py compare them on the CPU, where the same loops run
+tests/serving/test_regenerate.py and tests/serving/test_evaluate.py compare them on the CPU, where the same loops run
 without graphs. Nothing is imported here: import the room you need.
 """

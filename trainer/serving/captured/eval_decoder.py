@@ -41,7 +41,7 @@ class BatchedSpecDecoder:
     On a GPU the step is one CUDA graph per KV view length (`graphs`), captured once and replayed; the host
     reads each row's position and stop flag once per step. The prefill runs eagerly: the target over the
     right-padded rows (causal, so the padding changes nothing before each row's end), then the drafter's
-    first block row by row. Same accept lengths as `dflash_generate` (tests/test_eval_specgen.py compares
+    first block row by row. Same accept lengths as `dflash_generate` (tests/serving/test_evaluate.py compares
     them on the CPU). `drafter`: a DFlash drafter, a DFlash2 one (dflash2_eval.DFlash2Proposer) or a proposer
     (proposers.py, e.g. NgramProposer); `hist` [R, capacity + 1] holds each row's tokens by position."""
 

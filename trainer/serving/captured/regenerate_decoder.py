@@ -29,7 +29,7 @@ and changes only what is around them:
   cache API), KV buffers only for the attention layers (docs/serving.md, "Hybrid targets").
 
 Same tokens as `generate` (greedy): left padding, position ids counted from each row's first real token,
-the EOS ids stop a row; tests/test_regenerate.py compares the two on the CPU, where the same loop runs
+the EOS ids stop a row; tests/serving/test_regenerate.py compares the two on the CPU, where the same loop runs
 without graphs. Sampling (temperature > 0) is Gumbel-max over softmax(logits / T) with noise hashed from
 (seed, prompt index, step): a prompt's sample does not depend on its batch, device or the capture.
 """

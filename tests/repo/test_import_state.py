@@ -1,0 +1,51 @@
+"""Importing the package changes no global state (issue 42): `import trainer` used to put
+sys.modules["torchao"] = None for every importer, so a library user's own torchao vanished. Now the
+programs defer it (trainer/optional.py): the console scripts through trainer/cli.py, `python -m trainer`
+and `python -m trainer.lab.bench`. Each check runs in a fresh interpreter, as an importer would."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def _py(code: str) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_importing_trainer_leaves_torchao_in_sys_modules_untouched():
+    out = _py("import sys\nimport trainer, trainer.config, trainer.status, trainer.ops.plan, trainer.optional\n"
+              "print(repr(sys.modules.get('torchao', 'absent')))")
+    assert out == "'absent'"
+
+
+def test_importing_trainer_keeps_an_installed_torchao_findable():
+    find = "import importlib.util\nprint(importlib.util.find_spec('torchao') is not None)"
+    assert _py("import trainer\n" + find) == _py(find)
+
+
+def test_a_console_script_defers_torchao_before_its_module_loads():
+    out = _py("import sys\nfrom trainer import cli\ntry:\n    cli.status(['--help'])\nexcept SystemExit:\n    pass\n"
+              "print(repr(sys.modules.get('torchao', 'absent')))")
+    assert out.splitlines()[-1] == "None"
+
+
+def test_allow_lifts_the_deferral():
+    out = _py("import importlib.util, sys\nfrom trainer.optional import allow, defer\ndefer()\n"
+              "a = importlib.util.find_spec('torchao')\nallow('torchao')\n"
+              "print(a is None, 'torchao' in sys.modules)")
+    assert out == "True False"
+
+
+def test_every_console_script_goes_through_trainer_cli():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    from trainer import cli
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert module == "trainer.cli" and callable(getattr(cli, func)), name

@@ -129,7 +129,7 @@ def test_the_eval_bench_times_the_single_loops_phases(tmp_path, capsys, monkeypa
     the same phases in its single row with --profile-phases; a CPU smoke at the tiny hybrid shape."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer" / "lab" / "gpu"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "trainer" / "lab" / "gpu"))
     import eval_bench
 
     out = tmp_path / "bench.json"

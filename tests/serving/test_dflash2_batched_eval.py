@@ -1,7 +1,8 @@
 """DFlash2 in dflash-eval's batched loop (captured/eval_decoder.BatchedSpecDecoder with
 dflash2_eval.DFlash2CachedModel): prompt by prompt, the same drafts at every step, the same accept lengths
 and the same tokens as the single loop (dflash2_eval.dflash2_generate, the trainer's packed class run on the
-whole context), on the tiny target; through evaluate(), the same tau in both loops.
+whole context), on the tiny target; through evaluate(), the same tau in both loops. The single loop times
+its phases for dflash-eval --profile-phases, as DFlash's does, and changes nothing by it.
 
 The drafter: untrained, its convolutions moved off the identity (so the cached layers' convolution is
 exercised) and its selector's codebooks drawn so that its path leaves the unary argmax.
@@ -95,6 +96,23 @@ def test_evaluate_runs_dflash2_in_the_batched_loop_with_the_single_loops_tau(tar
     for key in ("tau", "verify_steps", "new_tokens", "accept_length_histogram"):
         assert runs["single"][key] == runs["batched"][key], key
     assert (runs["single"]["loop"], runs["batched"]["loop"]) == ("single", "batched")
+
+
+def test_the_dflash2_single_loop_times_its_phases_and_changes_nothing(target, drafter, tiny_small_dir):
+    """DFlash2's own single loop (dflash2_generate) records to dflash-eval --profile-phases' timer as
+    DFlash's does: every step phase, one timer step per verify step, the same accept lengths."""
+    from trainer.serving import phases
+    cfg, model = drafter
+    prompts = [torch.as_tensor(p)[None] for p in heldout_prompts(load_dataset(tiny_small_dir / "heldout"), 3)]
+    plain = [dflash2_generate(DFlash2Proposer(model), target, p, NEW, [], 0.0).accept_lengths for p in prompts]
+    timer = phases.PhaseTimer("cpu")
+    with phases.recording(timer):
+        timed = [dflash2_generate(DFlash2Proposer(model), target, p, NEW, [], 0.0).accept_lengths for p in prompts]
+    assert timed == plain
+    got = timer.summary()
+    assert timer.steps == sum(map(len, plain)) == got["verify"]["calls"] == got["draft"]["calls"]
+    assert got["prefill"]["calls"] == len(prompts) and "crop" in got and "rollback" not in got
+    assert all(got[k]["ms_total"] > 0 for k in ("prefill", "draft", "verify", "accept")), got
 
 
 def test_the_loops_an_architecture_runs_in_come_from_its_entry(target, drafter, tiny_small_dir, tmp_path, capsys,

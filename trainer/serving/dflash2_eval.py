@@ -38,9 +38,11 @@ from trainer.model.modeling_dflash import (
     _cache_kw,
     crop_cache,
     finish_output,
+    records_past,
     target_cache,
     verify_block,
 )
+from trainer.serving import phases
 
 
 class DFlash2CachedLayer(DFlashDecoderLayer):
@@ -194,36 +196,46 @@ def dflash2_generate(drafter: DFlash2Proposer, target, input_ids: torch.LongTens
                      stop_token_ids: Optional[list[int]] = None, temperature: float = 0.0,
                      generator: Optional[torch.Generator] = None) -> SpecResult:
     """Speculative generation of one prompt [1, P] with a DFlash2 drafter; the loop and its counts are
-    modeling_dflash.dflash_generate's, the proposal and its verification the selector's."""
+    modeling_dflash.dflash_generate's, the proposal and its verification the selector's. Inside
+    phases.recording its phases are timed as dflash_generate's are (dflash-eval --profile-phases)."""
+    timer = phases.active()
+    phase = timer.phase
     dev = input_ids.device
     bs = drafter.block_size
     stops = set(stop_token_ids or [])
     n_prompt = input_ids.shape[1]
     cache_t = target_cache(target, bs)
     kw = _cache_kw(target)
-    out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
-                 use_cache=True, output_hidden_states=True, **{kw: cache_t})
-    last = out.logits[0, -1].float()
-    if temperature > 0:
-        token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator))
-    else:
-        token = int(last.argmax())
-    taps = drafter.extract_taps(out.hidden_states)[0]
-    crop_cache(cache_t, n_prompt)
+    crop = "rollback" if records_past(cache_t) else "crop"   # a dense target's crop only forgets KV positions
+    with phase("prefill"):
+        out = target(input_ids=input_ids, position_ids=torch.arange(n_prompt, device=dev)[None],
+                     use_cache=True, output_hidden_states=True, **{kw: cache_t})
+        last = out.logits[0, -1].float()
+        if temperature > 0:
+            token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator))
+        else:
+            token = int(last.argmax())
+        taps = drafter.extract_taps(out.hidden_states)[0]
+        crop_cache(cache_t, n_prompt)
     generated = [token]
     res = SpecResult(output_ids=input_ids, num_prompt_tokens=n_prompt)
     start = n_prompt   # position of `token`, the newest token, not yet seen by the target
     while len(generated) < max_new_tokens and token not in stops:
-        path, cand, q = drafter.propose(target, taps, token, temperature, generator)
-        block = torch.cat([torch.tensor([token], device=dev), path.to(dev)])[None]
-        out = target(input_ids=block, position_ids=torch.arange(start, start + bs, device=dev)[None],
-                     use_cache=True, output_hidden_states=True, **{kw: cache_t})
-        acc, nxt = verify_candidates(path.to(dev), cand, q, out.logits[0], temperature, generator)
-        emitted = path[:acc].tolist() + [nxt]
+        with phase("draft"):
+            path, cand, q = drafter.propose(target, taps, token, temperature, generator)
+        with phase("verify"):
+            block = torch.cat([torch.tensor([token], device=dev), path.to(dev)])[None]
+            out = target(input_ids=block, position_ids=torch.arange(start, start + bs, device=dev)[None],
+                         use_cache=True, output_hidden_states=True, **{kw: cache_t})
+        with phase("accept"):
+            acc, nxt = verify_candidates(path.to(dev), cand, q, out.logits[0], temperature, generator)
+            emitted = path[:acc].tolist() + [nxt]
         res.accept_lengths.append(len(emitted))
         taps = torch.cat([taps, drafter.extract_taps(out.hidden_states)[0, :acc + 1]])
         start += acc + 1
-        crop_cache(cache_t, start)
+        with phase(crop):
+            crop_cache(cache_t, start)
+        timer.step()
         for t in emitted:
             generated.append(t)
             if t in stops:

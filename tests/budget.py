@@ -33,7 +33,9 @@ SUITE_CPU_S = 40 * 60
 # host setup and the stand-in's caches (apt, pip, debootstrap, wheels, tiny models: about 250 CPU-s from a
 # fresh clone) the shares add up to the suite's 2,400. What the lanes took on 2026-12-06 (the run before
 # B2 was split in two; tests/run.sh on main, 2 cores): B1 477, B2 785, P 599, R about 800, F 104, the
-# molecule lanes 269, 215 and 125, the containers 523.
+# molecule lanes 269, 215 and 125, the containers 523. Lane P, its files in one pytest on a 2-core machine
+# (2026-12-06): 752 before issue 63's cuts (no reset runs, node-role refusals through the node play
+# alone), 585 after (file by file side by side: 85 less); a provision.yml run costs 15-20 CPU-s.
 LANE_CPU_S = {
     "B1": 300,   # the multi-rank trainer runs (trainer, distributed, eval in training) and regenerate
     "B2": 300,   # everything else without a container

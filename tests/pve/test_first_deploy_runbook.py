@@ -221,11 +221,17 @@ def _playbook(step: str, prefix: str, ctx: dict) -> subprocess.CompletedProcess:
 
 
 def step_5(step: str, ctx: dict) -> None:
-    """What would happen: check mode on a fresh node changes nothing, exits 0, says what it would create."""
+    """What would happen: check mode on a fresh node changes nothing, exits 0, says what it would create,
+    and the deploy says what it would do in CT 200 instead of running `pct exec` (the weights preflight)
+    into a container that is not there (issue 27 item 1)."""
     r = _playbook(step, "ansible-playbook deploy.yml -J --check --diff", ctx)
     assert r.returncode == 0, r.text[-4000:]
     says = re.search(r"says `(would create CT 200 from) \.\.\.`", step)[1]
     assert f"{says} {ctx['template']}" in r.text, r.text[-3000:]
+    assert "CT 200 does not exist on pve-node yet (check mode): once provisioning has created it" in r.text
+    assert "would stage the weights into /dev/shm, install the trainer wheel" in r.text
+    recap = re.search(r"ct200\s*:\s*ok=\d+\s+changed=(\d+)\s+unreachable=\d+\s+failed=(\d+)", r.stdout)
+    assert recap and int(recap[2]) == 0 and int(recap[1]) >= 1, r.text[-3000:]
     assert not (ctx["etc"] / "lxc" / "200.conf").exists()
 
 

@@ -106,10 +106,14 @@ def test_a_rerun_with_the_share_down_fails_naming_findmnt_and_leaves_the_ct_stop
     to the check)."""
     dropin = node["tmp"] / "systemd" / f"pve-container@{VMID}.service.d" / "dflash-mounts.conf"
     on_share = {**node, "env": share["env"]}
-    r = play(on_share, **share["vars"])
-    assert r.returncode == 0, r.text[-4000:]
+    # CT 250 on the share, its guard recording the share's mount: the state the test above leaves (its run
+    # and its checks of that guard); the same run here only where this test runs without it
+    if not (dropin.exists() and f'"{share["path"]}" tmpfs "{share["ws"]}"' in dropin.read_text()):
+        r = play(on_share, **share["vars"])
+        assert r.returncode == 0, r.text[-4000:]
     recorded = dropin.read_text()
-    assert _run(node, "pct", "stop", str(VMID)).returncode == 0
+    if _status(node) != "status: stopped":
+        assert _run(node, "pct", "stop", str(VMID)).returncode == 0
     subprocess.run(["umount", str(share["path"])], check=True)
 
     r = play(on_share, **share["vars"])
@@ -132,9 +136,6 @@ def test_a_rerun_with_the_share_down_fails_naming_findmnt_and_leaves_the_ct_stop
     r = play(on_share, **share["vars"])
     assert r.returncode == 0, r.text[-4000:]
     assert _status(node) == "status: running"
-    r = play(node)                                                   # back to the fixture's stores
-    assert r.returncode == 0, r.text[-3000:]
-    assert f'"{node["tmp"] / "workspace"}"' in dropin.read_text()
 
 
 def test_the_record_is_kept_a_deeper_mount_taken_and_a_declaration_wins():
@@ -169,10 +170,10 @@ def test_the_guard_of_a_ct_that_is_gone_is_removed_and_only_it(node):
     gone.mkdir(parents=True, exist_ok=True)
     (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
     (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
-    r = play(node)
+    r = play(node)                  # after the tests above: CT 250 back from the share to the fixture's stores
     assert r.returncode == 0, r.text[-3000:]
     assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
-    assert (mine / "dflash-mounts.conf").exists()
+    assert f'"{node["tmp"] / "workspace"}"' in (mine / "dflash-mounts.conf").read_text()
 
 
 def test_a_source_on_a_pve_storage_activates_it_before_the_check():

@@ -150,3 +150,16 @@ def pytest_terminal_summary(terminalreporter):
                                     f"{wall_all:.0f}s wall")
     for nodeid, (cpu, wall) in top:
         terminalreporter.write_line(f"{cpu:8.1f}s cpu {wall:8.1f}s wall  {nodeid}")
+
+
+def perturb_dflash2(model, hidden_size: int, seed: int = 5) -> None:
+    """A DFlash2 drafter's own parts moved off their init: the convolutions off the identity (so a cached
+    layer's convolution is exercised) and the selector's codebooks drawn so its path leaves the unary argmax."""
+    import torch  # here, as the fixtures import what they use: defer() above runs before any torch import
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "conv" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            elif "selector" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.6 if "codebook" in n else 0.6 / hidden_size ** 0.5))

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import perturb_dflash2
 from trainer.model.dflash2 import CandidateSelector, GroupedDynamicConv, selector_loss, training_candidates
 
 ref = pytest.importorskip("dflash.model", reason="the reference package: pip install -e .[test]")
@@ -35,7 +36,6 @@ def _conv_pair(seed=0):
     ours = GroupedDynamicConv(H, K, GS).double()
     ours.load_state_dict(theirs.state_dict())          # the same parameter names
     return ours, theirs
-
 
 def test_conv_on_packed_blocks_equals_the_reference_on_each_block_alone():
     ours, theirs = _conv_pair()
@@ -442,13 +442,7 @@ def test_dflash2_eval_greedy_accept_lengths_equal_the_reference_loops(tiny_small
     model = DFlashDrafter(cfg2)
     missing, unexpected = model.load_state_dict(dense.state_dict(), strict=False)
     assert not unexpected and all("conv" in k or "selector" in k for k in missing)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "conv" in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-            elif "selector" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.6 if "codebook" in n else 0.6 / cfg.hidden_size ** 0.5))
+    perturb_dflash2(model, cfg.hidden_size)
     ckpt = CheckpointManager(tmp_path / "run").save(1, model.state_dict(), cfg2.to_dict(), {"step": 1})
     out = export_drafter(ckpt, tmp_path / "export")
     theirs = ref.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval()

@@ -11,6 +11,7 @@ exercised) and its selector's codebooks drawn so that its path leaves the unary 
 import pytest
 import torch
 
+from tests.conftest import perturb_dflash2
 from trainer.data.dataset import load_dataset
 from trainer.model.dflash2 import as_dflash2
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
@@ -33,13 +34,7 @@ def drafter(target):
                      selector_rank=16, selector_top_k=4)
     model = DFlashDrafter(cfg)
     init_drafter_weights(model, seed=0)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "conv" in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-            elif "selector" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.6 if "codebook" in n else 0.6 / cfg.hidden_size ** 0.5))
+    perturb_dflash2(model, cfg.hidden_size)
     return cfg, model
 
 

@@ -17,11 +17,14 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 S=/tmp/scale R=/tmp/scale/cache OUTD=${OUT:-/tmp/scale/out}
-RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "${VARIANTS:-base,dpace,dflash2,b32}"
-              --steps "${STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --device cuda:0 --parallel "${PARALLEL:-4}"
-              --regen-batch "${REGEN_BATCH:-1024}" --regen-records "${REGEN_RECORDS:-0}" --train-prompts "$R/prompts/large.jsonl"
-              --final-prompts 164 --final-tokens 256 --t1-prompts 32 --speed-prompts 16 --speed-batch 1,16
-              --set token_budget=16384 --set grad_accum=1 --set max_anchors=64 --set epochs=100 --set compile=none)
+recipe_flags() {   # after the sweep, so that an unset REGEN_BATCH can take its fastest batch
+    RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "${VARIANTS:-base,dpace,dflash2,b32}"
+                  --steps "${STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --device cuda:0 --parallel "${PARALLEL:-4}"
+                  --regen-batch "${REGEN_BATCH:-1024}" --regen-records "${REGEN_RECORDS:-0}"
+                  --train-prompts "$R/prompts/large.jsonl" --final-prompts 164 --final-tokens 256 --t1-prompts 32
+                  --speed-prompts 16 --speed-batch 1,16 --set token_budget=16384 --set grad_accum=1
+                  --set max_anchors=64 --set epochs=100 --set compile=none)
+}
 mkdir -p "$S" "$R/wheels" "$R/prompts" "$OUTD"
 # shellcheck disable=SC2046  # the carried wheels, and those staged by an earlier call
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .gpu/*/*.whl "$S"/*.whl 2>/dev/null) \
@@ -30,7 +33,10 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
-save() { cp -f "$S"/*.json "$S"/*.svg "$S"/*.log "$OUTD"/ 2>/dev/null; :; }
+save() {   # what there is so far, and the tail of each run's log (its profile table: where a step's time goes)
+    for d in "$S"/work/runs/*/; do [[ -f $d/recipe-train.log ]] && tail -80 "$d/recipe-train.log" > "$S/train-$(basename "$d").log"; done
+    cp -f "$S"/*.json "$S"/*.svg "$S"/*.log "$OUTD"/ 2>/dev/null; :
+}
 
 case "${1:-}" in
 a)
@@ -55,15 +61,19 @@ b|short)
     t=$(date +%s); python3 -m trainer.tools.realmodel --cache "$R" 2>&1 | tail -3
     echo "dflash-real: $(( $(date +%s) - t ))s"
     cp "$S/large.jsonl" "$R/prompts/large.jsonl"
-    if [[ $1 == short ]]; then   # one call for everything: no sweep, the recipe in the foreground to its deadline
+    if [[ $1 == short ]]; then
+        recipe_flags   # one call for everything: no sweep, the recipe in the foreground to its deadline
         python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-480}" > "$S/recipe.log" 2>&1
         echo "recipe exit $?"; grep -v "^recipe \[.*progress" "$S/recipe.log" | tail -30; save; exit 0
     fi
     t=$(date +%s)
     python3 trainer/lab/gpu/regenerate_sweep.py --target-model "$R/smollm2-135m-instruct" \
-        --input "$R/prompts/large.jsonl" --batches "${SWEEP:-256,512,1024}" --prompts 2048 --max-new-tokens 256 \
+        --input "$R/prompts/large.jsonl" --batches "${SWEEP:-256,1024,2048}" --prompts 2048 --max-new-tokens 256 \
         --device cuda:0 --out "$S/regenerate-sweep.json" 2>&1 | tail -8
     echo "sweep: $(( $(date +%s) - t ))s"
+    [[ -n ${REGEN_BATCH:-} ]] || REGEN_BATCH=$(python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))['rows']
+print(max(rows, key=lambda r: r['tokens_per_s'])['batch_size'])" "$S/regenerate-sweep.json" 2>/dev/null || echo 1024)
+    echo "regeneration batch: $REGEN_BATCH"; recipe_flags
     save
     setsid nohup python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-1500}" \
         > "$S/recipe.log" 2>&1 < /dev/null &
@@ -75,6 +85,7 @@ wait)
     tail -30 "$S/recipe.log"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; save ;;
 final)
     pgrep -f trainer.lab.recipe >/dev/null && { echo "recipe still running"; exit 1; }
+    recipe_flags
     python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
     echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;
 *)

@@ -132,3 +132,42 @@ def test_final_evals_keep_tau_the_speed_table_and_a_failed_lossless_verdict(tmp_
     assert greedy[greedy.index("--speed-batch") + 1] == ""   # the 164-prompt tau is not timed
     r.final_evals(["dpace"], {"heldout": tmp_path / "heldout"})   # a rerun measures nothing again
     assert len(seen) == 3
+
+
+def test_speed_evals_run_last_and_alone_on_the_device(tmp_path, cache, monkeypatch):
+    """The wall clock is timed with nothing beside it: every tau eval (greedy, T = 1, untrained) has ended
+    before the first speed eval starts, and the speed evals run one at a time, even at --parallel 3."""
+    log = tmp_path / "evals.log"
+
+    def fake_eval(fn, *args):
+        args = [str(x) for x in args]
+        speed = "--speed-batch" in args and args[args.index("--speed-batch") + 1] != ""
+        kind = "speed" if speed else "tau"
+        res = {"tau": 1.5, "prompts": 4}
+        if speed:
+            res["speed"] = {"rows": [], "lossless": {"ok": True, "error": None}}
+        body = (f"import json, time; f = open({str(log)!r}, 'a'); f.write(f'start {kind} {{time.monotonic()}}\\n'); "
+                f"f.flush(); time.sleep(0.2); f.write(f'end {kind} {{time.monotonic()}}\\n'); f.close(); "
+                f"print({json.dumps(res)!r})")
+        return [sys.executable, "-c", body]
+
+    monkeypatch.setattr(recipe, "tool", fake_eval)
+    fast = type("T", (), {"sleep": staticmethod(lambda s: time.sleep(0.02)), "monotonic": staticmethod(time.monotonic)})
+    monkeypatch.setattr(recipe, "time", fast)
+    r = _recipe(tmp_path, cache, "--variants", "base,dpace", "--steps", "2", "--final-prompts", "4",
+                "--t1-prompts", "4", "--speed-prompts", "4", "--parallel", "3")
+    for n in ("base", "dpace"):
+        r.run_dir(n).mkdir(parents=True)
+        (r.run_dir(n) / "metrics.jsonl").write_text(json.dumps({"step": 2, "tokens": 10}) + "\n")
+    r.final_evals(["base", "dpace"], {"heldout": tmp_path / "heldout"})
+    events = sorted((float(t), what, kind) for what, kind, t in (ln.split() for ln in log.read_text().splitlines()))
+    starts = [(t, k) for t, w, k in events if w == "start"]
+    assert [k for _, k in starts].count("speed") == 2 and [k for _, k in starts].count("tau") == 5
+    first_speed = min(t for t, k in starts if k == "speed")
+    assert max(t for t, w, k in events if k == "tau") < first_speed   # every tau eval ended first
+    live = 0
+    for _, what, kind in events:   # from the first speed start on, at most one eval is running at a time
+        live += 1 if what == "start" else -1
+        if kind == "speed":
+            assert live <= 1
+    assert all(r.row(n)["speed"]["lossless"]["ok"] for n in ("base", "dpace"))

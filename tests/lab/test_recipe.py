@@ -171,3 +171,27 @@ def test_speed_evals_run_last_and_alone_on_the_device(tmp_path, cache, monkeypat
         if kind == "speed":
             assert live <= 1
     assert all(r.row(n)["speed"]["lossless"]["ok"] for n in ("base", "dpace"))
+
+
+def test_the_regeneration_summary_reaches_the_json_and_a_rerun_keeps_it(tmp_path, cache, monkeypatch):
+    """dflash-regenerate --json's last line (tokens, seconds, tok/s) is the JSON's `regeneration`; a rerun whose
+    shards were all done (it generated nothing) leaves the first figures in place."""
+    runs = iter([{"shards_generated": 3, "tokens_generated": 8_700_000, "seconds": 150.0, "tokens_per_s": 58000.0},
+                 {"shards_generated": 0, "tokens_generated": 0, "seconds": 0.1, "tokens_per_s": 0.0}])
+
+    def fake_tool(fn, *args):
+        args = [str(x) for x in args]
+        if fn == "regenerate":
+            assert "--json" in args
+            return [sys.executable, "-c", f"print('progress'); print({json.dumps(next(runs))!r})"]
+        out = Path(args[args.index("--output-dir") + 1])
+        return [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(out)!r}); p.mkdir(parents=True); "
+                                      "(p / 'index.json').write_text('{}')"]
+
+    monkeypatch.setattr(recipe, "tool", fake_tool)
+    r = _recipe(tmp_path, cache, "--variants", "base")
+    for _ in range(2):
+        r.data(["base"])
+        r.write(["base"], "training")
+        doc = json.loads((tmp_path / "o.json").read_text())
+        assert doc["regeneration"]["tokens_generated"] == 8_700_000 and doc["regeneration"]["tokens_per_s"] == 58000.0

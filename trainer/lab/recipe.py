@@ -108,9 +108,26 @@ class Recipe:
             self.sh(tool("regenerate", "--target-model", self.model, "--input", self.train_prompts(),
                          "--output-dir", d / "regen", "--max-new-tokens", self.a.regen_tokens,
                          "--batch-size", self.a.regen_batch, "--max-records", self.a.regen_records,
-                         "--device", self.a.device),
+                         "--device", self.a.device, "--json"),
                     "regenerate", d / "regen.log")
+            self.keep_regen_stats(d)
         return {"heldout": d / "heldout", "regen": d / "regen", "raw": d / "raw"}
+
+    def keep_regen_stats(self, d: Path) -> None:
+        """dflash-regenerate's summary (its last line: tokens, seconds, tok/s) into regen-stats.json; a rerun that
+        found every shard done generated nothing and keeps the first run's figures."""
+        try:
+            stats = json.loads((d / "regen.log").read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            return
+        if isinstance(stats, dict) and stats.get("shards_generated"):
+            (d / "regen-stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+
+    def regen_stats(self) -> dict | None:
+        try:
+            return json.loads((self.work / "data" / "regen-stats.json").read_text())
+        except (OSError, ValueError):
+            return None
 
     # ---------------------------------------------------------------------------------------- runs
 
@@ -177,7 +194,7 @@ class Recipe:
                "final_tokens": a.final_tokens, "t1_prompts": a.t1_prompts or a.final_prompts,
                "speed_prompts": a.speed_prompts, "speed_batch": a.speed_batch,
                "train_prompts": str(self.train_prompts()), "regen_tokens": a.regen_tokens, "regen_records": a.regen_records, "set": a.set, "base_flags": BASE,
-               "rows": rows}
+               "regeneration": self.regen_stats(), "rows": rows}
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(doc, indent=1) + "\n")
         svg(rows, Path(a.svg) if a.svg else self.out.with_suffix(".svg"),

@@ -195,3 +195,20 @@ def test_the_regeneration_summary_reaches_the_json_and_a_rerun_keeps_it(tmp_path
         r.write(["base"], "training")
         doc = json.loads((tmp_path / "o.json").read_text())
         assert doc["regeneration"]["tokens_generated"] == 8_700_000 and doc["regeneration"]["tokens_per_s"] == 58000.0
+
+
+@pytest.mark.parametrize("name, want", [
+    ("base", (16, 7.0, True, "ce", "dflash")),
+    ("b32", (32, 10.0, True, "ce", "dflash")),
+    ("dpace", (16, 7.0, False, "ce+dpace", "dflash")),
+    ("hard", (16, 7.0, False, "ce", "dflash")),
+    ("dflash2", (16, 7.0, True, "ce", "dflash2")),
+])
+def test_each_variant_says_its_recipe_whatever_the_trainers_defaults(tmp_path, cache, name, want):
+    """A variant is base's flags plus its one change, all passed explicitly: the trainer's defaults
+    (trainer/config/options.py) can move without moving the table's rows."""
+    from trainer.config.options import build_parser
+    r = _recipe(tmp_path, cache, "--variants", name)
+    cmd = r.train_cmd(name, {"heldout": tmp_path / "h", "regen": tmp_path / "r", "raw": tmp_path / "w"})
+    args = build_parser().parse_args(cmd[cmd.index("--target-model"):])
+    assert (args.block_size, args.gamma, args.use_soft_labels, args.loss, args.arch) == want

@@ -18,9 +18,10 @@ the speed evals run last and alone on the device, so that no other eval shares t
 --train-prompts picks the training prompts (dflash-real --prompts large writes the set at scale).
 
 Variants (each changes one thing against `base`: DFlash at block 16, gamma 7, soft labels, annealed noise,
-CE, on regenerated data; the other flags are --set's and BASE's):
-    base, b32 (block 32, gamma 10: the seed recipe's block, today's default), dflash2, hard (hard labels),
-    dpace (CE + D-PACE, hard labels: compare with `hard`), nonoise (noise off), raw (human-written answers
+CE, on regenerated data, every one of these passed explicitly, so a change of the trainer's defaults does not
+move them; the other flags are --set's and BASE's):
+    base, b32 (block 32, gamma 10: the seed recipe's block, the default until 2026-12-06), dflash2, hard (hard labels),
+    dpace (CE + D-PACE, hard labels: compare with `hard`; the trainer's defaults since 2026-12-06), nonoise (noise off), raw (human-written answers
     instead of the target's own)
 Rerunnable: a variant's run resumes from its last checkpoint, a finished one is not retrained, and a
 measured tau is kept. --deadline-s stops the runs (SIGTERM: each writes a checkpoint) and returns; the
@@ -53,7 +54,8 @@ VARIANTS = {
     "nonoise": ["--noise-start", "0", "--noise-end", "0"],
     "raw": [],   # the same flags on the raw completions
 }
-BASE = ["--block-size", "16", "--gamma", "7", "--seed", "0", "--keep-checkpoints", "1"]
+BASE = ["--block-size", "16", "--gamma", "7", "--use-soft-labels", "--loss", "ce", "--seed", "0",
+        "--keep-checkpoints", "1"]
 MODEL_DIR = "smollm2-135m-instruct"
 
 

@@ -37,9 +37,11 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # The lane's recipe: the defaults but for what makes a CPU run finish in minutes (one draft layer, block 8
 # with its published gamma, few anchors per sequence, small steps). Written down in docs/performance.md.
+# Hard-label CE, as the lane was measured (2026-12-05) and its floor below set; the default loss is
+# ce+dpace since 2026-12-06.
 TRAIN_FLAGS = ["--block-size", "8", "--gamma", "4", "--num-draft-layers", "1", "--max-anchors", "32",
                "--token-budget", "2048", "--max-seq-len", "1024", "--grad-accum", "1", "--lr", "3e-3",
-               "--warmup-ratio", "0.02", "--save-interval", "1000", "--no-use-soft-labels"]
+               "--warmup-ratio", "0.02", "--save-interval", "1000", "--no-use-soft-labels", "--loss", "ce"]
 STEPS, RESUMED_STEPS = 30, 32
 EVAL_PROMPTS, EVAL_TOKENS = 6, 40
 # tau(trained) - tau(untrained) must exceed this; measured gain and the predictions: docs/performance.md

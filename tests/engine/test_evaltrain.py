@@ -17,8 +17,9 @@ from trainer.engine.metrics import MetricsFile
 
 BLOCK = 8   # tiny_args' --block-size
 # hard labels: the target trains on its first 6 of 8 layers, so an eval that forgot the others would differ
-# from dflash-eval's on the checkpoint; these settings move tau between steps 2 and 4 (the eval sees its step)
-LEARN = ("--no-use-soft-labels", "--lr", "5e-3", "--grad-accum", "1", "--max-anchors", "16")
+# from dflash-eval's on the checkpoint; these settings (CE, as they were tuned) move tau between steps 2 and 4
+# (the eval sees its step)
+LEARN = ("--no-use-soft-labels", "--loss", "ce", "--lr", "5e-3", "--grad-accum", "1", "--max-anchors", "16")
 SMALL_EVAL = ("--eval-prompts", "4", "--eval-max-new-tokens", "32")
 
 

@@ -141,8 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate tau every N steps (0: only at the end)")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     p.add_argument("--labels", choices=("soft", "hard"), default="soft",
-                   help="soft: the seed recipe's (KL to the target, --use-soft-labels); hard: "
-                        "--no-use-soft-labels; both with --loss ce --gamma 10")
+                   help="soft: the seed recipe's (KL to the target); hard: --no-use-soft-labels; both CE, gamma 10")
     p.add_argument("--lr", default="3e-3")
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)

@@ -18,13 +18,14 @@ BIN = Path(sys.executable).parent
 
 # The hand-run command line the service replaces (docs/contracts.md). run.sh must mean the same run:
 # both are parsed by the trainer's own parser and compared, so neither the flags it spells out nor the
-# trainer defaults it leaves to are restated here.
+# trainer defaults it leaves to are restated here. One exception: the hand-run predates --loss and left it
+# to the default of its day, CE; the default is ce+dpace since 2026-12-06, so `--loss ce` is spelled out.
 ORIGINAL_RUN = (
     "--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "
     "--output-dir /workspace/checkpoints --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 --epochs 6 --lr 6e-4 "
     "--warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0 --token-budget 49152 "
     "--max-seq-len 8192 --max-batch-size 64 --block-size 32 --max-anchors 1024 --num-draft-layers 5 "
-    "--gamma 10.0 --noise-start 0.05 --noise-end 0.01 --noise-type uniform --use-soft-labels")
+    "--gamma 10.0 --noise-start 0.05 --noise-end 0.01 --noise-type uniform --use-soft-labels --loss ce")
 
 PLAYBOOK = """
 - name: Render the dflash templates with the inventory's values

@@ -24,7 +24,7 @@ from trainer.model import identity
 
 # the seeds' flags at a tiny size; --sliding-window 16 so that the sliding draft layers (the default for
 # this target: [sliding, full]) cut the tiny sequences' context
-EXTRA = ["--max-steps", "4", "--save-interval", "2", "--use-soft-labels", "--sliding-window", "16"]
+EXTRA = ["--max-steps", "4", "--save-interval", "2", "--use-soft-labels", "--loss", "ce", "--sliding-window", "16"]
 
 
 def test_prepare_tokenizes_chats_with_the_hybrid_target(tiny_hybrid_dir, tmp_path, capsys):

@@ -29,7 +29,8 @@ from trainer.config.preflight import check_safetensors_header, check_target_shar
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The seed run, as it was typed by hand (docs/contracts.md): its recipe is the trainer's default.
+# The seed run, as it was typed by hand (docs/contracts.md). Its recipe was the trainer's default until
+# 2026-12-06; it predates --loss, whose default (CE) it left to, and which is ce+dpace now.
 ORIGINAL = ("--target-model /m --data-dir /d --output-dir /o --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 --epochs 6 "
             "--lr 6e-4 --warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0 --token-budget 49152 "
             "--max-seq-len 8192 --max-batch-size 64 --block-size 32 --max-anchors 1024 --num-draft-layers 5 "
@@ -56,16 +57,44 @@ def test_every_field_is_a_flag_with_help_and_every_flag_a_field():
     assert {f.name for f in dataclasses.fields(TrainConfig)} - dests == {"save_final", "given"}
 
 
-def test_defaults_are_the_recommended_recipe_of_the_seed_run():
-    original, defaults = parse_args(ORIGINAL.split()), parse_args(PATHS)
-    assert dataclasses.replace(original, target_gpus=[], drafter_gpus=[]) == defaults
-    assert (defaults.block_size, defaults.max_anchors, defaults.gamma, defaults.use_soft_labels) == (32, 1024, 10.0, True)
+def test_defaults_are_the_recommended_recipe_and_the_seed_run_differs_in_four_flags():
+    """The defaults follow docs/performance.md's 2026-12-06 table (block 16, hard labels, CE + D-PACE); the
+    seed run is the defaults but for --block-size 32 --gamma 10 --use-soft-labels --loss ce."""
+    defaults = parse_args(PATHS)
+    assert (defaults.block_size, defaults.max_anchors, defaults.gamma, defaults.use_soft_labels, defaults.loss,
+            defaults.arch) == (16, 1024, 7.0, False, "ce+dpace", "dflash")
+    validate_flags(defaults, gpu_count=-1)
+    original = parse_args(ORIGINAL.split() + ["--loss", "ce"])
+    validate_flags(original, gpu_count=-1)
+    assert (original.block_size, original.max_anchors, original.gamma, original.use_soft_labels, original.loss) == (
+        32, 1024, 10.0, True, "ce")
+    seed = parse_args(PATHS + ["--block-size", "32", "--gamma", "10", "--use-soft-labels", "--loss", "ce"])
+    assert dataclasses.replace(original, target_gpus=[], drafter_gpus=[]) == seed
+
+
+def test_soft_labels_alone_are_refused_naming_loss_ce():
+    """--use-soft-labels under the default --loss ce+dpace: one line that says to add --loss ce (exit 2);
+    with --loss ce+dpace written, it says to drop the soft labels or take --loss ce."""
+    with pytest.raises(ConfigError, match="^--loss: the default ce\\+dpace is defined on hard labels: "
+                                          "--use-soft-labels needs --loss ce too$"):
+        validate_flags(parse_args(PATHS + ["--use-soft-labels"]), gpu_count=-1)
+    with pytest.raises(ConfigError, match="^--loss: ce\\+dpace is defined on hard labels: add --no-use-soft-labels "
+                                          "\\(or --loss ce to train on soft labels\\)$"):
+        validate_flags(parse_args(PATHS + ["--use-soft-labels", "--loss", "ce+dpace"]), gpu_count=-1)
+    validate_flags(parse_args(PATHS + ["--use-soft-labels", "--loss", "ce"]), gpu_count=-1)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "trainer.config", *PATHS, "--use-soft-labels"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 2 and r.stderr == ("dflash-train: error: --loss: the default ce+dpace is defined on hard "
+                                              "labels: --use-soft-labels needs --loss ce too\n")
 
 
 def test_switches_can_be_turned_off_and_contract_spellings_stay():
     cfg = parse_args(PATHS + ["--no-use-soft-labels", "--no-resume", "--no-async", "--split-fc"])
     assert (cfg.use_soft_labels, cfg.resume, cfg.async_pipeline, cfg.split_fc) == (False, False, False, True)
     assert cfg.status_file == "/o/status.json" and cfg.log_dir == "/o/logs"
+    # --use-soft-labels is off by default since 2026-12-06: its positive spelling turns it on
+    assert parse_args(PATHS + ["--use-soft-labels", "--loss", "ce"]).use_soft_labels is True
 
 
 def test_env_backed_defaults(monkeypatch):

@@ -62,7 +62,7 @@ def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(tiny_smal
     micro-batches per step. Per-step losses and final weights agree to float rounding: not 0, because
     the gradients are summed in another order (per rank, then reduce-scattered) and fp32 addition is not
     associative; measured differences are ~1e-7 relative."""
-    extra = ["--max-steps", "5", "--use-soft-labels"]
+    extra = ["--max-steps", "5", "--use-soft-labels", "--loss", "ce"]
     one, three = tmp_path / "world1", tmp_path / "world3"
     assert train_main(tiny_args(tiny_small_dir, one, *extra, "--grad-accum", "4")) == 0
     assert train_main(tiny_args(tiny_small_dir, three, *extra, "--grad-accum", "2", *THREE_RANKS)) == 0

@@ -17,8 +17,9 @@ from trainer.engine.metrics import MetricsFile
 
 BLOCK = 8   # tiny_args' --block-size
 # hard labels: the target trains on its first 6 of 8 layers, so an eval that forgot the others would differ
-# from dflash-eval's on the checkpoint; these settings move tau between steps 2 and 4 (the eval sees its step)
-LEARN = ("--no-use-soft-labels", "--lr", "5e-3", "--grad-accum", "1", "--max-anchors", "16")
+# from dflash-eval's on the checkpoint; these settings (CE, as they were tuned) move tau between steps 2 and 4
+# (the eval sees its step)
+LEARN = ("--no-use-soft-labels", "--loss", "ce", "--lr", "5e-3", "--grad-accum", "1", "--max-anchors", "16")
 SMALL_EVAL = ("--eval-prompts", "4", "--eval-max-new-tokens", "32")
 
 
@@ -66,7 +67,11 @@ def test_resume_cuts_later_evals_evaluates_at_the_same_steps_and_evals_leave_tra
     resumes from step 2, cuts metrics.jsonl back to it (eval records too) and evaluates at 4 and at its end.
     The losses are those of a run without evals: an eval changes no state the training reads."""
     out, plain = tmp_path / "resumed", tmp_path / "plain"
-    ev = ["--save-interval", "2", "--eval-data-dir", str(tiny_small_dir / "heldout"), "--eval-every", "2",
+    # constant noise: the noise anneals over the run's --max-steps, so the 3-step first run would draw steps 2
+    # and 3 at another amplitude than the 5-step runs (1e-7 of the loss under soft labels, 2e-6 under the
+    # default hard labels), whatever the evals do
+    flat = ["--noise-start", "0.02", "--noise-end", "0.02"]
+    ev = [*flat, "--save-interval", "2", "--eval-data-dir", str(tiny_small_dir / "heldout"), "--eval-every", "2",
           "--eval-prompts", "2", "--eval-max-new-tokens", "16"]
     assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", *ev)) == 0
     assert [r["step"] for r in records(out, "eval")] == [2, 3]
@@ -75,7 +80,7 @@ def test_resume_cuts_later_evals_evaluates_at_the_same_steps_and_evals_leave_tra
     assert _status(out)["resumed_from"].endswith("step-00000002")
     assert [(r["step"], r["final"]) for r in records(out, "eval")] == [(2, False), (4, False), (5, True)]
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5]
-    assert train_main(tiny_args(tiny_small_dir, plain, "--max-steps", "5", "--save-interval", "2")) == 0
+    assert train_main(tiny_args(tiny_small_dir, plain, "--max-steps", "5", *flat, "--save-interval", "2")) == 0
     assert losses(plain) == pytest.approx(losses(out), rel=1e-6)
     assert not records(plain, "eval")
 

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from trainer.__main__ import main as train_main
-from trainer.config.options import parse_args
+from trainer.config.options import ConfigError, parse_args
 from trainer.config.preflight import validate
 from trainer.model.drafter import DFlashConfig, DFlashDrafter, PackedMeta, init_drafter_weights, tap_layers
 from trainer.ops.loss import dflash_loss
 from trainer.ops.plan import plan_micro_batch
 
+# The seed run as typed by hand (docs/contracts.md): block 32, gamma 10, soft labels, and the loss then the
+# default, CE (the defaults since 2026-12-06 are block 16, hard labels, CE + D-PACE).
 ORIGINAL = ("--target-model /dev/shm/Qwen3.6-27B --data-dir /workspace/tokenized_completions "
             "--output-dir /workspace/checkpoints --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7 --epochs 6 --lr 6e-4 "
             "--warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0 --token-budget 49152 "
@@ -149,7 +151,7 @@ def test_chunked_loss_matches_full_logits_reference(soft):
 def test_padding_batches_to_a_multiple_changes_no_loss(tiny_small_dir, tmp_path):
     """--pad-multiple only adds right padding the causal target never attends to from real tokens:
     the same steps give the same losses with and without it."""
-    extra = ["--max-steps", "3", "--use-soft-labels"]
+    extra = ["--max-steps", "3", "--use-soft-labels", "--loss", "ce"]
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "p1", *extra, "--pad-multiple", "1")) == 0
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "p96", *extra, "--pad-multiple", "96")) == 0
     a, b = losses(tmp_path / "p1"), losses(tmp_path / "p96")
@@ -160,7 +162,7 @@ def test_padding_batches_to_a_multiple_changes_no_loss(tiny_small_dir, tmp_path)
 
 def test_no_async_runs_the_same_math(tiny_small_dir, tmp_path):
     """--no-async waits for every stage on the host; the numbers are the async run's."""
-    extra = ["--max-steps", "3", "--use-soft-labels"]
+    extra = ["--max-steps", "3", "--use-soft-labels", "--loss", "ce"]
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "async", *extra)) == 0
     assert train_main(tiny_args(tiny_small_dir, tmp_path / "sync", *extra, "--no-async")) == 0
     a, s = losses(tmp_path / "async"), losses(tmp_path / "sync")
@@ -241,6 +243,12 @@ def test_original_command_line_parses(tiny_small_dir):
     assert cfg.target_gpus == [0, 1, 2, 3, 4] and cfg.drafter_gpus == [5, 6, 7]
     assert (cfg.block_size, cfg.max_anchors, cfg.gamma, cfg.token_budget, cfg.grad_accum) == (32, 1024, 10.0, 49152, 4)
     assert cfg.use_soft_labels and cfg.noise_type == "uniform" and cfg.noise_start == 0.05
+    # typed today it meets the default --loss ce+dpace, defined on hard labels: one line says what to add
+    with pytest.raises(ConfigError, match="^--loss: the default ce\\+dpace is defined on hard labels: "
+                                          "--use-soft-labels needs --loss ce too$"):
+        validate(cfg, gpu_count=8)
+    cfg = parse_args(args + ["--loss", "ce"])
+    assert cfg.loss == "ce"
     validate(cfg, gpu_count=8)  # on an 8-GPU node this is a valid run
 
 
@@ -321,9 +329,11 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     from trainer.model.target import load_target
     from trainer.serving.evaluate import evaluate, load_drafter
     out = tmp_path / "learn"
-    # hard labels: the data are the target's own greedy outputs (soft labels, the default, chase the tiny
-    # random target's high-entropy distribution, whose loss cannot fall by a whole nat)
-    rc = train_main(tiny_args(tiny_small_dir, out, "--no-use-soft-labels", "--epochs", "12", "--grad-accum", "1",
+    # hard labels: the data are the target's own greedy outputs (soft labels chase the tiny random target's
+    # high-entropy distribution, whose loss cannot fall by a whole nat); CE, whose nats the bound below counts
+    # (the default ce+dpace logs a confidence-weighted objective on another scale)
+    rc = train_main(tiny_args(tiny_small_dir, out, "--no-use-soft-labels", "--loss", "ce", "--epochs", "12",
+                              "--grad-accum", "1",
                               "--lr", "5e-3",
                               "--max-anchors", "16", "--eval-data-dir", str(tiny_small_dir / "heldout")))
     assert rc == 0

@@ -154,8 +154,8 @@ def test_a_stub_entry_trains_checkpoints_and_exports_through_the_cli(tiny_small_
     --arch refused by the checkpoint's record."""
     out, exp = tmp_path / "run", tmp_path / "export"
     train = tiny_args(tiny_small_dir, out, "--max-steps", "2", "--save-interval", "2", "--arch", "stub",
-                      "--no-use-soft-labels")
-    resume = tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels")
+                      "--no-use-soft-labels", "--loss", "ce")
+    resume = tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--loss", "ce")
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(REGISTER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))

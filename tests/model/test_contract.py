@@ -138,13 +138,17 @@ def choices(cfg_dir: Path, *extra: str, arch: str = "dflash"):
     return cfg, got
 
 
-def test_auto_on_the_seeds_target_is_the_published_contract_and_keeps_block_32(tmp_path):
+def test_auto_on_the_seeds_target_is_the_published_contract_and_keeps_the_block_it_is_given(tmp_path):
     t = qwen3_5_27b(tmp_path / "q35")
     cfg, got = choices(t)
     assert (cfg.draft_heads, cfg.draft_kv_heads, cfg.draft_head_dim) == (32, 8, 128)
     assert cfg.draft_layer_types == "sliding,sliding,sliding,sliding,full" and cfg.sliding_window == 2048
     assert cfg.target_layers == [1, 16, 31, 46, 61] and cfg.mask_token_id == 248070
-    assert cfg.block_size == 32 and cfg.max_anchors == 1024          # the seeds' recipe, not the contract's 16
+    # the default block (16 since 2026-12-06, the same as this contract's) comes from the flag's default, never
+    # from the contract: the seed recipe's block 32 stays 32, and DFlash2's contract (block 8) leaves it 16
+    assert cfg.block_size == 16 and cfg.max_anchors == 1024
+    cfg32, got32 = choices(t, "--block-size", "32")
+    assert cfg32.block_size == 32 and got32["block_size"].source == "--block-size"
     src = "the qwen3_5 family's published contract (z-lab/Qwen3.6-27B-DFlash)"
     assert got["heads"].source == got["layer_types"].source == got["sliding_window"].source == src
     assert got["taps"].source.startswith("evenly spread") and got["block_size"].source == "--block-size default"
@@ -152,6 +156,7 @@ def test_auto_on_the_seeds_target_is_the_published_contract_and_keeps_block_32(t
     cfg2, got2 = choices(t, arch="dflash2")
     assert cfg2.target_layers == [5, 19, 33, 47, 61] and cfg2.draft_layer_types == ",".join(["sliding"] * 5)
     assert "Qwen3.8-27B DFlash2" in got2["taps"].source
+    assert cfg2.block_size == 16 and got2["block_size"].source == "--block-size default"
 
 
 def test_flags_given_override_the_contract_and_none_keeps_the_generic_rules(tmp_path):

@@ -110,8 +110,12 @@ PATHS = ["--target-model", "t", "--data-dir", "d", "--output-dir", "o"]
 
 def test_ce_dpace_with_soft_labels_or_alpha_out_of_range_is_refused_naming_the_flag():
     validate_flags(parse_args(PATHS + ["--loss", "ce+dpace", "--no-use-soft-labels"]), gpu_count=-1)
-    assert parse_args(PATHS).loss == "ce"                           # today's default
+    assert parse_args(PATHS).loss == "ce+dpace"                     # today's default (2026-12-06), on hard labels
+    validate_flags(parse_args(PATHS), gpu_count=-1)
     with pytest.raises(ConfigError, match="^--loss: ce\\+dpace is defined on hard labels"):
-        validate_flags(parse_args(PATHS + ["--loss", "ce+dpace"]), gpu_count=-1)
+        validate_flags(parse_args(PATHS + ["--loss", "ce+dpace", "--use-soft-labels"]), gpu_count=-1)
+    with pytest.raises(ConfigError, match="^--loss: the default ce\\+dpace is defined on hard labels: "
+                                          "--use-soft-labels needs --loss ce too"):
+        validate_flags(parse_args(PATHS + ["--use-soft-labels"]), gpu_count=-1)
     with pytest.raises(ConfigError, match="^--dpace-alpha: must be in"):
         validate_flags(parse_args(PATHS + ["--dpace-alpha", "1.5"]), gpu_count=-1)

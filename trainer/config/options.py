@@ -4,8 +4,12 @@
 flag and simple range; the argparse parser (:func:`build_parser`), the range checks of
 :func:`validate_flags` and the Ansible side's flag list (:func:`flag_spec`, checked against
 roles/dflash_service/meta/argument_specs.yml by the tests) are all generated from those fields.
-The defaults are the recipe we recommend: the seed run's (block 32, 1024 anchors, gamma 10, noise
-0.05 -> 0.01, soft labels); `dflash-train --help` lists them.
+The defaults are the recipe we recommend, after the 2026-12-06 table (docs/performance.md, "Real model
+(SmolLM2-135M-Instruct)"): block 16, 1024 anchors, noise 0.05 -> 0.01, hard labels (the data tokens) and
+CE + D-PACE, its best DFlash row; block 16 is also the seeds' published drafter's (z-lab/Qwen3.6-27B-DFlash)
+and CE + D-PACE the peers' loss. gamma 7 is --loss ce's decay (D-PACE does not use it). The architecture
+stays dflash, what SGLang and vLLM serve. The seed run's recipe (the defaults until 2026-12-06) is
+`--block-size 32 --gamma 10 --use-soft-labels --loss ce`. `dflash-train --help` lists them all.
 
 Only the flags are here, and the rules that need nothing but the flags: no file is read, no model or
 checkpoint opened, and torch is never imported at module level (tests/config/test_options.py imports this
@@ -104,16 +108,17 @@ class TrainConfig:
     token_budget: int = opt(49152, "padded tokens per target forward", group=RUN, ge=2)
     max_seq_len: int = opt(8192, "longer sequences are truncated (or dropped with --drop-long)", group=RUN, ge=2)
     max_batch_size: int = opt(64, "sequences per target forward", group=RUN, ge=1)
-    block_size: int = opt(32, "tokens per draft block (slot 0 is the anchor's own token)", group=RUN, ge=2)
+    block_size: int = opt(16, "tokens per draft block (slot 0 is the anchor's own token)", group=RUN, ge=2)
     max_anchors: int = opt(1024, "anchors (blocks) per sequence", group=RUN, ge=1)
     num_draft_layers: int = opt(5, "decoder layers of the drafter", group=RUN, ge=1)
-    gamma: float = opt(10.0, "loss decay over block slots: w_k = exp(-(k-1)/gamma)", group=RUN, gt=0)
+    gamma: float = opt(7.0, "--loss ce's decay over block slots: w_k = exp(-(k-1)/gamma) (ce+dpace weighs "
+                                   "by confidence instead)", group=RUN, gt=0)
     noise_start: float = opt(0.05, "noise on the tapped hidden states at the start (annealed)", group=RUN, ge=0)
     noise_end: float = opt(0.01, "noise at the end of the run (<= --noise-start)", group=RUN, ge=0)
     noise_type: str = opt("uniform", "noise distribution", group=RUN, choices=NOISE_TYPES)
-    use_soft_labels: bool = opt(True, "train against the target's distribution (KL) instead of the data tokens",
-                                group=RUN)
-    loss: str = opt("ce", "ce: cross-entropy weighted per block slot by --gamma's decay; ce+dpace: weighted by "
+    use_soft_labels: bool = opt(False, "train against the target's distribution (KL) instead of the data tokens "
+                                        "(needs --loss ce)", group=RUN)
+    loss: str = opt("ce+dpace", "ce: cross-entropy weighted per block slot by --gamma's decay; ce+dpace: weighted by "
                           "D-PACE from the drafter's own confidence (speculators' default since #980; needs "
                           "--no-use-soft-labels)", group=RUN, choices=LOSS_CHOICES)
     dpace_alpha: float = opt(0.5, "D-PACE's confidence smoothing (--loss ce+dpace), in (0, 1]", group=RUN, gt=0)
@@ -325,7 +330,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-TRAIN_DESCRIPTION = "Train a DFlash drafter against a frozen target model. The defaults are the recommended recipe."
+TRAIN_DESCRIPTION = ("Train a DFlash drafter against a frozen target model. The defaults are the recommended "
+                     "recipe (block 16, hard labels, CE + D-PACE; the seed run's was --block-size 32 --gamma 10 "
+                     "--use-soft-labels --loss ce).")
 
 
 def build_parser(prog: str = "dflash-train", cls: type | None = None,
@@ -525,7 +532,9 @@ def validate_flags(cfg: TrainConfig, gpu_count: int | None = None) -> None:
          f"HOST:PORT of the first node is needed with --nnodes {cfg.nnodes}"),
         (cfg.dpace_alpha <= 1, "--dpace-alpha", f"must be in (0, 1], got {cfg.dpace_alpha}"),
         (cfg.loss != "ce+dpace" or not cfg.use_soft_labels, "--loss",
-         "ce+dpace is defined on hard labels: add --no-use-soft-labels"),
+         "ce+dpace is defined on hard labels: add --no-use-soft-labels (or --loss ce to train on soft labels)"
+         if "loss" in cfg.given else
+         "the default ce+dpace is defined on hard labels: --use-soft-labels needs --loss ce too"),
         (cfg.eval_every == 0 or bool(cfg.eval_data_dir), "--eval-every",
          f"({cfg.eval_every}) needs --eval-data-dir (the held-out shards to evaluate on)"),
     ]

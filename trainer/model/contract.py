@@ -6,8 +6,9 @@ sources, are its entry in trainer/model/families.py; the config wing resolves a 
 A drafter trained for a family that has published drafters should keep their contract: the serving stacks
 and the users' warm starts (--init-drafter) expect the MASK id, the attention shape and the taps those
 drafters use. ``--draft-contract auto`` (the default) makes the family's contract the default of every
-choice the user leaves open; ``none`` keeps the generic rules. The seeds' recipe keeps its own block size
-and anchors: a contract's block size is recorded, never imposed (a warm start takes the drafter's).
+choice the user leaves open; ``none`` keeps the generic rules. A run keeps its own block size and anchors
+(--block-size's default, or the flag): a contract's block size is recorded, never imposed (a warm start
+takes the drafter's).
 
 Standard library only (preflight and the Ansible controller's flag check import it without torch).
 """

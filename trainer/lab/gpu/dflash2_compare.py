@@ -78,6 +78,7 @@ def plan(a) -> dict:
                       "--block-size", str(a.block_size), "--max-anchors", str(a.max_anchors),
                       "--num-draft-layers", str(a.num_draft_layers), "--grad-accum", "1", "--lr", a.lr,
                       "--epochs", "1000", "--save-interval", str(10 ** 6), "--no-use-soft-labels",
+                      "--gamma", "10",   # the ce runs' decay as measured (the default until 2026-12-06)
                       "--eval-data-dir", str(tiny / "heldout"), "--eval-prompts", str(a.eval_prompts),
                       "--eval-max-new-tokens", str(a.eval_max_new_tokens), "--eval-every", str(a.eval_every),
                       "--profile-interval", "600", *shlex.split(a.extra), *RUNS[name]]

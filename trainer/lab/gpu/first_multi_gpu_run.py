@@ -59,7 +59,9 @@ RUN_ENV_FILE = REPO / "roles" / "dflash_service" / "vars" / "main.yml"
 # windows; the variable that silences the warning (newer builds) is a marker too.
 P2P_SENTENCE = "unbatched P2P ops are treated as independent collective ops"
 P2P_SWITCH = b"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"
-SEED_RECIPE = ["--block-size", "32", "--max-anchors", "1024", "--grad-accum", "4", "--gamma", "10"]
+# the seed recipe spelled out (the trainer's defaults until 2026-12-06: block 32, soft labels, CE)
+SEED_RECIPE = ["--block-size", "32", "--max-anchors", "1024", "--grad-accum", "4", "--gamma", "10",
+               "--use-soft-labels", "--loss", "ce"]
 TINY_RECIPE = ["--block-size", "8", "--max-anchors", "64", "--grad-accum", "4", "--gamma", "4",
                "--token-budget", "4096", "--max-seq-len", "512", "--num-draft-layers", "2"]
 

@@ -17,7 +17,9 @@ the evals, the mean loss of the last 10% of the steps and tau; FP8 holds parity 
 bf16 seed 0 is within the seed-to-seed distance (or a small floor). The JSON is rewritten every
 --poll-s seconds while the runs train, so a run cut off by a time limit still leaves its curves.
 --labels hard (--no-use-soft-labels) trains on the target's greedy tokens, which is what tau measures;
-soft labels (the default recipe) chase the random target's whole, high-entropy distribution.
+soft labels (the seed recipe's) chase the random target's whole, high-entropy distribution. Either way the
+loss is CE with gamma 10, as the recorded runs were trained (the trainer's defaults until 2026-12-06; hard
+labels with CE + D-PACE are the defaults now), so a rerun measures the same recipe.
 `--gpu cpu` is a smoke run of the script (tiny sizes; FP8 runs need a GPU, so pass --runs bf16,bf16-seed1).
 """
 
@@ -32,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+LABELS = {"soft": ["--use-soft-labels"], "hard": ["--no-use-soft-labels"]}
 RUNS = {  # name: (seed, extra flags)
     "bf16": (0, []),
     "bf16-seed1": (1, []),
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate tau every N steps (0: only at the end)")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     p.add_argument("--labels", choices=("soft", "hard"), default="soft",
-                   help="soft: the default recipe (KL to the target); hard: --no-use-soft-labels")
+                   help="soft: the seed recipe's (KL to the target); hard: --no-use-soft-labels; both CE, gamma 10")
     p.add_argument("--lr", default="3e-3")
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
                  "--grad-accum", "1", "--lr", a.lr, "--epochs", "1000", "--save-interval", str(10 ** 6),
                  "--eval-data-dir", str(tiny / "heldout"), "--eval-prompts", str(a.eval_prompts),
                  "--eval-max-new-tokens", str(a.eval_max_new_tokens), "--eval-every", str(a.eval_every),
-                 "--profile-interval", "600", *(["--no-use-soft-labels"] if a.labels == "hard" else []),
+                 "--profile-interval", "600", *LABELS[a.labels], "--loss", "ce", "--gamma", "10",
                  *a.extra.split(), *flags]
         log = open(work / f"{name}.log", "w")
         procs[name] = (subprocess.Popen(argv_, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)), out, log,

@@ -2,6 +2,7 @@
 status.json, the supervisor's relay extends systemd's start timeout only while a note moves, and a frozen
 start-up ends with one line naming the rank and its phase, within the bound."""
 import json
+import re
 import socket
 import threading
 import time
@@ -204,8 +205,11 @@ def _journal_of_a_stalled_job(tiny, tmp_path, hang: str, *extra: str, stall_s: f
 
 def _dumps(journal: str) -> int:
     """faulthandler dumps in the journal: one `Current thread` block per rank that took its stacks (the lines
-    carry no rank; each rank's main thread names where it waits)."""
-    return journal.count("Current thread 0x")
+    carry no rank; each rank's main thread names where it waits), each whole: the supervisor asks the ranks
+    one at a time, so no two dumps interleave (a cut block would not match)."""
+    blocks = re.findall(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):\n(?:  File .*\n)+", journal, re.M)
+    assert len(blocks) == journal.count("Current thread 0x"), journal[-3000:]
+    return len(blocks)
 
 
 @pytest.mark.slow

@@ -22,6 +22,9 @@ ECHO_S = 5   # a signal death this long after the first failure is the launcher'
 # RestartPreventExitStatus, since a restart would stall the same way (a start-up cycle lasts as long as its
 # bound, too long for any start limit to count).
 STALL_EXIT = 3
+# between two ranks' SIGUSR1: each rank's faulthandler writes its stacks straight to the shared journal, and
+# dumps taken at once interleave line by line (seen: two ranks' "in recv" cut apart)
+STACKS_GAP_S = 0.2
 ABORT_FILE = "abort"   # in the notes directory: node 0's ranks hand the line to every node (heartbeat.py)
 
 
@@ -273,6 +276,16 @@ class _Stopper:
             except OSError:
                 pass
 
+    def _stacks(self) -> None:
+        """Every rank's stacks into the journal, one rank at a time (STACKS_GAP_S apart)."""
+        import signal
+        for pid in self._children():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(STACKS_GAP_S)
+
     def abort(self, grace: float = 3.0, after: float = 0.0) -> None:
         """End the ranks: `after` seconds from now (the other nodes' ranks take their stacks meanwhile),
         SIGUSR1 (each rank's faulthandler writes every thread's stack to its log: rank.train_rank registers
@@ -281,7 +294,7 @@ class _Stopper:
         self.requested.set()
 
         def stacks_then_kill():
-            self._signal_children(signal.SIGUSR1)
+            self._stacks()
             k = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
             k.daemon = True
             k.start()
@@ -303,7 +316,7 @@ class _Stopper:
             # start-up stood (systemd's start timeout would otherwise read as "rank 0 failed (signal 15)")
             self.startup_line = f"stopped by {signal.Signals(signum).name} during the start-up: {line}"
             log.error("%s", self.startup_line)
-            self._signal_children(signal.SIGUSR1)
+            self._stacks()
             time.sleep(1.0)
         log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
                  signal.Signals(signum).name, self.timeout)

@@ -55,6 +55,31 @@ def test_a_rank_that_ends_normally_is_not_silence():
     a.stop()
 
 
+def test_a_stopped_heartbeat_leaves_no_thread_in_a_store_call():
+    """stop() (atexit, after a clean run) returns once the beat is out of its store call: a daemon thread inside
+    one when the interpreter finalizes aborts the rank (SIGABRT after "training complete", seen on a loaded
+    host; pytorch/pytorch#38228). A store whose round trips take 0.5 s holds the beat in its call."""
+    import threading
+
+    class SlowStore:
+        def __init__(self, store):
+            self.store = store
+
+        def set(self, key, value):
+            time.sleep(0.5)
+            return self.store.set(key, value)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
+    before = set(threading.enumerate())    # another test's heartbeat may still be on its way out
+    hb = Heartbeat(SlowStore(server), 0, 1, ["a"], bound_s=60, interval=0.1, on_silent=lambda line: None).start()
+    time.sleep(0.2)                  # the first beat is in its set
+    hb.stop(done=False)
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("heartbeat")]
+
+
 def test_node_0_vanishing_ends_the_other_nodes_ranks():
     """Node 0 (its rank and the store's host) vanishes: the other rank's round trips stop succeeding and rank
     0's counter stops; the rank ends within the bound, saying which."""
@@ -256,7 +281,7 @@ def test_a_stall_on_node_1_takes_node_1s_stacks_through_the_abort_key(tiny_small
                               "--log-dir", str(tmp_path / "node1")],
                              env={**env, STALL_ENV: "900"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     node0 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "0"],
-                             env={**env, STALL_ENV: "45"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env={**env, STALL_ENV: "120"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         journal0 = node0.communicate(timeout=500)[0]
         journal1 = node1.communicate(timeout=120)[0]

@@ -154,18 +154,56 @@ def test_a_drafter_rank_refuses_hidden_states_that_are_not_on_its_device():
 # DFlash2 (issue 43): its candidate selector runs outside the drafter's forward, on the root FSDP unit's
 # parameters, and its optimizer state is sharded and restored like the rest (--loss ce+dpace: hard labels)
 ARCHS = {"dflash": [], "dflash2": ["--arch", "dflash2", "--loss", "ce+dpace", "--no-use-soft-labels"]}
+# 1 target + 2 drafter ranks, 6 steps, a checkpoint every 2 (all kept): the uninterrupted run that the resumes
+# below must equal
+LIFECYCLE = ["--max-steps", "6", "--save-interval", "2", "--keep-checkpoints", "0", "--grad-accum", "2",
+             *THREE_RANKS]
+
+
+# DFlash's uninterrupted run holds each checkpoint 12 s (fault injection; a host-side sleep before the rename,
+# nothing the numbers see) under --dist-timeout 4: test_a_checkpoint_longer_than_the_dist_timeout_does_not_fail_the_job
+SLOW_CHECKPOINT = {"dflash": ("12", ["--dist-timeout", "4"])}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_small_dir, tmp_path_factory):
+    """arch -> the output dir of LIFECYCLE's uninterrupted run of that arch, trained once per module (this process
+    supervises) and read by every test that resumes from it or compares with it (none writes into it)."""
+    runs: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted-{arch}") / "out"
+            held, extra = SLOW_CHECKPOINT.get(arch, (None, []))
+            with pytest.MonkeyPatch.context() as mp:   # the ranks' environment
+                if held:
+                    mp.setenv("DFLASH_FAULT_SLOW_CHECKPOINT", held)
+                assert train_main(tiny_args(tiny_small_dir, out, *LIFECYCLE, *ARCHS[arch], *extra)) == 0
+            runs[arch] = out
+        return runs[arch]
+    return get
+
+
+def _resumed_exactly(ref: Path, out: Path) -> None:
+    """Every step after the resume (from step 2) has the uninterrupted run's loss, bit for bit, and the final
+    weights are its weights (the same layout: the same sums in the same order)."""
+    a, b = losses(ref), losses(out)
+    for step in range(3, 7):
+        assert b[step] == a[step], f"step {step} differs after the restart"
+    wa, wb = _final_weights(ref), _final_weights(out)
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(arch, tiny_small_dir, tmp_path):
-    """Every step after the restart has the uninterrupted run's loss, bit for bit, and the final weights
-    are its weights (the same layout: the same sums in the same order)."""
-    extra = ["--max-steps", "6", "--save-interval", "2", "--grad-accum", "2", *THREE_RANKS, *ARCHS[arch]]
-    ref, out = tmp_path / "ref", tmp_path / "killed"
-    assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
+def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(uninterrupted, tiny_small_dir, tmp_path):
+    """A drafter rank SIGKILLed at step 3 ends the job (the supervisor names it, no rank is left behind); the
+    restart resumes from step 2 and trains what the uninterrupted run trained. The fault path is the arch's
+    business nowhere (the supervisor, status.json, the restart's metrics): DFlash, the default, runs it; DFlash2's
+    sharded state resumes from the same checkpoint in the test below."""
+    ref, out = uninterrupted("dflash"), tmp_path / "killed"
     env = dict(os.environ, DFLASH_FAULT_DIE_AT_STEP="3", DFLASH_FAULT_DIE_RANK="1")
-    cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
+    cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *LIFECYCLE)]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # timed from step 2 (rank 1 dies at the top of step 3), not from the start: the startup's imports
     # are what a loaded CI machine stretches, not the detection
@@ -180,22 +218,34 @@ def test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly(arch, tiny_sma
     assert took < 90, f"the job took {took:.0f}s after step 2 to notice the rank that died at step 3"
     assert sorted(p.name for p in out.glob("step-*")) == ["step-00000002"]
     assert not _procs_with(str(out)), "ranks left behind"
-    # systemd restarts it: it resumes from step 2 and trains what the uninterrupted run trained
-    assert subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
-    a, b = losses(ref), losses(out)
-    assert sorted(b) == [1, 2, 3, 4, 5, 6], "metrics.jsonl holds each step once"
-    for step in range(3, 7):
-        assert b[step] == a[step], f"step {step} differs after the restart"
-    wa, wb = _final_weights(ref), _final_weights(out)
-    assert wa.keys() == wb.keys()
-    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
-    if arch == "dflash2":   # and world size 1 trains the same (DFlash: the test at the top of this file)
-        one = tmp_path / "world1"
-        assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4", *ARCHS[arch])) == 0
-        w1 = losses(one)
-        assert sorted(w1) == sorted(a)
-        for step in a:
-            assert w1[step] == pytest.approx(a[step], rel=1e-5), f"step {step}: world size 1 vs 1 + 2 ranks"
+    # systemd restarts it (the same command line): it resumes from step 2 and trains what the uninterrupted
+    # run trained
+    assert train_main(tiny_args(tiny_small_dir, out, *LIFECYCLE)) == 0
+    assert _status(out)["resumed_from"].endswith("step-00000002")
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6], "metrics.jsonl holds each step once"
+    _resumed_exactly(ref, out)
+
+
+@pytest.mark.slow
+def test_dflash2_resumes_exactly_on_three_ranks_and_trains_what_world_size_one_trains(uninterrupted, tiny_small_dir,
+                                                                                        tmp_path):
+    """DFlash2's selector sits on the root FSDP unit, outside the drafter's forward: its parameters and their
+    AdamW state are sharded over the two drafter ranks, checkpointed and restored like the rest. A run resumed
+    from the uninterrupted run's step 2 equals it bit for bit; world size 1 trains the same to float rounding
+    (DFlash: test_one_target_two_drafter_ranks_train_what_world_size_one_trains)."""
+    import shutil
+    ref, out = uninterrupted("dflash2"), tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(ref / "step-00000002", out / "step-00000002")
+    assert train_main(tiny_args(tiny_small_dir, out, *LIFECYCLE, *ARCHS["dflash2"])) == 0
+    assert _status(out)["resumed_from"].endswith("step-00000002")
+    _resumed_exactly(ref, out)
+    one = tmp_path / "world1"
+    assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4", *ARCHS["dflash2"])) == 0
+    a, w1 = losses(ref), losses(one)
+    assert sorted(w1) == sorted(a)
+    for step in a:
+        assert w1[step] == pytest.approx(a[step], rel=1e-5), f"step {step}: world size 1 vs 1 + 2 ranks"
 
 
 @pytest.mark.slow
@@ -221,20 +271,18 @@ def test_sigterm_to_the_launcher_checkpoints_once_and_leaves_no_rank(tiny_small_
 
 
 @pytest.mark.slow
-def test_resume_onto_a_different_number_of_drafter_ranks(tiny_small_dir, tmp_path):
-    """DCP reshards the model and AdamW state: 2 drafter ranks checkpoint at step 2, 1 drafter rank
-    (same micro-batches per step: grad accum 4 instead of 2) goes on and matches the 2-rank run."""
-    two = tmp_path / "two"
-    base = ["--max-steps", "4", "--save-interval", "2", "--keep-checkpoints", "0"]
-    assert train_main(tiny_args(tiny_small_dir, two, *base, "--grad-accum", "2", *THREE_RANKS)) == 0
-    one = tmp_path / "one"
-    one.mkdir()
+def test_resume_onto_a_different_number_of_drafter_ranks(uninterrupted, tiny_small_dir, tmp_path):
+    """DCP reshards the model and AdamW state: 2 drafter ranks checkpoint at step 2 (the uninterrupted run), 1
+    drafter rank (same micro-batches per step: grad accum 4 instead of 2) goes on and matches the 2-rank run."""
     import shutil
+    two, one = uninterrupted("dflash"), tmp_path / "one"
+    one.mkdir()
     shutil.copytree(two / "step-00000002", one / "step-00000002")
-    assert train_main(tiny_args(tiny_small_dir, one, *base, "--grad-accum", "4")) == 0
+    assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--save-interval", "2",
+                                "--keep-checkpoints", "0", "--grad-accum", "4")) == 0
     assert _status(one)["resumed_from"].endswith("step-00000002")
     a, b = losses(two), losses(one)
-    for step in (3, 4):
+    for step in (3, 4, 5, 6):
         assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step}"
 
 
@@ -272,8 +320,14 @@ def test_global_ranks_follow_node_rank_whatever_the_nodes_are_called(tiny_small_
             if p.poll() is None:
                 p.kill()
     assert node0.returncode == 0 and node1.returncode == 0, (out0[-2000:], out1[-2000:])
-    assert _status(out)["phase"] == "done"
+    st = _status(out)
+    assert st["phase"] == "done" and st["step"] >= 1
     assert not (tmp_path / "node1" / "status.json").exists(), "node 1 held the leader"
+    assert "ranks: rank 0 drafter" in out0
+    # one job with a shared output dir: the final checkpoint holds both nodes' drafter shards
+    ckpt = out / f"step-{st['step']:08d}"
+    assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (ckpt / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------- the logged loss
@@ -299,21 +353,17 @@ def test_the_logged_loss_is_the_mean_per_supervised_token_whatever_the_grad_accu
 # ----------------------------------------------------------- host phases longer than --dist-timeout
 
 @pytest.mark.slow
-def test_a_checkpoint_longer_than_the_dist_timeout_does_not_fail_the_job(tiny_small_dir, tmp_path):
-    """The leader's checkpoint is held 12 s (fault injection) with --dist-timeout 4: the target rank must
-    not sit in a send that times out meanwhile. Every rank waits for the checkpoint at the step it is
-    taken (a host-side barrier on the gloo control group, whose timeout is HOST_PHASE_TIMEOUT_S)."""
-    out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]),
-               DFLASH_FAULT_SLOW_CHECKPOINT="12")
-    argv = tiny_args(tiny_small_dir, out, "--max-steps", "5", "--save-interval", "2", "--dist-timeout", "4",
-                     *THREE_RANKS)
-    r = subprocess.run([sys.executable, "-m", "trainer", *argv], env=env, capture_output=True, text=True,
-                       timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_a_checkpoint_longer_than_the_dist_timeout_does_not_fail_the_job(uninterrupted):
+    """The leader's checkpoints are held 12 s (fault injection) with --dist-timeout 4 (DFlash's uninterrupted run,
+    checkpoints at steps 2, 4 and 6): the target rank must not sit in a send that times out meanwhile. Every
+    rank waits for the checkpoint at the step it is taken (a host-side barrier on the gloo control group, whose
+    timeout is HOST_PHASE_TIMEOUT_S). The fixture asserts the run exited 0."""
+    out = uninterrupted("dflash")
     st = _status(out)
-    assert st["phase"] == "done" and st["step"] == 5
+    assert st["phase"] == "done" and st["step"] == 6
     assert (out / "step-00000002").is_dir() and (out / "step-00000004").is_dir()
+    log = "\n".join(f.read_text(errors="replace") for f in (out / "logs").glob("*.log"))
+    assert log.count("fault injection: checkpoint") >= 2, "the checkpoints were not held"
 
 
 # ------------------------------------------------------------------------------- a dead rank

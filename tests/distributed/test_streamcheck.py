@@ -211,15 +211,12 @@ def test_sender_slot_ring_bounds_what_is_in_flight(mode):
 
 import glob  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from trainer.distributed.streamcheck import load_programs, window  # noqa: E402
 from trainer.lab import opreplay  # noqa: E402
 from trainer.lab.opreplay import run_plan  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 # the two orders: what shipped before this check existed, and what ships now (the defaults)
 SHIPPED = ["--transport", "world", "--fsdp-prefetch", "forward"]
 FIXED = ["--transport", "pair", "--fsdp-prefetch", "step"]
@@ -235,11 +232,21 @@ def _tiny_argv(tiny: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _record(tiny: Path, tmp: Path, order: list[str]) -> list:
+    """The real job, recorded: this process supervises (as `python -m trainer` would, without a second torch
+    import), its ranks record; the environment and the signal handlers the supervisor sets are put back."""
+    import signal
+
+    from trainer.__main__ import main as train_main
     ops = tmp / "ops"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DFLASH_RECORD_OPS=str(ops))
-    r = subprocess.run([sys.executable, "-m", "trainer", *_tiny_argv(tiny, tmp / "out", *order)], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    os.environ.update(OMP_NUM_THREADS="1", DFLASH_RECORD_OPS=str(ops))
+    try:
+        assert train_main(_tiny_argv(tiny, tmp / "out", *order)) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        for s, h in handlers.items():
+            signal.signal(s, h)
     return load_programs(sorted(glob.glob(str(ops / "ops-rank*.json"))))
 
 

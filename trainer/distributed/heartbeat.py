@@ -40,6 +40,7 @@ DONE = "done"
 MARGIN_S = 30.0           # under --dist-timeout: a few beats, and the store's own round trips
 ABORT_ACK_S = 12.0        # an aborting rank waits this long for every rank's stacks (two beats and more)
 ABORT_WAIT_S = ABORT_ACK_S + 3.0   # how long a supervisor leaves every node's ranks to take theirs and end
+STOP_JOIN_S = 5.0         # a normal end waits this long for a store call in flight (Heartbeat.stop)
 
 
 def heartbeat_bound(dist_timeout_s: float) -> float:
@@ -98,14 +99,20 @@ class Heartbeat:
             t.start()
         return self
 
-    def stop(self, done: bool = True) -> None:
-        """A normal end: `done` in this rank's key, so its peers do not count its silence."""
+    def stop(self, done: bool = True, join_s: float = STOP_JOIN_S) -> None:
+        """A normal end: `done` in this rank's key, so its peers do not count its silence. Then the beat and the
+        watch are waited for (at most `join_s` each): a daemon thread still inside a store call when the
+        interpreter finalizes aborts the process as it takes the GIL back (pybind11's gil_scoped_release,
+        pytorch/pytorch#38228: "terminate called without an active exception", SIGABRT after a clean run)."""
         self._halt.set()
         if done:
             try:
                 self.store.set(KEY.format(rank=self.rank), DONE)
             except Exception:  # noqa: BLE001
                 pass
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(join_s)
 
     def beat_once(self) -> None:
         self.count += 1

@@ -269,22 +269,16 @@ class _Stopper:
                     continue
         return out
 
-    def _signal_children(self, sig) -> None:
+    def _signal_children(self, sig, gap: float = 0.0) -> None:
+        """`sig` to every rank of this node; `gap` seconds after each one that got it (the stacks: one rank's
+        dump at a time, STACKS_GAP_S)."""
         for pid in self._children():
             try:
                 os.kill(pid, sig)
             except OSError:
-                pass
-
-    def _stacks(self) -> None:
-        """Every rank's stacks into the journal, one rank at a time (STACKS_GAP_S apart)."""
-        import signal
-        for pid in self._children():
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except OSError:
                 continue
-            time.sleep(STACKS_GAP_S)
+            if gap:
+                time.sleep(gap)
 
     def abort(self, grace: float = 3.0, after: float = 0.0) -> None:
         """End the ranks: `after` seconds from now (the other nodes' ranks take their stacks meanwhile),
@@ -294,7 +288,7 @@ class _Stopper:
         self.requested.set()
 
         def stacks_then_kill():
-            self._stacks()
+            self._signal_children(signal.SIGUSR1, gap=STACKS_GAP_S)
             k = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
             k.daemon = True
             k.start()
@@ -316,7 +310,7 @@ class _Stopper:
             # start-up stood (systemd's start timeout would otherwise read as "rank 0 failed (signal 15)")
             self.startup_line = f"stopped by {signal.Signals(signum).name} during the start-up: {line}"
             log.error("%s", self.startup_line)
-            self._stacks()
+            self._signal_children(signal.SIGUSR1, gap=STACKS_GAP_S)
             time.sleep(1.0)
         log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
                  signal.Signals(signum).name, self.timeout)

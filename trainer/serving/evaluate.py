@@ -310,7 +310,7 @@ def evaluate(target, drafter, dcfg: DFlashConfig, dataset, device: torch.device,
              with_block_accuracy: bool = False, loop: str = "single", batch_size: int = EVAL_BATCH,
              graphs: bool | None = False) -> dict:
     """tau by speculative generation for a drafter object (trainer's class or the servable one). `loop`,
-    `batch_size`, `graphs`: as `generate_each` (the trainer's own eval keeps the one-prompt loop)."""
+    `batch_size`, `graphs`: as `generate_each` (the trainer's own eval: trainer/engine/evaltrain.py eval_loop)."""
     hf = _as_hf(drafter, dcfg).to(device)
     prompts = heldout_prompts(dataset, max_prompts)
     if not prompts:

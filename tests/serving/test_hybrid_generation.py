@@ -160,7 +160,7 @@ def test_dflash_eval_runs_both_loops_on_a_hybrid_checkpoint_with_one_tau(hybrid,
         res[loop] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["single"]["loop"] == "single" and res["batched"]["loop"] == "batched"
     assert res["single"]["accept_length_histogram"] == res["batched"]["accept_length_histogram"]
-    # the in-training eval's entry point (trainer/engine/evaltrain.py: the single loop on the current weights)
+    # the in-training eval's entry point (trainer/engine/evaltrain.py), here in the single loop, on the current weights
     ds = load_dataset(tiny_hybrid_dir / "heldout")
     inner = evaluate_state(cfg, model.state_dict(), hybrid, ds, torch.device("cpu"), torch.float32, 3, 12,
                            with_block_accuracy=True)

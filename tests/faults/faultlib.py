@@ -240,6 +240,19 @@ class Standin:
             raise AssertionError(f"{UNIT}: TimeoutStartUSec={text!r}: a finite start timeout was expected")
         return sum(int(n) * units[u] for n, u in parts)
 
+    def main_pid_and_status(self, path: str = STATUS) -> tuple[int, dict]:
+        """The unit's MainPID and status.json, read in one lxc-attach (0 and {} for what cannot be read)."""
+        r = self.sh(f"systemctl show {UNIT} -p MainPID --value; cat {path}", check=False)
+        first, _, rest = r.stdout.partition("\n")
+        try:
+            pid = int(first.strip() or 0)
+        except ValueError:
+            pid = 0
+        try:
+            return pid, json.loads(rest)
+        except ValueError:
+            return pid, {}
+
     def status(self, path: str = STATUS) -> dict:
         r = self.sh(f"cat {path}", check=False)
         try:
@@ -373,8 +386,7 @@ class Standin:
         """Until the unit's current main process trains (status.json written by it, phase training,
         finite loss), optionally past a step."""
         def ok():
-            pid = self.main_pid()
-            st = self.status(status_file)
+            pid, st = self.main_pid_and_status(status_file)
             if not pid or st.get("pid") != pid or st.get("phase") != "training":
                 return None
             if after_pid is not None and pid == after_pid:
@@ -387,13 +399,37 @@ class Standin:
         return wait(ok, timeout, f"{UNIT} training" + (f" past step {past_step}" if past_step is not None else ""))
 
     def wait_healthy(self, timeout: float | None = None) -> dict:
-        """Until dflash-status says healthy; by default as long as the unit's start timeout."""
+        """Until dflash-status says healthy; by default as long as the unit's start timeout. Until the unit's
+        main process writes status.json in phase training (wait_training's look: one lxc-attach, no Python in
+        the container) dflash-status cannot say healthy, so it is asked only from then on."""
+        t0 = time.time()
+        total = self.start_timeout_s() if timeout is None else timeout
+        try:
+            self.wait_training(timeout=total)
+        except AssertionError:
+            pass        # the verdict below says what is wrong
         return wait(lambda: (lambda h: h if h.get("ok") else None)(self.health()),
-                    self.start_timeout_s() if timeout is None else timeout, "dflash-status healthy", interval=1.0)
+                    max(1.0, total - (time.time() - t0)), "dflash-status healthy", interval=1.0)
 
-    def restore(self, timeout: float | None = None) -> dict:
+    def stopped_cleanly(self) -> dict | None:
+        """The status of a job that `systemctl stop` ended as a clean stop does (what a case that begins by
+        stopping the job gets from stop()): the unit not running, status.json phase `done` at the step of its
+        last checkpoint, and that checkpoint complete. None otherwise."""
+        if self.unit("ActiveState")["ActiveState"] not in ("inactive", "failed"):
+            return None
+        st = self.status()
+        if st.get("phase") != "done" or not isinstance(st.get("step"), int):
+            return None
+        if st.get("last_checkpoint") != f"{OUT}/step-{st['step']:08d}" or st["step"] not in self.steps():
+            return None
+        return st
+
+    def restore(self, timeout: float | None = None, stopped_ok: bool = False) -> dict:
         """A healthy running job, as each case expects to find it: clear the faults, forget a
-        failed state and the start-limit counter, start the unit if it is not running."""
+        failed state and the start-limit counter, start the unit if it is not running.
+        stopped_ok (a case that begins by stopping the job): a job the previous case left stopped cleanly
+        (stopped_cleanly) stays stopped; starting it only to stop it again cost a trainer start (a supervisor
+        and two ranks importing torch) and the wait until it trains."""
         self.clear_faults()
         h = self.health()
         # reset-failed also resets the start-rate counter (StartLimitBurst), so the restarts
@@ -401,6 +437,10 @@ class Standin:
         self.sh(f"systemctl reset-failed {UNIT}", check=False)
         if h.get("ok"):
             return h
+        if stopped_ok:
+            st = self.stopped_cleanly()
+            if st is not None:
+                return st
         if h.get("unit", {}).get("ActiveState") not in ("active", "activating", "reloading"):
             self.sh(f"systemctl start --no-block {UNIT}")
         return self.wait_healthy(timeout)

@@ -150,8 +150,12 @@ def test_two_nodes_on_one_host_train_one_job_with_a_shared_output_dir(tiny_small
     """What run.sh does on two nodes, on loopback: two `python -m trainer --nnodes 2` supervisors
     (node 1 started first: it waits in the rendezvous node 0 hosts), 3 CPU ranks each (a drafter and
     two targets); both exit 0, rank 0 (node 0) writes status.json and the checkpoint, which holds the
-    DCP shards of both nodes' drafter ranks."""
+    DCP shards of both nodes' drafter ranks. Where this host's fqdn is localhost, tests/distributed/
+    test_multi_rank.py::test_global_ranks_follow_node_rank_whatever_the_nodes_are_called runs this job (node 1
+    first, 3 ranks each, one output dir) with these assertions, so it runs here only where that one skips."""
     import socket
+    if socket.getfqdn() == "localhost":
+        pytest.skip("test_multi_rank.py's global-ranks test runs this job and its assertions on this host")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

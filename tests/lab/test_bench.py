@@ -111,31 +111,6 @@ def test_hybrid_flops_are_twice_the_parameters_of_qwen36_27b():
 
 
 @pytest.mark.slow
-def test_bench_hybrid_shape_cpu_smoke(tmp_path):
-    """--shape tiny-hybrid: the qwen3.6-27b shape's code path at a tiny size (Qwen3_5ForCausalLM target, the
-    drafter at its dims with the sliding layers this target gets by default), target and drafter alone and
-    the pipeline at world size 1."""
-    import subprocess
-    import sys
-    out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.lab.bench", "--shape", "tiny-hybrid", "--settings", "b16",
-                        "--steps", "2", "--parts", "target,drafter,async", "--dataset-tokens", "20000",
-                        "--work", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = json.loads(out.read_text())
-    assert d["meta"]["hybrid_dims"]["linear_num_value_heads"] == 4
-    res = d["results"][0]
-    for part in ("target", "drafter", "async"):
-        assert res[part]["tok_s"] > 0, res[part]
-    assert set(res["target"]["layer_kernels"]) == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
-    # the target's batches are timed twice: tok_s is the steady (second) pass, the first pass beside it
-    assert res["target"]["tok_s_first_pass"] > 0 and res["target"]["first_pass_wall_s"] > 0
-    assert res["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
-    assert res["drafter"]["sliding_window"] == 2048
-
-
-@pytest.mark.slow
 def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     """Nothing the pipeline keeps per step may pile up on the Python heap (work items, events, logs):
     traced heap at the peak of the last 100 steps within 256 KB of the first 100 (220 tiny steps).
@@ -178,6 +153,27 @@ def test_python_heap_flat_over_200_steps(tmp_path, monkeypatch):
     assert flat["steps"] == 200 and flat["window"] == 100  # logs keep the first and last 100 steps
     # a leak grows the heap; a heap that shrinks between the windows (caches of earlier work let go) is not one
     assert flat["py_heap"]["growth_bytes"] < 256 * 1024, flat["py_heap"]
+
+
+@pytest.mark.slow
+def test_bench_hybrid_shape_cpu_smoke(tmp_path):
+    """--shape tiny-hybrid: the qwen3.6-27b shape's code path at a tiny size (Qwen3_5ForCausalLM target, the
+    drafter at its dims with the sliding layers this target gets by default), target and drafter alone and
+    the pipeline at world size 1. In this process (below the heap test, which must not see what a pipeline
+    leaves behind): the command line is test_bench_tiny_cpu_smoke's business."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--shape", "tiny-hybrid", "--settings", "b16", "--steps", "2", "--parts", "target,drafter,async",
+                       "--dataset-tokens", "20000", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["meta"]["hybrid_dims"]["linear_num_value_heads"] == 4
+    res = d["results"][0]
+    for part in ("target", "drafter", "async"):
+        assert res[part]["tok_s"] > 0, res[part]
+    assert set(res["target"]["layer_kernels"]) == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
+    # the target's batches are timed twice: tok_s is the steady (second) pass, the first pass beside it
+    assert res["target"]["tok_s_first_pass"] > 0 and res["target"]["first_pass_wall_s"] > 0
+    assert res["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert res["drafter"]["sliding_window"] == 2048
 
 
 def _old_drafter_count(plan, dcfg, soft):
@@ -264,17 +260,14 @@ def test_dflash2_drafter_flops_add_its_projections_and_the_selector_on_the_loss_
     assert bench_flops.model_flops_drafter(plan, d2, False) - bench_flops.model_flops_drafter(plan, dcfg, False) == extra
 
 
-@pytest.mark.slow   # about 8 CPU-s
+@pytest.mark.slow   # about 4 CPU-s
 def test_bench_drafter_stage_of_dflash2_cpu_smoke(tmp_path):
-    """--variants dflash2 (and with the D-PACE loss) times the DFlash2 drafter stage beside DFlash's."""
-    import subprocess
-    import sys
+    """--variants dflash2 (and with the D-PACE loss) times the DFlash2 drafter stage beside DFlash's (in this
+    process: the command line is test_bench_tiny_cpu_smoke's business)."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trainer.lab.bench", "--shape", "tiny", "--settings", "b16", "--steps", "2",
-                        "--parts", "drafter", "--variants", "base,dflash2+dpace", "--dataset-tokens", "20000",
-                        "--work", str(tmp_path / "work"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert bench.main(["--shape", "tiny", "--settings", "b16", "--steps", "2", "--parts", "drafter", "--variants",
+                       "base,dflash2+dpace", "--dataset-tokens", "20000", "--work", str(tmp_path / "work"),
+                       "--out", str(out)]) == 0
     base, d2 = [x for x in json.loads(out.read_text())["results"] if "variant" in x]
     assert d2["options"] == {"arch": "dflash2", "loss": "ce+dpace", "use_soft_labels": False}
     for res in (base, d2):

@@ -140,8 +140,12 @@ X11Forwarding no
 AllowUsers root
 Subsystem sftp internal-sftp
 LogLevel ERROR
-# this node's containers, for the pct shim (a PVE node's pct sees the CTs of that node only)
-SetEnv PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME
+# this node's containers, for the pct shim (a PVE node's pct sees the CTs of that node only);
+# SHLVL=1: every command Ansible sends runs in root's login shell, \`bash -c\`, which sources ~/.bashrc
+# when sshd runs it as a top-level shell (SHLVL < 2). This host's root .bashrc is not a PVE node's (here it
+# ran \`pyenv init\`: 95 ms of CPU a session, four fifths of the node's CPU per Ansible task, measured
+# 2026-12-06); a session's bash at level 2 skips it. Nothing the node runs reads .bashrc.
+SetEnv SHLVL=1 PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME
 CONF
     /usr/sbin/sshd -t -f "$NODE/sshd_config"
     local running

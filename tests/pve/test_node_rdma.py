@@ -71,14 +71,16 @@ def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_ref
     assert r.returncode != 0
     assert f"dflash_node_rdma_devices names {missing}, not a character device on pve-fake" in r.text, r.text[-3000:]
 
-    r = play(node, dflash_node_rdma_devices=want)          # a second run changes nothing (the refused one neither)
-    assert r.returncode == 0 and "changed=0" in r.text, r.text[-3000:]
+    # From here on only the node role's play: the devN entries are its own, and the provision role before
+    # it (which the first run above ran whole) neither reads nor changes them.
+    r = play(node, playbook=node_play(node), dflash_node_rdma_devices=want)   # a second run changes nothing
+    assert r.returncode == 0 and "changed=0" in r.text, r.text[-3000:]       # (the refused one neither)
 
     # an HCA removed from the list: its devN is deleted, not left to fail the next start (issue 41 item 4)
-    r = play(node, dflash_node_rdma_devices=want[:1])
+    r = play(node, playbook=node_play(node), dflash_node_rdma_devices=want[:1])
     assert r.returncode == 0, r.text[-4000:]
     conf = node["conf"].read_text()
     assert sorted(k for k in re.findall(r"^(dev\d+):", conf, re.M)) == ["dev0"], conf
     assert "[pve:pending]" not in conf                      # the restart applied the pending delete
-    r = play(node)                                           # no RDMA at all: no devN left
+    r = play(node, playbook=node_play(node))                 # no RDMA at all: no devN left
     assert r.returncode == 0 and not re.findall(r"^dev\d+:", node["conf"].read_text(), re.M), r.text[-3000:]

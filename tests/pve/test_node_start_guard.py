@@ -20,7 +20,7 @@ import pytest
 
 import tests.pve.test_provision_playbook as test_provision_playbook
 from tests.pve.test_provision import PVE_API, node_filters
-from tests.pve.test_provision_playbook import VMID, play
+from tests.pve.test_provision_playbook import PLAYBOOK, VMID, node_play, play
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 node = test_provision_playbook.node       # the fixture: the stand-in node and an inventory for CT 250
@@ -116,7 +116,8 @@ def test_a_rerun_with_the_share_down_fails_naming_findmnt_and_leaves_the_ct_stop
         assert _run(node, "pct", "stop", str(VMID)).returncode == 0
     subprocess.run(["umount", str(share["path"])], check=True)
 
-    r = play(on_share, **share["vars"])
+    # the node role's play alone from here (the CT exists; only that role reads the sources)
+    r = play(on_share, playbook=node_play(node), **share["vars"])
     assert r.returncode != 0, r.text[-3000:]
     assert f"{share['ws']} (a bind-mount source of CT {VMID}) belongs on the mount {share['path']} (tmpfs), and" \
         f" `findmnt -T {share['ws']}` puts it on / (" in r.text, r.text[-3000:]
@@ -133,7 +134,7 @@ def test_a_rerun_with_the_share_down_fails_naming_findmnt_and_leaves_the_ct_stop
 
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(share["path"])], check=True)
     share["fill"]()
-    r = play(on_share, **share["vars"])
+    r = play(on_share, playbook=node_play(node), **share["vars"])
     assert r.returncode == 0, r.text[-4000:]
     assert _status(node) == "status: running"
 
@@ -170,7 +171,9 @@ def test_the_guard_of_a_ct_that_is_gone_is_removed_and_only_it(node):
     gone.mkdir(parents=True, exist_ok=True)
     (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
     (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
-    r = play(node)                  # after the tests above: CT 250 back from the share to the fixture's stores
+    # after the tests above: CT 250 back from the share to the fixture's stores (the node role's play;
+    # the whole playbook where this test runs alone and the CT is still to be made)
+    r = play(node, playbook=node_play(node) if node["conf"].exists() else PLAYBOOK)
     assert r.returncode == 0, r.text[-3000:]
     assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
     assert f'"{node["tmp"] / "workspace"}"' in (mine / "dflash-mounts.conf").read_text()

@@ -142,8 +142,10 @@ def play(node, *args, playbook=PLAYBOOK, **extra):
 
 def node_play(node) -> Path:
     """playbooks/provision.yml's second play alone: the dflash_node role on the CT's node, taken from the
-    playbook itself. For a check of that role's own preflight failure on a CT that exists: the provision
-    role before it, which every passing run here runs whole, is then not run again (about half a run)."""
+    playbook itself. For a CT that exists, where only that role's variables change (its preflight's
+    failures, its mounts, devN entries, workspace): the provision role before it, which neither reads nor
+    changes those and which a passing run of each fixture's CT runs whole first, is then not run again
+    (about half a run)."""
     path = node["tmp"] / "node-play.yml"
     if not path.exists():
         import yaml
@@ -230,26 +232,23 @@ def test_4_check_mode_shows_the_shape_drift_and_changes_nothing(node):
     assert node["conf"].read_text() == before
 
 
-def test_5_a_shape_update_keeps_the_mac(node):
+def test_5_a_shape_update_keeps_the_mac_and_a_features_change_pve_holds_pending_is_applied(node):
+    """One run changes the shape (memory) and the features. The MAC stays. PVE writes a `features`
+    change to a running container into [pve:pending] (applied at its next start); the roles restart
+    it, so the change is made, not left pending for ever (issue 27)."""
     mac = dict(p.split("=") for p in api_config(node)["net0"].split(","))["hwaddr"]
-    r = play(node, dflash_provision_memory_mib=1536)
+    node["pct_log"].write_text("")
+    r = play(node, dflash_provision_memory_mib=1536, dflash_provision_features=["nesting=0"])
     assert r.returncode == 0, r.text[-3000:]
     cfg = api_config(node)
     assert cfg["memory"] == 1536
     assert dict(p.split("=") for p in cfg["net0"].split(","))["hwaddr"] == mac
-
-
-def test_5b_a_features_change_pve_holds_pending_is_applied_by_a_restart(node):
-    """PVE writes a `features` change to a running container into [pve:pending] (applied at its next
-    start); the roles restart it, so the change is made, not left pending for ever (issue 27)."""
-    node["pct_log"].write_text("")
-    r = play(node, dflash_provision_features=["nesting=0"])
-    assert r.returncode == 0, r.text[-3000:]
     assert "changes PVE applies only at its next start (features)" in r.text, r.text[-3000:]
     assert "[pve:pending]" not in node["conf"].read_text()
     assert api_config(node)["features"] == "nesting=0"
     assert ["reboot", str(VMID), "--timeout", "240"] in [json.loads(x) for x in node["pct_log"].read_text().splitlines()]
     # nesting=0 stays: test_5d's run, the next that succeeds, puts the fixture's nesting=1 back
+    # (and memory 1024: nothing here reads it back before then)
 
 
 def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node):
@@ -268,10 +267,16 @@ def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node):
     assert node["conf"].read_text() == before
 
 
-def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_before_it_is_started(node):
+def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_then_started_and_a_late_lease_passes(node):
     """Issue 52 item 2: an HCA removed (and taken out of dflash_node_rdma_devices), then a node
     reboot: its devN entry fails every start ("Device ... does not exist"). Provisioning makes the
-    CT present through the API, the node role deletes the entry, and only then is it started."""
+    CT present through the API, the node role deletes the entry, and only then is it started.
+
+    Issue 62 A2, in the same run (the CT starts from stopped, as a lease that comes late needs):
+    Debian 12's networking.service is not ordered before basic.target, so a lease still pending
+    (conflict detection, a DISCOVER retry) failed the deploy on a network that is fine. The check
+    asks again for up to dflash_node_network_timeout. The stand-in's CT gets its lease 6 s after its
+    start (PVE_STANDIN_DHCP_AFTER); test_5f's CT, asked without it, has none."""
     env = node["env"]
     pct = [sys.executable, str(PVE_API), "pct"]
     subprocess.run(pct + ["stop", str(VMID)], env=env, check=True, capture_output=True)
@@ -279,12 +284,14 @@ def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_before_it_is_started(node):
     node["conf"].write_text(text.replace("arch: amd64\n", "arch: amd64\ndev9: /dev/infiniband/uverbs9\n", 1))
     r = subprocess.run(pct + ["start", str(VMID)], env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "Device /dev/infiniband/uverbs9 does not exist" in r.stderr
-    r = play(node)
+    late = {**node, "env": {**env, "PVE_STANDIN_DHCP_AFTER": "6"}}
+    r = play(late, dflash_node_network_check=True)
     assert r.returncode == 0, r.text[-4000:]
     assert "dev9" not in node["conf"].read_text()
     status = subprocess.run(pct + ["status", str(VMID)], env=env, capture_output=True, text=True).stdout
     assert "running" in status
-    assert api_config(node)["features"] == "nesting=1"       # the same run puts back what test_5b changed
+    assert api_config(node)["features"] == "nesting=1"       # the same run puts back what test_5 changed
+    assert "CT 250: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text, r.text[-3000:]
 
 
 def test_5e_a_ct_made_the_other_way_privileged_or_not_fails_naming_the_variable(node):
@@ -309,34 +316,15 @@ def test_5f_a_ct_without_an_address_fails_before_staging_naming_the_netif_variab
         " dflash_provision_netif" in r.text
 
 
-def test_5g_a_dhcp_lease_that_comes_seconds_after_boot_passes_the_network_check(node):
-    """Issue 62 A2: Debian 12's networking.service is not ordered before basic.target, so a lease
-    still pending (conflict detection, a DISCOVER retry) failed the deploy on a network that is fine.
-    The check asks again for up to dflash_node_network_timeout. The stand-in's CT gets its lease
-    6 s after its start (PVE_STANDIN_DHCP_AFTER)."""
-    subprocess.run([sys.executable, str(PVE_API), "pct", "stop", str(VMID)], env=node["env"], check=True,
-                   capture_output=True)
-    late = {**node, "env": {**node["env"], "PVE_STANDIN_DHCP_AFTER": "6"}}
-    r = play(late, dflash_node_network_check=True)
-    assert r.returncode == 0, r.text[-3000:]
-    assert "CT 250: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text, r.text[-3000:]
-
-
-def test_5h_a_ct_moved_to_another_node_fails_naming_both_and_keeps_shared(node):
+def test_5h_a_ct_moved_to_another_node_fails_naming_both(node):
     """Issue 62 B4: a CT migrated (or moved by HA) looks absent on the inventory's node: the role said
-    "would create CT 250" and PUT to the old node. /cluster/resources says where it is. And the
-    shared=1 an operator sets on the bind mounts (PVE migrates only with it) survives a rerun."""
+    "would create CT 250" and PUT to the old node. /cluster/resources says where it is. (The shared=1
+    an operator sets on the bind mounts for a migration survives a rerun: test_6's run checks it.)"""
     r = play(node, "--check", dflash_provision_node="pve-other")
     assert r.returncode != 0, r.text[-3000:]
     assert "CT 250 is on node pve (GET /cluster/resources), and the inventory puts it on pve-other" in r.text, \
         r.text[-3000:]
     assert "would create CT 250" not in r.text
-    mp0 = api_config(node)["mp0"]
-    subprocess.run([sys.executable, str(PVE_API), "pct", "set", str(VMID), "-mp0", mp0 + ",shared=1"],
-                   env=node["env"], check=True, capture_output=True)
-    r = play(node)
-    assert r.returncode == 0, r.text[-3000:]
-    assert "shared=1" in api_config(node)["mp0"].split(","), api_config(node)["mp0"]
 
 
 def test_5i_stop_and_restart_on_a_stopped_ct_say_so_in_one_line(node):
@@ -358,8 +346,20 @@ def test_5i_stop_and_restart_on_a_stopped_ct_say_so_in_one_line(node):
 
 
 def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_for_basic_target(node):
+    """One config change (/dev/shm 256 -> 512 MiB), on a config that has a snapshot section and the
+    shared=1 an operator sets on a bind mount (PVE migrates only with it, issue 62 B4). The trainer is
+    stopped first, `pct reboot` gets a timeout, the wait is for basic.target; the raw lxc.* lines go
+    into the main section only (test_7: never while locked); shared=1 survives the rerun."""
+    mp0 = api_config(node)["mp0"]
+    subprocess.run([sys.executable, str(PVE_API), "pct", "set", str(VMID), "-mp0", mp0 + ",shared=1"],
+                   env=node["env"], check=True, capture_output=True)
+    text = node["conf"].read_text()
+    snap = ("[before-upgrade]\narch: amd64\nmemory: 1024\n"
+            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=64M,create=dir 0 0\n"
+            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=512M,create=dir 0 0\n")
+    node["conf"].write_text(text.rstrip("\n") + "\n\n" + snap)
     node["pct_log"].write_text("")
-    r = play(node, dflash_node_shm_size_mib=128, dflash_provision_shm_size_mib=128)
+    r = play(node, dflash_node_shm_size_mib=512, dflash_provision_shm_size_mib=512)
     assert r.returncode == 0, r.text[-3000:]
     calls = [json.loads(line) for line in node["pct_log"].read_text().splitlines()]
     sid = str(VMID)
@@ -369,20 +369,16 @@ def test_6_a_config_change_stops_the_trainer_reboots_with_a_timeout_and_waits_fo
     assert acts[1] == ["reboot", sid, "--timeout", "240"]
     assert acts[2] == ["exec", sid, "--", "systemctl", "is-active", "basic.target"]
     assert not [c for c in calls if "is-system-running" in c]
-
-
-def test_7_raw_lines_go_into_the_main_section_only_and_never_while_locked(node):
-    text = node["conf"].read_text()
-    snap = ("[before-upgrade]\narch: amd64\nmemory: 1024\n"
-            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=64M,create=dir 0 0\n"
-            "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=512M,create=dir 0 0\n")
-    node["conf"].write_text(text.rstrip("\n") + "\n\n" + snap)
-    r = play(node, dflash_node_shm_size_mib=512, dflash_provision_shm_size_mib=512)
-    assert r.returncode == 0, r.text[-3000:]
     main, _, rest = node["conf"].read_text().partition("\n[before-upgrade]")
-    assert "size=512M" in main and "size=128M" not in main
+    assert "size=512M" in main and "size=256M" not in main
     assert "[before-upgrade]" + rest == "\n" + snap or rest.lstrip("\n") == snap.partition("\n")[2] or snap.endswith(rest.split("\n", 1)[1]), rest
     assert rest.count("size=64M") == 1 and rest.count("size=512M") == 1
+    assert "shared=1" in api_config(node)["mp0"].split(","), api_config(node)["mp0"]
+
+
+def test_7_raw_lines_are_never_written_while_locked(node):
+    """The main section's raw lines as test_6's run wrote them, then a lock (a backup holds the config):
+    the node role refuses to edit it."""
     locked = node["conf"].read_text().replace("arch: amd64\n", "arch: amd64\nlock: backup\n", 1)
     node["conf"].write_text(locked)
     r = play(node, playbook=node_play(node), dflash_node_shm_size_mib=256, dflash_provision_shm_size_mib=256)
@@ -405,7 +401,7 @@ def test_8_a_bind_source_under_a_0700_directory_fails_naming_it_and_changes_noth
     assert node["conf"].read_text() == before
     assert not ws.exists()
     locked.chmod(0o701)                     # searchable: the preflight passes and the mounts move
-    r = play(node, "--check", dflash_node_models_host_path=str(locked / "models"))
+    r = play(node, "--check", playbook=node_play(node), dflash_node_models_host_path=str(locked / "models"))
     assert r.returncode == 0, r.text[-3000:]
 
 
@@ -456,7 +452,7 @@ def test_8c_a_workspace_on_nfs_is_not_chowned_and_must_belong_to_the_cts_root(no
         in r.text and "chown 100000:100000 <export>/<dir>/models" in r.text, r.text[-3000:]
     (ws / "models").mkdir()
     os.chown(ws / "models", 100000, 100000)
-    r = play(nfs, dflash_node_workspace_host_path=str(ws))
+    r = play(nfs, playbook=node_play(node), dflash_node_workspace_host_path=str(ws))
     assert r.returncode == 0, r.text[-3000:]
     assert (ws.stat().st_uid, ws.stat().st_gid) == (100000, 100000)
     # CT 250 stays on this workspace: the tests after this one use CT 253 (test_8d) and two other nodes
@@ -468,7 +464,7 @@ def test_8d_lxc_passthrough_into_a_privileged_ct_is_refused_naming_the_variable(
     path = node["tmp"] / "privileged.yml"
     conf = node["conf"].parent / f"{PRIVILEGED_VMID}.conf"
     before = conf.read_text()
-    r = play({**node, "inventory": path}, dflash_node_gpu_passthrough="lxc")
+    r = play({**node, "inventory": path}, playbook=node_play(node), dflash_node_gpu_passthrough="lxc")
     assert r.returncode != 0, r.text[-3000:]
     assert "CT 253 is privileged and dflash_node_gpu_passthrough is lxc, which allows whole device majors" in r.text, \
         r.text[-3000:]

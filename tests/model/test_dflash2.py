@@ -330,7 +330,8 @@ def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_eq
 def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_small_dir, tmp_path, capsys):
     """--arch dflash2 --loss ce+dpace at world size 1 (FSDP2 on gloo): the steps are finite, the selector
     and the convolutions learn (they start as the identity and at the init draw), tau is evaluated during
-    the run and at its end by the selector's loop (--eval-data-dir), and the checkpoint exports into the
+    the run and at its end in dflash-eval's batched loop, the in-training eval's (--eval-data-dir; evaltrain.py
+    eval_loop), and the checkpoint exports into the
     reference class with no missing or unexpected keys."""
 
     import safetensors.torch
@@ -349,7 +350,7 @@ def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_sma
     assert sorted(seen) == [1, 2, 3] and all(math.isfinite(v) for v in seen.values())
     evals = records(out, "eval")
     assert [r["step"] for r in evals] == [2, 3] and all(1 <= r["tau"] <= 8 for r in evals), evals
-    assert json.loads((out / "eval.json").read_text())["loop"] == "single"
+    assert json.loads((out / "eval.json").read_text())["loop"] == "batched"
     step = CheckpointManager(out).latest()
     dst = export_drafter(step, tmp_path / "export")
     w = safetensors.torch.load_file(str(dst / "model.safetensors"))

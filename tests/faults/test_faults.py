@@ -549,7 +549,11 @@ def test_08_malformed_data_shard_clear_error_naming_it(job, damage):
         needle = f"{shard}: not a readable parquet file"
     ct.stop()
     before = ct.checkpoints()
-    ct.set_dropin(args=f"--data-dir {bad}")
+    # The refused run's status.json in the scratch dir: the job's own keeps the clean stop above, so the
+    # next case that begins stopped finds the job as stop() left it (Standin.restore's stopped_ok) instead
+    # of a trainer start to get a job to stop again (a supervisor and a rank importing torch, twice here).
+    status = f"{SCRATCH}/status.json"
+    ct.set_dropin(args=f"--data-dir {bad} --status-file {status}")
     restarts0 = ct.n_restarts()
     t0 = time.time()
     ct.start()
@@ -557,7 +561,7 @@ def test_08_malformed_data_shard_clear_error_naming_it(job, damage):
     time.sleep(7)   # longer than RestartSec: a restart would show now
     u = ct.unit()
     journal = ct.journal(t0 - 1)
-    rc, ds = ct.dflash_status()
+    rc, ds = ct.dflash_status(status)
     ev.update(unit=u, journal=_lines(journal, "error:", "status=", "Scheduled restart"),
               dflash_status={"rc": rc, "phase": ds.get("phase"), "error": ds.get("error")})
     assert f"dflash-train: error: --data-dir: {needle}" in journal

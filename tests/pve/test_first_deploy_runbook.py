@@ -258,7 +258,8 @@ def step_6(step: str, ctx: dict) -> None:
 
 def step_7(step: str, ctx: dict) -> None:
     """NVIDIA userspace: not installed here; the role's in-container check names the step's commands."""
-    role = (REPO / "roles/dflash_node/tasks/container.yml").read_text()
+    # the checks inside the container: tasks/container.yml and the GPU part it includes
+    role = "".join((REPO / "roles/dflash_node/tasks" / f).read_text() for f in ("container.yml", "container_gpu.yml"))
     for command in NOT_HERE[7]:
         templated = command.replace("200", "{{ dflash_node_vmid }}").replace("<version>", "{{ dflash_node_driver_version }}")
         assert f"`{templated}`" in role, templated

@@ -20,7 +20,7 @@ import pytest
 
 import tests.pve.test_provision_playbook as test_provision_playbook
 from tests.pve.test_provision import PVE_API, node_filters
-from tests.pve.test_provision_playbook import PLAYBOOK, VMID, node_play, play
+from tests.pve.test_provision_playbook import VMID, node_play, play
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 node = test_provision_playbook.node       # the fixture: the stand-in node and an inventory for CT 250
@@ -66,11 +66,21 @@ def share(node):
 def test_a_mount_stop_or_a_node_shutdown_leaves_the_ct_its_down_budget(node, share):
     """The drop-in has no Requires=: a restart of the share's mount leaves CT 250 running, and a node
     shutdown gives it pve-guests' `down=` (240 s here). The same stand-in with the drop-in of before
-    (RequiresMountsFor=) kills it after 60 s: the model is what makes this test fail on it."""
+    (RequiresMountsFor=) kills it after 60 s: the model is what makes this test fail on it.
+
+    Issue 62 B6, checked on the same run: a destroyed CT, or a vmid changed in the inventory, left its
+    guard behind, which would hold the next CT of that vmid to mounts it never had. The role removes its
+    own file there, where no CT of that vmid exists; an operator's drop-in beside it, and a live CT's
+    guard, stay."""
     dropin = node["tmp"] / "systemd" / f"pve-container@{VMID}.service.d" / "dflash-mounts.conf"
+    gone = node["tmp"] / "systemd" / "pve-container@299.service.d"
+    gone.mkdir(parents=True, exist_ok=True)
+    (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
+    (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
     on_share = {**node, "env": share["env"]}
     r = play(on_share, **share["vars"])
     assert r.returncode == 0, r.text[-4000:]
+    assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
     text, unit = dropin.read_text(), _unit(share["path"])
     assert not [x for x in text.splitlines() if x.startswith("Requires")], text   # no Requires=, RequiresMountsFor=
     assert f"\nWants={unit}\nAfter={unit}\n" in text, text
@@ -160,23 +170,6 @@ def test_the_record_is_kept_a_deeper_mount_taken_and_a_declaration_wins():
     assert not node_filters.dflash_mount_expect([{**found[0], "fstype": "nfs"}], old, {})[0]["missing"]
     (first,) = node_filters.dflash_mount_expect(found, {}, {})
     assert (first["target"], first["fstype"], first["missing"]) == ("/", "ext4", False)
-
-
-def test_the_guard_of_a_ct_that_is_gone_is_removed_and_only_it(node):
-    """Issue 62 B6: a destroyed CT, or a vmid changed in the inventory, left its guard behind, which
-    would hold the next CT of that vmid to mounts it never had. The role removes its own file there,
-    where no CT of that vmid exists; an operator's drop-in beside it, and a live CT's guard, stay."""
-    units = node["tmp"] / "systemd"
-    gone, mine = units / "pve-container@299.service.d", units / f"pve-container@{VMID}.service.d"
-    gone.mkdir(parents=True, exist_ok=True)
-    (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
-    (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
-    # after the tests above: CT 250 back from the share to the fixture's stores (the node role's play;
-    # the whole playbook where this test runs alone and the CT is still to be made)
-    r = play(node, playbook=node_play(node) if node["conf"].exists() else PLAYBOOK)
-    assert r.returncode == 0, r.text[-3000:]
-    assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
-    assert f'"{node["tmp"] / "workspace"}"' in (mine / "dflash-mounts.conf").read_text()
 
 
 def test_a_source_on_a_pve_storage_activates_it_before_the_check():

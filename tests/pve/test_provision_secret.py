@@ -8,7 +8,10 @@ test_provision_playbook.py): every way the provision role can fail is run with a
 
 from __future__ import annotations
 
+import json
+import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -54,12 +57,54 @@ def _grant_extra_token(node, extra_acl: str) -> None:
     (etc / "priv" / "token.cfg").write_text(f"root@pam!extra {VALID}\n")
 
 
+def _cases_inventory(node, name: str, cases: list) -> Path:
+    """An inventory of one host per case, case0, case1, ..., each CT 250 with the case's variables as its
+    host variables (over the fixture's group variables, as the extra vars of a run of its own were)."""
+    inv = json.loads((node["tmp"] / "hosts.yml").read_text())
+    group = inv["all"]["children"]["dflash_containers"]
+    base = group["hosts"].pop("ct250")
+    group["hosts"] = {f"case{i}": {**base, **extra, "dflash_provision_api_token_secret": secret}
+                      for i, (extra, secret, _) in enumerate(cases)}
+    path = node["tmp"] / f"{name}.yml"
+    path.write_text(json.dumps(inv))
+    return path
+
+
+def _failures(r) -> dict:
+    """host -> its failed results' text (the `fatal: [host]` line and the indented lines under it),
+    whitespace folded as in r.text, and a YAML single-quoted scalar's '' read as the ' it stands for."""
+    out: dict = {}
+    host = None
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(\w+): \[([^\]\s]+)", line)
+        if m or not line.startswith((" ", "\t")):
+            host = m[2] if m and m[1] in ("fatal", "failed") else None
+        if host:
+            out[host] = out.get(host, "") + " " + line
+    return {h: re.sub(r"\s+", " ", t).replace("''", "'") for h, t in out.items()}
+
+
+def _each_fails(r, cases: list) -> None:
+    """Every case's host failed, with its own message, and no case's secret is in the output."""
+    assert r.returncode != 0, r.text[-3000:]
+    failed = _failures(r)
+    for i, (extra, secret, says) in enumerate(cases):
+        assert re.search(rf"\bcase{i}\s*:\s*ok=\d+\s+changed=\d+\s+unreachable=0\s+failed=1\b", r.stdout), \
+            (extra, r.text[-3000:])
+        assert says in failed.get(f"case{i}", ""), (extra, failed.get(f"case{i}"), r.text[-3000:])
+        _secret_free(r, secret)
+
+
 def test_no_fail_path_of_the_provision_role_shows_the_secret_and_a_pasted_one_works(node):
     """Before CT 250 exists: the memory budget, an API that cannot be reached, an untrusted
     certificate, a refused token, a secret that no header may carry (a newline inside it), a token
     lacking a privilege, one holding too many, a grant elsewhere in the whole map, a template the
     storage lacks. Then the secret as the usual paste leaves it (a trailing newline) provisions CT
-    250, and with it existing: privileged or not, the rootfs size, a module's own failure."""
+    250, and with it existing: privileged or not, the rootfs size, a module's own failure.
+
+    The failing cases of each part run as the hosts of one run (one host per case, its variables
+    its own): each host's failure is its own case's, and the output of all of them holds no
+    case's secret."""
     failing = [
         ({"dflash_provision_memory_mib": 100}, KNOWN + "\n", "memory 100 MiB is smaller than"),
         ({"dflash_provision_api_port": _closed_port()}, KNOWN + "\n", "Cannot reach the Proxmox API at"),
@@ -71,10 +116,8 @@ def test_no_fail_path_of_the_provision_role_shows_the_secret_and_a_pasted_one_wo
         ({"dflash_provision_ostemplate": "local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst"}, VALID + "\n",
          "(dflash_provision_ostemplate) is not on storage local"),
     ]
-    for extra, secret, says in failing:
-        r = play(node, "-v", dflash_provision_api_token_secret=secret, **extra)
-        assert r.returncode != 0 and says in r.text, (extra, r.text[-3000:])
-        _secret_free(r, secret)
+    r = play({**node, "inventory": _cases_inventory(node, "failing", failing)}, "-v")
+    _each_fails(r, failing)
     assert not node["conf"].exists()
 
     # the usual paste: the secret with the newline Enter left; it is trimmed, and the CT is made
@@ -84,14 +127,12 @@ def test_no_fail_path_of_the_provision_role_shows_the_secret_and_a_pasted_one_wo
     _secret_free(r, VALID + "\n")
 
     existing = [
-        ({"dflash_provision_unprivileged": False}, "CT 250 exists and is unprivileged"),
-        ({"dflash_provision_rootfs_gib": 8}, "`pct resize 250 rootfs 8G`"),
-        ({"dflash_provision_node": "nope"}, "nope"),
+        ({"dflash_provision_unprivileged": False}, VALID + "\n", "CT 250 exists and is unprivileged"),
+        ({"dflash_provision_rootfs_gib": 8}, VALID + "\n", "`pct resize 250 rootfs 8G`"),
+        ({"dflash_provision_node": "nope"}, VALID + "\n", "nope"),
     ]
-    for extra, says in existing:
-        r = play(node, "-v", dflash_provision_api_token_secret=VALID + "\n", **extra)
-        assert r.returncode != 0 and says in r.text, (extra, r.text[-3000:])
-        _secret_free(r, VALID + "\n")
+    r = play({**node, "inventory": _cases_inventory(node, "existing", existing)}, "-v")
+    _each_fails(r, existing)
 
 
 def test_a_grant_anywhere_beyond_what_the_token_needs_fails_naming_the_path(node):

@@ -580,7 +580,8 @@ class FakeLxc(Lxc):
     """Containers as records only (nothing runs): for the fast unit tests. The running state is a
     marker file, so the `pct` face (a new process per call) and the server agree. `exec` answers
     only what the node role asks a booted container (`systemctl is-active`, `systemctl stop`,
-    `cat /proc/1/limits` from the config's lxc.prlimit.memlock); anything else fails."""
+    `cat` of /proc/self/mounts and /proc/1/limits from the config's mount entries and
+    lxc.prlimit.memlock, the network check's `ip -4`); anything else fails."""
 
     def _marker(self, vmid):
         return os.path.join(self.dir(vmid), "fake-running")
@@ -604,41 +605,47 @@ class FakeLxc(Lxc):
         if os.path.exists(self._marker(vmid)):
             os.unlink(self._marker(vmid))
 
+    def _mounts(self, vmid):
+        """/proc/self/mounts: what the generated LXC config would mount (records only: nothing is mounted)."""
+        try:
+            with open(os.path.join(self.dir(vmid), "config")) as f:
+                entries = [line.split("=", 1)[1].split() for line in f if line.startswith("lxc.mount.entry")]
+        except OSError:
+            entries = []
+        print("/dev/fake / ext4 rw,relatime 0 0")
+        for src, dest, fstype, opts, *_ in entries:
+            flags = opts.split(",")
+            if fstype == "tmpfs":
+                size = next((o[5:] for o in flags if o.startswith("size=")), "0M")
+                kib = int(size[:-1]) * {"k": 1, "K": 1, "M": 1024, "G": 1048576}[size[-1]]
+                print(f"tmpfs /{dest} tmpfs rw,nosuid,nodev,size={kib}k 0 0")
+            else:
+                print(f"{src} /{dest} ext4 {'ro' if 'ro' in flags else 'rw'},relatime 0 0")
+
+    def _limits(self, vmid):
+        """/proc/1/limits: the memlock row from the config's lxc.prlimit.memlock."""
+        memlock = "65536"
+        try:
+            with open(os.path.join(self.dir(vmid), "config")) as f:
+                for line in f:
+                    if line.startswith("lxc.prlimit.memlock"):
+                        memlock = line.split("=", 1)[1].strip().split(":")[0]
+        except OSError:
+            pass
+        memlock = "unlimited" if memlock in ("unlimited", "-1") else memlock
+        print("Limit                     Soft Limit           Hard Limit           Units")
+        print(f"Max locked memory         {memlock:<20} {memlock:<20} bytes")
+
     def attach(self, vmid, argv):
         if argv[:2] == ["systemctl", "is-active"]:
             print("active")
             return 0
         if argv[:2] == ["systemctl", "stop"]:
             return 0
-        if argv == ["cat", "/proc/self/mounts"]:
-            # what the generated LXC config would mount (records only: nothing is mounted)
-            try:
-                with open(os.path.join(self.dir(vmid), "config")) as f:
-                    entries = [line.split("=", 1)[1].split() for line in f if line.startswith("lxc.mount.entry")]
-            except OSError:
-                entries = []
-            print("/dev/fake / ext4 rw,relatime 0 0")
-            for src, dest, fstype, opts, *_ in entries:
-                flags = opts.split(",")
-                if fstype == "tmpfs":
-                    size = next((o[5:] for o in flags if o.startswith("size=")), "0M")
-                    kib = int(size[:-1]) * {"k": 1, "K": 1, "M": 1024, "G": 1048576}[size[-1]]
-                    print(f"tmpfs /{dest} tmpfs rw,nosuid,nodev,size={kib}k 0 0")
-                else:
-                    print(f"{src} /{dest} ext4 {'ro' if 'ro' in flags else 'rw'},relatime 0 0")
-            return 0
-        if argv == ["cat", "/proc/1/limits"]:
-            memlock = "65536"
-            try:
-                with open(os.path.join(self.dir(vmid), "config")) as f:
-                    for line in f:
-                        if line.startswith("lxc.prlimit.memlock"):
-                            memlock = line.split("=", 1)[1].strip().split(":")[0]
-            except OSError:
-                pass
-            memlock = "unlimited" if memlock in ("unlimited", "-1") else memlock
-            print("Limit                     Soft Limit           Hard Limit           Units")
-            print(f"Max locked memory         {memlock:<20} {memlock:<20} bytes")
+        files = {"/proc/self/mounts": self._mounts, "/proc/1/limits": self._limits}
+        if argv[0] == "cat" and len(argv) > 1 and all(x in files for x in argv[1:]):
+            for x in argv[1:]:          # `cat A B`: each file's text in turn, as cat prints them
+                files[x](vmid)
             return 0
         if argv[:2] == ["sh", "-c"] and "ip -4" in argv[2]:
             # the CT's IPv4 address and default route: none (the stand-in has no network), unless

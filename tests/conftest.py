@@ -3,7 +3,10 @@
 Data / dflash-tiny fixtures (owned by the data tests): ``tiny_small_dir`` builds one small
 dflash-tiny output per test session (target model + tokenizer, 48 train / 8 held-out sequences);
 ``tiny_hybrid_dir`` the same on the hybrid Qwen3.5 architecture (dflash-tiny --arch qwen3_5);
-``tiny_arch_dir(arch)`` the same for any --arch (one per target family).
+``tiny_arch_dir(arch)`` the same for any --arch (one per target family); ``tiny_trained_dir`` a 2-step
+run on ``tiny_small_dir`` (one checkpoint), ``tiny_learning_run`` a 6-step one that learns and
+``tiny_hybrid_run`` a 4-step one on ``tiny_hybrid_dir``, ``tiny_dflash2_run`` a 3-step DFlash2 one, each trained
+once per session.
 """
 
 import pytest
@@ -67,6 +70,88 @@ def tiny_hybrid_dir(tiny_arch_dir):
     Qwen3_5ForConditionalGeneration with a tiny vision tower, 2 x (3 Gated DeltaNet + 1 gated full
     attention) layers and partial mRoPE; 48 train / 8 held-out sequences it generated itself."""
     return tiny_arch_dir("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_dir(tiny_small_dir, tmp_path_factory):
+    """An output dir of a 2-step run on ``tiny_small_dir`` at the trainer's defaults (DFlash, CE + D-PACE on
+    hard labels) at world size 1, grad accum 1, block 8, 2 draft layers (test_identity.py's tiny_args): one
+    checkpoint, step 2. Built once per session for the tests that resume from it, refuse to, or export it
+    (tests/model/test_identity.py, tests/engine/test_resume_contract.py, tests/engine/test_warm_start.py) and
+    Qwen3's family run (tests/model/test_families.py); none writes into it (a test that trains on from it copies
+    it first)."""
+    from trainer.__main__ import main as train_main
+    tiny, out = tiny_small_dir, tmp_path_factory.mktemp("tiny-trained") / "out"
+    assert train_main(["--target-model", str(tiny / "target"), "--data-dir", str(tiny / "data"), "--output-dir",
+                       str(out), "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--token-budget", "1024",
+                       "--max-seq-len", "256", "--block-size", "8", "--max-anchors", "8", "--num-draft-layers", "2",
+                       "--grad-accum", "1", "--profile-interval", "600", "--max-steps", "2"]) == 0
+    return out
+
+
+# A short run that learns: 6 steps at lr 5e-3, grad accum 1, the end-of-run eval on the held-out data (4 prompts, 32
+# new tokens), on tests/engine/test_trainer.py's tiny_args. ``tiny_learning_run`` trains it once per session as the
+# reference of the tests that change one switch of it (tests/engine/test_fp8.py, tests/ops/test_loss_no_redundant_work.py).
+LEARNING_RUN = ("--max-steps", "6", "--lr", "5e-3", "--grad-accum", "1", "--save-interval", "6")
+LEARNING_EVAL = ("--eval-prompts", "4", "--eval-max-new-tokens", "32")
+
+
+def learning_run_args(tiny, out, *flags: str, evaluate: bool = True) -> list[str]:
+    """The learning run's command line on the dflash-tiny OUTDIR `tiny`, writing `out`, with `flags` added;
+    without its end-of-run eval where not `evaluate` (the eval comes after the last step: no loss sees it)."""
+    from tests.engine.test_trainer import tiny_args
+    ev = ("--eval-data-dir", str(tiny / "heldout"), *LEARNING_EVAL) if evaluate else ()
+    return tiny_args(tiny, out, *LEARNING_RUN, *ev, *flags)
+
+
+@pytest.fixture(scope="session")
+def tiny_learning_run(tiny_small_dir, tmp_path_factory):
+    """The output dir of the learning run (learning_run_args) on ``tiny_small_dir``, trained once per session;
+    none writes into it."""
+    from trainer.__main__ import main as train_main
+    out = tmp_path_factory.mktemp("learning-run") / "out"
+    assert train_main(learning_run_args(tiny_small_dir, out)) == 0
+    return out
+
+
+# The hybrid's reference run: the seeds' flags at a tiny size (--sliding-window 16, so that the sliding draft layers,
+# the default for this target: [sliding, full], cut the tiny sequences' context), 4 steps, a checkpoint every 2.
+HYBRID_RUN = ("--max-steps", "4", "--save-interval", "2", "--use-soft-labels", "--loss", "ce", "--sliding-window", "16")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_run(tiny_hybrid_dir, tmp_path_factory):
+    """The output dir of HYBRID_RUN on ``tiny_hybrid_dir`` at world size 1 (one rank: target and drafter), grad
+    accum 4, on tests/engine/test_trainer.py's tiny_args: tests/chain/test_hybrid_chain.py's reference run and
+    the qwen3_5 family's run (tests/model/test_families.py), trained once per session; none writes into it."""
+    from tests.engine.test_trainer import tiny_args
+    from trainer.__main__ import main as train_main
+    out = tmp_path_factory.mktemp("hybrid-world1") / "out"
+    assert train_main(tiny_args(tiny_hybrid_dir, out, *HYBRID_RUN, "--grad-accum", "4")) == 0
+    return out
+
+
+def dflash2_run_args(tiny, out) -> list[str]:
+    """DFlash2 on the dflash-tiny OUTDIR `tiny` (tests/engine/test_trainer.py's tiny_args), writing `out`: 3 steps of
+    CE + D-PACE on hard labels, its checkpoint at step 3, the in-training eval at step 2 and at the end (2 prompts,
+    12 new tokens)."""
+    from tests.engine.test_trainer import tiny_args
+    return tiny_args(tiny, out, "--max-steps", "3", "--no-use-soft-labels", "--arch", "dflash2", "--loss", "ce+dpace",
+                     "--save-interval", "3", "--eval-data-dir", str(tiny / "heldout"), "--eval-every", "2",
+                     "--eval-prompts", "2", "--eval-max-new-tokens", "12")
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash2_run(tiny_small_dir, tmp_path_factory):
+    """The output dir of dflash2_run_args on ``tiny_small_dir``, its rank started with OMP_NUM_THREADS=2
+    (tests/model/test_dflash2.py's determinism test trains it again and compares), trained once per session
+    (this process supervises); read by test_dflash2.py and tests/engine/test_warm_start.py, none writes into it."""
+    from trainer.__main__ import main as train_main
+    out = tmp_path_factory.mktemp("dflash2-run") / "out"
+    with pytest.MonkeyPatch.context() as mp:   # the rank's environment: the launcher passes it on
+        mp.setenv("OMP_NUM_THREADS", "2")
+        assert train_main(dflash2_run_args(tiny_small_dir, out)) == 0
+    return out
 
 
 def run_molecule(scenario: str) -> None:

@@ -13,15 +13,15 @@ import shutil
 import pytest
 import torch
 
+from tests.conftest import HYBRID_RUN
 from tests.distributed.test_multi_rank import THREE_RANKS, _final_weights, _status
 from tests.engine.test_trainer import losses, tiny_args
 from tests.model.test_identity import one_line, snapshot
 from trainer.__main__ import main as train_main
 from trainer.model import identity
 
-# the seeds' flags at a tiny size; --sliding-window 16 so that the sliding draft layers (the default for
-# this target: [sliding, full]) cut the tiny sequences' context
-EXTRA = ["--max-steps", "4", "--save-interval", "2", "--use-soft-labels", "--loss", "ce", "--sliding-window", "16"]
+# the seeds' flags at a tiny size (tests/conftest.py's HYBRID_RUN: 4 steps, a checkpoint every 2, --sliding-window 16)
+EXTRA = list(HYBRID_RUN)
 
 
 def test_prepare_tokenizes_chats_with_the_hybrid_target(tiny_hybrid_dir, tmp_path, capsys):
@@ -50,11 +50,10 @@ def test_prepare_tokenizes_chats_with_the_hybrid_target(tiny_hybrid_dir, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def world1(tiny_hybrid_dir, tmp_path_factory):
-    """World size 1 (one rank: target and drafter), grad accum 4: the reference run."""
-    out = tmp_path_factory.mktemp("hybrid-world1") / "out"
-    assert train_main(tiny_args(tiny_hybrid_dir, out, *EXTRA, "--grad-accum", "4")) == 0
-    return out
+def world1(tiny_hybrid_run):
+    """World size 1 (one rank: target and drafter), grad accum 4: the reference run (tests/conftest.py's, shared
+    with the qwen3_5 family's test; none writes into it)."""
+    return tiny_hybrid_run
 
 
 def test_world_size_one_trains_the_hybrid_with_sliding_draft_layers(world1, tiny_hybrid_dir):

@@ -153,27 +153,35 @@ os._exit(0)
     assert took < 15 and "Ranks 1 failed to pass monitoredBarrier" in line[0], line[0]
 
 
-def _journal_of_a_stalled_job(tiny, tmp_path, hang: str, *extra: str, stall_s: float = 45.0):
+def _journal_of_a_stalled_job(tiny, tmp_path, capfd, hang: str, *extra: str, stall_s: float = 45.0):
     """A real job under the supervisor (3 gloo ranks: drafters 0 and 1, target 2) whose rank hangs after the
     note `hang` names (startup.HANG_ENV), with the stall bound `stall_s` (more than a rank's imports on a busy CPU): (exit status, journal, status.json,
-    seconds the supervisor ran)."""
+    seconds the supervisor ran). This process supervises (as `python -m trainer` would, without a second torch
+    import): the journal is what it and its ranks write to stdout and stderr (`capfd`); the environment and the
+    signal handlers the supervisor sets are put back."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    import signal
 
     from tests.engine.test_trainer import tiny_args
+    from trainer.__main__ import main as train_main
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]),
-               **{HANG_ENV: hang, STALL_ENV: str(stall_s)})
     argv = tiny_args(tiny, out, "--max-steps", "1", "--cpu-target-workers", "1", "--cpu-drafter-replicas", "2",
                      *extra)
+    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    os.environ.update({"OMP_NUM_THREADS": "1", HANG_ENV: hang, STALL_ENV: str(stall_s)})
+    capfd.readouterr()
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "trainer", *argv], env=env, capture_output=True, text=True,
-                       timeout=400)
-    took = time.monotonic() - t0
+    try:
+        rc = train_main(argv)
+    finally:
+        took = time.monotonic() - t0
+        os.environ.clear()
+        os.environ.update(env)
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    journal = "".join(capfd.readouterr())
     st = json.loads((out / "status.json").read_text())
-    return r.returncode, r.stdout + r.stderr, st, took
+    return rc, journal, st, took
 
 
 def _dumps(journal: str) -> int:
@@ -186,13 +194,13 @@ def _dumps(journal: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_hang_in_init_ends_within_the_bound_naming_the_rank_and_its_sub_step(tiny_small_dir, tmp_path):
+def test_a_hang_in_init_ends_within_the_bound_naming_the_rank_and_its_sub_step(tiny_small_dir, tmp_path, capfd):
     """Issue 61, item 1: init_rank's sub-steps are start-up notes, and the supervisor's stall clock runs from the
     launch (rank 0 has written no status.json yet). The target hangs in its first connect: the job ends within
     the bound, with one line naming the rank and the sub-step, every rank's stacks, status.json's error and
     the exit status the unit does not restart on."""
     from trainer.distributed.launch import STALL_EXIT
-    rc, journal, st, took = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, "2:connect 2-0")
+    rc, journal, st, took = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, capfd, "2:connect 2-0")
     assert rc == STALL_EXIT, journal[-3000:]
     lines = [ln for ln in journal.splitlines() if ln.startswith("dflash-train: error: start-up stalled")]
     assert len(lines) == 1, journal[-3000:]
@@ -207,14 +215,14 @@ def test_a_hang_in_init_ends_within_the_bound_naming_the_rank_and_its_sub_step(t
 
 
 @pytest.mark.slow
-def test_a_hang_in_warmup_ends_within_the_bound_naming_the_rank_and_its_shape(tiny_small_dir, tmp_path):
+def test_a_hang_in_warmup_ends_within_the_bound_naming_the_rank_and_its_shape(tiny_small_dir, tmp_path, capfd):
     """The warmup's twin: the target stuck in its second warmup shape while the drafters wait at the start
     barrier. Up to the hang it is a real job's start-up, which reports every rank's progress: each rank's
     warmup notes (shape k of n) reach the journal (the supervisor's output), the supervisor logs the bounds it
     derived, rank 0's status.json holds every rank's notes, and the start barrier is bounded. (That a job goes
     on to train with all this in place, every multi-rank job of the suite shows: the notes are not optional.)"""
     from trainer.distributed.launch import STALL_EXIT
-    rc, journal, st, _ = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, "2:target shape 2 of")
+    rc, journal, st, _ = _journal_of_a_stalled_job(tiny_small_dir, tmp_path, capfd, "2:target shape 2 of")
     assert rc == STALL_EXIT, journal[-3000:]
     lines = [ln for ln in journal.splitlines() if ln.startswith("dflash-train: error: start-up stalled")]
     assert len(lines) == 1 and "rank 2 (target) in warmup (target shape 2 of" in lines[0], journal[-3000:]

@@ -12,12 +12,10 @@ from trainer.model.checkpoint_format import CheckpointManager, ResumeChanged, ch
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_small_dir, tmp_path_factory):
-    """One checkpoint (step 1) of block 8, dflash, ce+dpace on hard labels."""
-    out = tmp_path_factory.mktemp("keeps") / "out"
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "1", "--loss", "ce+dpace",
-                                "--no-use-soft-labels")) == 0
-    return out
+def trained(tiny_trained_dir):
+    """One checkpoint (step 2) of block 8, dflash, ce+dpace on hard labels (the defaults; tests/conftest.py's
+    2-step run, shared with the other tests that resume from it)."""
+    return tiny_trained_dir
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -28,16 +26,16 @@ def trained(tiny_small_dir, tmp_path_factory):
 def test_a_changed_block_size_arch_or_loss_is_refused_and_nothing_is_touched(tiny_small_dir, trained, extra,
                                                                               needle, capfd):
     before = snapshot(trained)
-    args = tiny_args(tiny_small_dir, trained, "--max-steps", "2", "--no-use-soft-labels", "--loss", "ce+dpace")
+    args = tiny_args(tiny_small_dir, trained, "--max-steps", "3", "--no-use-soft-labels", "--loss", "ce+dpace")
     assert train_main(args + extra) == 2
     err = one_line(capfd.readouterr().err)
     assert err.startswith("dflash-train: error: " + needle.split(":")[0]) and needle in err, err
-    assert "step-00000001" in err and err.endswith("or another --output-dir to train a new drafter)")
+    assert "step-00000002" in err and err.endswith("or another --output-dir to train a new drafter)")
     assert snapshot(trained) == before
 
 
 def test_the_same_flags_resume(tiny_small_dir, trained):
-    args = tiny_args(tiny_small_dir, trained, "--max-steps", "2", "--no-use-soft-labels", "--loss", "ce+dpace",
+    args = tiny_args(tiny_small_dir, trained, "--max-steps", "3", "--no-use-soft-labels", "--loss", "ce+dpace",
                      "--check-config")
     assert train_main(args) == 0
 

@@ -44,11 +44,11 @@ def weights(d: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def published(tiny_small_dir, tmp_path_factory):
-    """A drafter trained 2 steps on the tiny target and exported: our export is z-lab's layout."""
+def published(tiny_trained_dir, tiny_small_dir, tmp_path_factory):
+    """A drafter trained 2 steps on the tiny target (tests/conftest.py's run) and exported: our export is z-lab's
+    layout."""
     root = tmp_path_factory.mktemp("published")
-    assert train_main(tiny_args(tiny_small_dir, root / "run", "--max-steps", "2")) == 0
-    return export_drafter(root / "run", root / "export", target_model=str(tiny_small_dir / "target"))
+    return export_drafter(tiny_trained_dir, root / "export", target_model=str(tiny_small_dir / "target"))
 
 
 def test_export_warm_start_train_export_loads_in_the_reference(published, tiny_small_dir, tmp_path):
@@ -79,11 +79,10 @@ def test_export_warm_start_train_export_loads_in_the_reference(published, tiny_s
     assert f"--init-drafter {published}: not used, the run resumes its own checkpoint" in run_log(out)
 
 
-def test_dflash2_warm_start_round_trip(tiny_small_dir, tmp_path, capfd):
-    """A DFlash2 drafter: --arch comes from it, and the export loads in the reference DFlash2 class."""
-    hard = ("--no-use-soft-labels", "--loss", "ce+dpace", "--arch", "dflash2")
-    assert train_main(tiny_args(tiny_small_dir, tmp_path / "run", "--max-steps", "1", *hard)) == 0
-    first = export_drafter(tmp_path / "run", tmp_path / "first")
+def test_dflash2_warm_start_round_trip(tiny_dflash2_run, tiny_small_dir, tmp_path, capfd):
+    """A DFlash2 drafter (the session's 3-step run, tests/conftest.py, exported): --arch comes from it, and the
+    export loads in the reference DFlash2 class."""
+    first = export_drafter(tiny_dflash2_run, tmp_path / "first")
     out = tmp_path / "warm"
     assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--loss",
                                 "ce+dpace", "--init-drafter", str(first))) == 0

@@ -192,30 +192,29 @@ def test_the_selectors_gradients_are_the_same_on_every_run_with_two_threads():
         torch.set_num_threads(saved)
 
 
-@pytest.mark.slow   # two short CPU runs on the tiny target
-def test_dflash2_training_on_the_cpu_is_bit_deterministic_with_two_threads(tiny_small_dir, tmp_path):
-    """Two runs of the same DFlash2 training (world size 1, CE + D-PACE, hard labels) with OMP_NUM_THREADS=2
-    end with the same weights, bit for bit, every tensor. With the codebooks read by indexing, whose CPU
-    backward accumulates repeated rows in a thread-dependent order, most weights differed in their last bits
-    after three steps (the lookup is F.embedding now, whose backward sums each row in one order). CI runs
-    with OMP_NUM_THREADS=1, which hides such an op, so each run is its own process with the variable set
-    (torch.set_num_threads in the test's own process did not bring the old failure back)."""
-    import os
-    import subprocess
-    import sys
-
+@pytest.mark.slow   # two short CPU runs on the tiny target (one of them the session's)
+def test_dflash2_training_on_the_cpu_is_bit_deterministic_with_two_threads(tiny_dflash2_run, tiny_small_dir,
+                                                                            tmp_path):
+    """Two runs of the same DFlash2 training (world size 1, CE + D-PACE, hard labels; tests/conftest.py's
+    dflash2_run_args) with OMP_NUM_THREADS=2 end with the same weights, bit for bit, every tensor. With the
+    codebooks read by indexing, whose CPU backward accumulates repeated rows in a thread-dependent order, most
+    weights differed in their last bits after three steps (the lookup is F.embedding now, whose backward sums
+    each row in one order). CI runs with OMP_NUM_THREADS=1, which hides such an op, so each run's rank starts
+    with the variable set: a process of its own, which the launcher gives this process's environment
+    (torch.set_num_threads in the test's own process did not bring the old failure back). The first run is the
+    session's (tiny_dflash2_run); this process supervises the second."""
     import safetensors.torch
 
-    from tests.engine.test_trainer import losses, tiny_args
+    from tests.conftest import dflash2_run_args
+    from tests.engine.test_trainer import losses
+    from trainer.__main__ import main as train_main
 
+    again = tmp_path / "again"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "2")
+        assert train_main(dflash2_run_args(tiny_small_dir, again)) == 0
     weights, curves = [], []
-    for run in ("a", "b"):
-        out = tmp_path / run
-        r = subprocess.run([sys.executable, "-m", "trainer", *tiny_args(
-            tiny_small_dir, out, "--max-steps", "3", "--save-interval", "3", "--arch", "dflash2", "--loss",
-            "ce+dpace", "--no-use-soft-labels")], env=dict(os.environ, OMP_NUM_THREADS="2"),
-            capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
+    for out in (tiny_dflash2_run, again):
         curves.append(losses(out))
         weights.append(safetensors.torch.load_file(str(sorted(out.glob("step-*"))[-1] / "model.safetensors")))
     a, b = weights
@@ -327,25 +326,21 @@ def test_dflash2_export_loads_in_the_reference_class_and_its_forward_and_path_eq
 
 
 @pytest.mark.slow   # about 6 CPU-s and the tiny target
-def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_small_dir, tmp_path, capsys):
-    """--arch dflash2 --loss ce+dpace at world size 1 (FSDP2 on gloo): the steps are finite, the selector
-    and the convolutions learn (they start as the identity and at the init draw), tau is evaluated during
-    the run and at its end in dflash-eval's batched loop, the in-training eval's (--eval-data-dir; evaltrain.py
-    eval_loop), and the checkpoint exports into the
+def test_dflash2_trains_on_the_cpu_and_exports_what_the_reference_loads(tiny_dflash2_run, tiny_small_dir, tmp_path,
+                                                                        capsys):
+    """--arch dflash2 --loss ce+dpace at world size 1 (FSDP2 on gloo; the session's run, tests/conftest.py's
+    dflash2_run_args): the steps are finite, the selector and the convolutions learn (they start as the identity
+    and at the init draw), tau is evaluated during the run and at its end in dflash-eval's batched loop, the
+    in-training eval's (--eval-data-dir; evaltrain.py eval_loop), and the checkpoint exports into the
     reference class with no missing or unexpected keys."""
 
     import safetensors.torch
 
-    from tests.engine.test_trainer import losses, records, tiny_args
-    from trainer.__main__ import main as train_main
+    from tests.engine.test_trainer import losses, records
     from trainer.model.checkpoint_format import CheckpointManager
     from trainer.serving.export import export_drafter
 
-    out = tmp_path / "run"
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--arch", "dflash2",
-                                "--loss", "ce+dpace", "--save-interval", "3", "--eval-data-dir",
-                                str(tiny_small_dir / "heldout"), "--eval-every", "2", "--eval-prompts", "2",
-                                "--eval-max-new-tokens", "12")) == 0
+    out = tiny_dflash2_run
     seen = losses(out)
     assert sorted(seen) == [1, 2, 3] and all(math.isfinite(v) for v in seen.values())
     evals = records(out, "eval")

@@ -62,11 +62,10 @@ def targets(tiny_small_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_small_dir, tmp_path_factory):
-    """An output dir with one checkpoint (step 2) trained on the tiny target."""
-    out = tmp_path_factory.mktemp("trained") / "out"
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "2")) == 0
-    return out
+def trained(tiny_trained_dir):
+    """An output dir with one checkpoint (step 2) trained on the tiny target: tiny_args' 2-step run
+    (tests/conftest.py, shared with the other tests that resume from it; none writes into it)."""
+    return tiny_trained_dir
 
 
 def snapshot(d: Path) -> dict:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.test_trainer import losses, records, tiny_args
+from tests.conftest import learning_run_args
+from tests.engine.test_trainer import losses, records
 from trainer.__main__ import main as train_main
 from trainer.ops.loss import dflash_loss, lm_head_chunk
 from trainer.ops.plan import FLEX_BLOCK, flex_block_sparsity, loss_layout, plan_micro_batch
@@ -194,18 +195,14 @@ def test_full_blocks_off_leaves_the_old_lists():
     assert all(c.full_kv_num_blocks is None for c in plan.chunks)
 
 
-def test_a_short_run_without_the_issue15_switches_trains_the_same(tiny_small_dir, tmp_path):
+def test_a_short_run_without_the_issue15_switches_trains_the_same(tiny_learning_run, tiny_small_dir, tmp_path):
     """Issue 15's training result: the same short run with soft labels per row and the LM head on every
     row (--no-loss-dedup, the code before) and per position (the default) logs the same losses step by
     step and reaches the same tau (the real generation-loop eval at the end)."""
-    runs = {}
-    for name, flags in (("per_position", ()), ("per_row", ("--no-loss-dedup", "--no-fp32-logits"))):
-        out = tmp_path / name
-        assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "6", "--lr", "5e-3", "--grad-accum", "1",
-                                    "--eval-data-dir", str(tiny_small_dir / "heldout"), "--eval-prompts", "4",
-                                    "--eval-max-new-tokens", "32", *flags)) == 0
-        runs[name] = (losses(out), records(out, "eval")[-1])
-    (la, ea), (lb, eb) = runs["per_position"], runs["per_row"]
+    out = tmp_path / "per_row"
+    assert train_main(learning_run_args(tiny_small_dir, out, "--no-loss-dedup", "--no-fp32-logits")) == 0
+    # per position: the session's learning run (tests/conftest.py), the same flags without these two
+    (la, ea), (lb, eb) = ((losses(d), records(d, "eval")[-1]) for d in (tiny_learning_run, out))
     assert la.keys() == lb.keys() == set(range(1, 7))
     for s in la:
         assert la[s] == pytest.approx(lb[s], rel=1e-4), (s, la[s], lb[s])

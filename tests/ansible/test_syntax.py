@@ -1,4 +1,8 @@
-"""Every playbook parses (ansible-playbook --syntax-check) against both inventories."""
+"""Every playbook parses (ansible-playbook --syntax-check) against both inventories.
+
+One ansible-playbook run per inventory checks them all (it loads every playbook it is given, and a
+parse error anywhere fails the run naming the file): a run per playbook cost an interpreter start and
+Ansible's imports each, about 0.6 CPU-s, 22 times."""
 import os
 import subprocess
 import sys
@@ -15,10 +19,12 @@ PLAYBOOKS = ["deploy.yml", "restart.yml"] + sorted(
 
 
 @pytest.mark.parametrize("inventory", ["inventory/production", "inventory/local"])
-@pytest.mark.parametrize("playbook", PLAYBOOKS)
-def test_syntax(playbook, inventory):
+def test_syntax(inventory):
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
                PATH=f"{BIN}:{os.environ.get('PATH', '')}")
-    r = subprocess.run([str(BIN / "ansible-playbook"), "--syntax-check", "-i", inventory, playbook],
+    r = subprocess.run([str(BIN / "ansible-playbook"), "--syntax-check", "-i", inventory, *PLAYBOOKS],
                        cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    # each playbook was loaded and checked: ansible-playbook names every one it parsed
+    assert [ln.removeprefix("playbook: ") for ln in r.stdout.splitlines() if ln.startswith("playbook: ")] \
+        == PLAYBOOKS, r.stdout

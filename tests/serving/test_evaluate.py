@@ -295,21 +295,32 @@ def all_prompts(tiny_small_dir):
     return heldout_prompts(load_dataset(tiny_small_dir / "heldout"), 8)
 
 
+BATCHED_MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def single_loop_runs(target, quick_trained, all_prompts):
+    """The single loop on every prompt, without stop tokens and with two (tokens the greedy continuations
+    emit part-way, so rows stop at different steps): (the drafter, [(stop_ids, its results)]), run once
+    for both batch sizes below."""
+    cfg, model = quick_trained
+    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
+    ref = [dflash_generate(hf, target, torch.as_tensor(p)[None], BATCHED_MAX_NEW, []) for p in all_prompts]
+    stops = sorted({ref[0].output_ids[0, len(all_prompts[0]) + 20].item(),
+                    ref[3].output_ids[0, len(all_prompts[3]) + 9].item()})
+    return hf, [([], ref), (stops, [dflash_generate(hf, target, torch.as_tensor(p)[None], BATCHED_MAX_NEW, stops)
+                                    for p in all_prompts])]
+
+
 @pytest.mark.parametrize("batch_size", [3, 8])
 def test_the_batched_loop_gives_each_prompts_accept_lengths_and_tokens_of_the_single_loop(
-        target, quick_trained, all_prompts, batch_size):
+        target, single_loop_runs, all_prompts, batch_size):
     """Prompts of different lengths share a step, each row at its own position; with stop tokens some rows
     end early (frozen in the batch); a short last batch (8 = 3 + 3 + 2) repeats a finished row."""
     from trainer.serving.captured.eval_decoder import BatchedSpecDecoder
-    cfg, model = quick_trained
-    hf = hf_drafter(cfg, model.state_dict(), "cpu", torch.float32)
-    max_new = 48
-    ref = [dflash_generate(hf, target, torch.as_tensor(p)[None], max_new, []) for p in all_prompts]
-    # stops: tokens the greedy continuations emit part-way, so rows stop at different steps
-    stops = sorted({ref[0].output_ids[0, len(all_prompts[0]) + 20].item(),
-                    ref[3].output_ids[0, len(all_prompts[3]) + 9].item()})
-    for stop_ids in ([], stops):
-        single = [dflash_generate(hf, target, torch.as_tensor(p)[None], max_new, stop_ids) for p in all_prompts]
+    hf, runs = single_loop_runs
+    max_new = BATCHED_MAX_NEW
+    for stop_ids, single in runs:
         dec = BatchedSpecDecoder(target, hf, "cpu", batch_size, max_new, stop_ids)
         batched = [row for i in range(0, len(all_prompts), batch_size)
                    for row in dec.generate(all_prompts[i:i + batch_size])]

@@ -31,11 +31,16 @@ def main(argv=None) -> int:
         if cfg is not None and not cfg.check_config and not e.leave_output:
             record_bad_input(cfg.status_file, f"{e}")
         return 2
+    from trainer.optional import loading
     if in_launched_rank():
-        from trainer.engine.rank import train_rank
+        with loading():   # torch, transformers and the engine: frozen for the collector (trainer/optional.py)
+            from trainer.engine.rank import train_rank
         return train_rank(cfg)
-    from trainer.distributed.launch import launch
-    from trainer.engine.compile_warmup import startup_bounds
+    with loading():
+        import torch.distributed.launcher.api  # noqa: F401  (launch() imports the launcher: torch, loaded here)
+
+        from trainer.distributed.launch import launch
+        from trainer.engine.compile_warmup import startup_bounds
     return launch(argv, cfg, startup_bounds(cfg))
 
 
@@ -48,4 +53,6 @@ def record_bad_input(status_file: str, error: str) -> None:
 
 
 if __name__ == "__main__":
+    from trainer.optional import program
+    program()   # a process of its own (by hand, run.sh, the launcher's ranks): trainer/optional.py
     sys.exit(main())

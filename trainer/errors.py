@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 from trainer.procs import pid_alive
 
@@ -22,10 +23,12 @@ class BadInput(TrainingFailed):
     checks in preflight.validate, since restarting will not fix it (the unit's RestartPreventExitStatus=2)."""
 
 
-try:   # torch.distributed.checkpoint's exception derives from BaseException
-    from torch.distributed.checkpoint.api import CheckpointException as CheckpointErrorBase
-except ImportError:  # pragma: no cover
-    CheckpointErrorBase = Exception
+def is_checkpoint_error(e: BaseException) -> bool:
+    """Whether `e` is torch.distributed.checkpoint's CheckpointException, which derives from BaseException, so
+    `except Exception` misses it. Asked without importing DCP (half a CPU-second of a rank's start, which loads
+    it only to save or load a checkpoint): none can be raised before DCP is loaded."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(e, api.CheckpointException)
 
 
 def root_cause(e: BaseException) -> str:

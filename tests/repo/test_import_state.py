@@ -49,3 +49,14 @@ def test_every_console_script_goes_through_trainer_cli():
     for name, target in scripts.items():
         module, func = target.split(":")
         assert module == "trainer.cli" and callable(getattr(cli, func)), name
+
+
+def test_a_program_freezes_its_imports_for_the_collector_and_an_importer_keeps_its_own():
+    """trainer/optional.py: loading() around a program's heavy imports leaves the collector on and what they built
+    frozen (a rank's collections no longer walk torch and transformers); in a process program() did not mark (a test
+    calling main() in its own process, a library user) it does nothing."""
+    out = _py("import gc\nimport trainer.optional as o\nwith o.loading():\n    import json\n"
+              "importer = (gc.get_freeze_count(), gc.isenabled())\no.program()\nwith o.loading():\n"
+              "    import email.message\nprint(importer == (0, True), gc.get_freeze_count() > 0, gc.isenabled(),"
+              " repr(__import__('sys').modules.get('torchao', 'absent')))")
+    assert out == "True True True None"

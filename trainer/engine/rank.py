@@ -14,7 +14,7 @@ from trainer.distributed.groups import abort_groups, init_rank
 from trainer.distributed.heartbeat import annotate
 from trainer.engine.runlog import setup_console
 from trainer.engine.train import Trainer
-from trainer.errors import BadInput, CheckpointErrorBase, TrainingFailed, die_with_supervisor, record
+from trainer.errors import BadInput, TrainingFailed, die_with_supervisor, is_checkpoint_error, record
 from trainer.model.checkpoint_format import CheckpointError
 
 log = logging.getLogger("trainer")
@@ -83,7 +83,9 @@ def train_rank(cfg: TrainConfig, target_factory=None, dataset=None, on_done=None
         status.update(phase="failed", error=f"rank {topo.rank}: {e}", step=trainer.loop.step,
                       nan_skips=trainer.report.nan_skips, nan_streak=trainer.report.nan_streak, force=True)
         return 1
-    except (Exception, CheckpointErrorBase) as e:
+    except BaseException as e:   # any Exception, and DCP's CheckpointException (a BaseException)
+        if not isinstance(e, Exception) and not is_checkpoint_error(e):
+            raise
         # several nodes: a timeout names no peer, the heartbeat knows which went quiet
         quiet = groups.heartbeat.quiet() if groups.heartbeat is not None else None
         e = annotate(e, quiet)

@@ -1,7 +1,7 @@
 """The train state: what a checkpoint holds of a run, one typed object whose parts their owners declare.
 
 Each part is a ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict()`` /
-``load_state_dict()``), the way torchtitan's trainer hands its TrainState, model, optimizer and data
+``load_state_dict()``: DCP's runtime-checkable protocol, which a class meets by having both methods), the way torchtitan's trainer hands its TrainState, model, optimizer and data
 loader to its checkpointer. train.py builds the :class:`TrainState` once (``Trainer.setup``) and hands
 it to the job's checkpointer (trainer/engine/checkpoint.py), which reads fields, not string keys. Each part is
 declared here for its owner and reads and writes only that owner's fields (the loop's and the
@@ -31,11 +31,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.data.dataset import DataPosition
 
 if TYPE_CHECKING:
+    # a protocol, met by the methods alone: the parts do not subclass it, so a rank imports DCP (and with it
+    # DTensor's ops and sympy, half a CPU-second) only when it saves or loads a checkpoint (checkpoint.py)
+    from torch.distributed.checkpoint.stateful import Stateful
+
     from trainer.config.options import TrainConfig
     from trainer.model.drafter import DFlashConfig
 
@@ -50,7 +53,7 @@ FILE_KEYS = ("step", "seq_next", "batches_per_step", "warmup_steps", "data_posit
 # ------------------------------------------------------------------------------- the parts
 
 @dataclass
-class LoopState(Stateful):
+class LoopState:
     """The step loop's: optimizer steps done and the real tokens they trained on (live: the loop counts
     here; the Trainer reads them as Trainer.loop)."""
     step: int = 0
@@ -65,7 +68,7 @@ class LoopState(Stateful):
 
 
 @dataclass
-class ScheduleState(Stateful):
+class ScheduleState:
     """The learning-rate schedule's (optim.lr_at): the warmup length, fixed when a run first starts, so a
     run extended with a larger --max-steps keeps its warmup and follows the new cosine."""
     warmup_steps: int = 0
@@ -79,7 +82,7 @@ class ScheduleState(Stateful):
 
 
 @dataclass
-class DataFeedState(Stateful):
+class DataFeedState:
     """The data feed's position: the next micro-batch is number step x batches_per_step of the stream
     (``feed.position`` maps it to epoch and batch). Recorded; a resume recomputes it from the step (the
     feed starts there), and warns when the checkpoint was trained with another batches_per_step."""
@@ -122,7 +125,7 @@ class DataFeedState(Stateful):
 
 
 @dataclass
-class NanSkips(Stateful):
+class NanSkips:
     """The reporter's: optimizer steps skipped for a non-finite loss (report.Reporter.nan_skips)."""
     report: Any                # Reporter
 
@@ -134,7 +137,7 @@ class NanSkips(Stateful):
 
 
 @dataclass
-class RunInfo(Stateful):
+class RunInfo:
     """The run's record: its id, its config and its drafter rank count. Recorded only (a resumed run has
     its own id and config; preflight compares the target, identity.for_checkpoint reads the config)."""
     run_id: str
@@ -196,7 +199,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 @dataclass
-class RNGState(Stateful):
+class RNGState:
     """Each drafter rank's generators (python, numpy, torch CPU and CUDA). ``state_dict`` is a collective
     over ``group`` (every drafter rank): the leader gets every drafter rank's state in drafter order
     (``rng_by_rank``; None elsewhere); without a group, this process's alone. ``load_state_dict``
@@ -225,7 +228,7 @@ class RNGState(Stateful):
 
 
 @dataclass
-class DrafterState(Stateful):
+class DrafterState:
     """The drafter stage's model and AdamW, as torch.distributed.checkpoint's state dict
     ``{"model": ..., "optim": ...}`` (get_state_dict / set_state_dict: each drafter rank's shards; ``dcp/``
     holds them and DCP reshards them onto any number of drafter ranks), and the drafter's config
@@ -268,7 +271,7 @@ class DrafterState(Stateful):
 # ------------------------------------------------------------------------------- the whole
 
 @dataclass
-class TrainState(Stateful):
+class TrainState:
     """Everything a checkpoint holds of a run. ``state_dict`` / ``load_state_dict`` are training_state.pt's
     flat dict (every part but the drafter's, whose state DCP writes to ``dcp/``); ``state_dict`` is a
     collective over the drafter ranks (the RNG states gather to the leader)."""

@@ -4,11 +4,18 @@ naming the flag, this run's value and the checkpoint's, before anything in the o
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.model.test_identity import one_line, snapshot, tiny_args
 from trainer.__main__ import main as train_main
 from trainer.model.checkpoint_format import CheckpointManager, ResumeChanged, check_resume_keeps
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,20 @@ def test_the_same_flags_resume(tiny_small_dir, trained):
     args = tiny_args(tiny_small_dir, trained, "--max-steps", "3", "--no-use-soft-labels", "--loss", "ce+dpace",
                      "--check-config")
     assert train_main(args) == 0
+
+
+def test_a_resume_check_reads_the_checkpoint_without_starting_torch(tiny_small_dir, trained):
+    """--check-config judges a resume from the checkpoint's names and meta.json alone: in a fresh interpreter it
+    passes, and then refuses a changed block size, without importing torch (trainer/model/checkpoint_format.py
+    loads torch only where tensors are read or written; the unit's preflight runs it at every start)."""
+    args = tiny_args(tiny_small_dir, trained, "--max-steps", "3", "--no-use-soft-labels", "--loss", "ce+dpace",
+                     "--check-config")
+    code = ("import sys\nfrom trainer.__main__ import main\n"
+            f"print(main({args!r}), main({args + ['--block-size', '4']!r}), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1].split() == ["0", "2", "False"], (r.stdout, r.stderr)
 
 
 def test_a_checkpoint_without_a_run_config_is_judged_by_its_drafter_config(tmp_path):

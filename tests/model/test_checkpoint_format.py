@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from trainer.engine.train_state import capture_rng_state, restore_rng_state
@@ -140,7 +141,7 @@ def test_failed_save_enospc_safetensors(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep=1)
     good = _save(mgr, 10)
     before = {f: (good / f).read_bytes() for f in ck.REQUIRED_FILES}
-    monkeypatch.setattr(ck.safetensors.torch, "save_file", _enospc)
+    monkeypatch.setattr(safetensors.torch, "save_file", _enospc)   # looked up at the call
     with pytest.raises(CheckpointError) as ei:
         _save(mgr, 20)
     msg = str(ei.value)
@@ -169,7 +170,7 @@ def test_failed_save_enospc_mid_torch_save(tmp_path, monkeypatch):
         def flush(self):
             self.f.flush()
 
-    monkeypatch.setattr(ck.torch, "save", lambda obj, f: real_save(obj, Full(f)))
+    monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, Full(f)))
     with pytest.raises(CheckpointError, match="No space left on device"):
         _save(mgr, 20)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["step-00000010"]
@@ -181,7 +182,7 @@ def test_resave_same_step_is_safe(tmp_path, monkeypatch):
     p1 = _save(mgr, 10, seed=1)
     w1 = load(p1)[0]["fc.weight"]
     # a failing re-save leaves the first one in place
-    monkeypatch.setattr(ck.safetensors.torch, "save_file", _enospc)
+    monkeypatch.setattr(safetensors.torch, "save_file", _enospc)   # looked up at the call
     with pytest.raises(CheckpointError):
         _save(mgr, 10, seed=2)
     monkeypatch.undo()

@@ -18,7 +18,8 @@ by construction. Files (docs/contracts.md "Checkpoints"):
                          rank count, run config, run id, every drafter rank's RNG state)
 * ``meta.json``          the manifest: step, epoch, reason, created_at, trainer version, ``files`` (the
                          sizes a complete checkpoint has), ``target``: the target's identity
-                         (trainer/model/identity.py)
+                         (trainer/model/identity.py), ``resume_keeps``: the run config's block size, arch
+                         and loss (what a resume must keep, read without unpickling the train state)
 
 Keep-K pruning happens only after a successful save. A failed save (e.g. a full disk) removes its
 temp dir, leaves earlier checkpoints untouched and raises :class:`CheckpointError`.
@@ -35,16 +36,18 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Mapping
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from trainer.fsutil import fsync_dir, fsync_path
 from trainer.model.architectures import for_config
 from trainer.model.identity import RECORD_KEY
 from trainer.model.identity import for_checkpoint as identity_for_checkpoint
 from trainer.procs import pid_alive
+
+# torch and safetensors load where tensors are read or written: a --check-config reads only names and
+# meta.json, and starts no torch (about 1.4 CPU-s a check).
+if TYPE_CHECKING:
+    import torch
 
 # the name the journal has always shown for these lines (docs/reliability.md quotes one)
 log = logging.getLogger("trainer.checkpoint")
@@ -151,6 +154,7 @@ def _rmtree(path: Path) -> None:
 def _cpu_tensors(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors; shared storage (tied weights) cloned apart, since
     safetensors refuses tensors that share memory."""
+    import torch
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, t in model_state.items():
@@ -172,6 +176,8 @@ def _cpu_tensors(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 def load(path: str | os.PathLike, map_location: Any = "cpu"
          ) -> tuple[dict[str, torch.Tensor], dict, dict, dict]:
     """Read a checkpoint dir: (model_state, model_config, train_state, meta)."""
+    import safetensors.torch
+    import torch
     path = Path(path)
     try:
         missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
@@ -199,6 +205,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu"
 def load_train_state(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     """The ``training_state.pt`` of a step dir alone (what a resume reads before the sharded state):
     the train state's flat dict (train_state.TrainState.load_state_dict takes it). Errors are torch's."""
+    import torch
     # our own file: contains numpy/python RNG states, so not weights_only
     return torch.load(Path(path) / STATE_FILE, map_location=map_location, weights_only=False)
 
@@ -209,6 +216,8 @@ def load_train_state(path: str | os.PathLike, map_location: Any = "cpu") -> dict
 # (train_state.RunInfo); a changed block size, architecture or loss trains another drafter than the
 # checkpoint's, silently
 RESUME_KEEPS = (("--block-size", "block_size"), ("--arch", "arch"), ("--loss", "loss"))
+# meta.json's copy of those fields of the run config (the training state's "config" holds them all)
+RESUME_META_KEY = "resume_keeps"
 
 
 class ResumeChanged(ValueError):
@@ -221,10 +230,13 @@ def check_resume_keeps(cfg, checkpoint_dir: str | os.PathLike) -> None:
     naming the first flag that differs, this run's value and the checkpoint's. A value the checkpoint does
     not record (an older one: no --loss) is not compared. Reads only."""
     d = Path(checkpoint_dir)
-    try:
-        saved = dict(load_train_state(d).get("config") or {})
-    except Exception:  # noqa: BLE001 - an unreadable state file is the resume's own error to report
-        saved = {}
+    try:   # meta.json's copy (written since 2026-12): read without unpickling, so a --check-config starts no torch
+        saved = dict(json.loads((d / META_FILE).read_text(encoding="utf-8"))[RESUME_META_KEY])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            saved = dict(load_train_state(d).get("config") or {})
+        except Exception:  # noqa: BLE001 - an unreadable state file is the resume's own error to report
+            saved = {}
     try:
         drafter = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -317,6 +329,8 @@ class CheckpointManager:
 
     def _write_files(self, tmp: Path, step: int, model_state, model_config, train_state,
                      meta) -> None:
+        import safetensors.torch
+        import torch
         tensors = _cpu_tensors(model_state)
         safetensors.torch.save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         fsync_path(tmp / MODEL_FILE)
@@ -329,6 +343,9 @@ class CheckpointManager:
         m.update(dict(meta or {}))
         if RECORD_KEY not in m:   # the target this drafter was trained on (trainer/model/identity.py)
             m[RECORD_KEY] = identity_for_checkpoint(dict(model_config), dict(train_state))
+        run = train_state.get("config")
+        if isinstance(run, Mapping):
+            m.setdefault(RESUME_META_KEY, {name: run.get(name) for _, name in RESUME_KEEPS})
         m.update(step=step, created_at=time.time(), trainer_version=_trainer_version(),
                  files={fn: (tmp / fn).stat().st_size
                         for fn in (MODEL_FILE, CONFIG_FILE, STATE_FILE)})

@@ -69,10 +69,16 @@ for c in want:
         sys.exit(1)
 PY
 }
+# The bundle holds about 90 collections (15,000 Python files); the roles use community.proxmox alone, so
+# only it is byte-compiled (pip's compile of them all: 17 of the install's 22 CPU-s on this 2-core host).
+ansible_bundle() {
+    "${PIP[@]}" install -q --no-compile ansible==12.3.0
+    "$VENV/bin/python" -m compileall -q "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_collections/community/proxmox"
+}
 if ! collections_ok; then
     log "ansible-galaxy collection install -r requirements.yml"
     "$VENV/bin/ansible-galaxy" collection install -r "$REPO/requirements.yml" --timeout 30 \
-        || { log "Galaxy unreachable: pip install ansible==12.3.0 (bundles community.proxmox 1.4.0)"; "${PIP[@]}" install -q ansible==12.3.0; }
+        || { log "Galaxy unreachable: pip install ansible==12.3.0 (bundles community.proxmox 1.4.0)"; ansible_bundle; }
     collections_ok || { log "the collections of requirements.yml are not installed at their versions"; exit 1; }
 fi
 log "ok: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), $("$VENV/bin/ansible" --version | sed -n 1p))"

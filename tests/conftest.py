@@ -80,12 +80,10 @@ def tiny_trained_dir(tiny_small_dir, tmp_path_factory):
     (tests/model/test_identity.py, tests/engine/test_resume_contract.py, tests/engine/test_warm_start.py) and
     Qwen3's family run (tests/model/test_families.py); none writes into it (a test that trains on from it copies
     it first)."""
+    from tests.model.test_identity import tiny_args
     from trainer.__main__ import main as train_main
-    tiny, out = tiny_small_dir, tmp_path_factory.mktemp("tiny-trained") / "out"
-    assert train_main(["--target-model", str(tiny / "target"), "--data-dir", str(tiny / "data"), "--output-dir",
-                       str(out), "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--token-budget", "1024",
-                       "--max-seq-len", "256", "--block-size", "8", "--max-anchors", "8", "--num-draft-layers", "2",
-                       "--grad-accum", "1", "--profile-interval", "600", "--max-steps", "2"]) == 0
+    out = tmp_path_factory.mktemp("tiny-trained") / "out"
+    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "2")) == 0
     return out
 
 

@@ -70,7 +70,7 @@ for c in want:
 PY
 }
 # The bundle holds about 90 collections (15,000 Python files); the roles use community.proxmox alone, so
-# only it is byte-compiled (pip's compile of them all: 17 of the install's 22 CPU-s on this 2-core host).
+# only it is byte-compiled (pip's compile of them all: 14 of the install's 19 CPU-s on this 2-core host).
 ansible_bundle() {
     "${PIP[@]}" install -q --no-compile ansible==12.3.0
     "$VENV/bin/python" -m compileall -q "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_collections/community/proxmox"

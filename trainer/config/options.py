@@ -37,6 +37,8 @@ COMPILE_CHOICES = ("auto", "none", "target", "drafter", "all")
 SDPA_BACKENDS = ("auto", "any", "flash", "cudnn", "efficient")
 TRANSPORTS = ("pair", "world")   # groups.Groups: a communicator per (target, drafter) pair, or the world's
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
+# --cpu-dtype: a CPU run's compute dtype (trainer/engine/train.py); a GPU run is bfloat16
+CPU_DTYPES = ("float32", "bfloat16")
 # --fp8: torchao float8 training recipes for the drafter's linear layers (trainer/engine/drafter_stage.py)
 FP8_CHOICES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -222,6 +224,10 @@ class TrainConfig:
     drop_long: bool = opt(False, "drop sequences over --max-seq-len (default: truncate)")
     cpu_target_workers: int = opt(1, "CPU runs: target ranks (processes)", ge=1)
     cpu_drafter_replicas: int = opt(1, "CPU runs: drafter ranks (processes; the drafter is sharded over them)", ge=1)
+    cpu_dtype: str = opt("float32", "CPU runs: the compute dtype (GPUs always run bfloat16). bfloat16 runs the CPU "
+                                    "job as a GPU runs it: the target's forward, the hidden states and the "
+                                    "drafter's compute in bf16 over fp32 master weights; several times faster "
+                                    "where the CPU has AMX or AVX512-BF16", choices=CPU_DTYPES)
     # ---- torch.distributed (trainer/distributed/groups.py, trainer/distributed/launch.py; one process per GPU) ----
     nnodes: int = opt(1, "nodes in the job (each runs `python -m trainer` with its own --target-gpus/--drafter-gpus)",
                       group=DIST, ge=1)

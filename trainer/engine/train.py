@@ -86,7 +86,8 @@ class Trainer:
         self.target_factory = target_factory   # model for world size 1 (benchmark, tests), else loaded
         self.run_id: str = os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex[:8]
         self.device: torch.device = torch.device(topo.role.device)
-        self.dtype: torch.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        # the compute dtype: bf16 on GPUs; on the CPU --cpu-dtype (float32 unless asked)
+        self.dtype: torch.dtype = getattr(torch, cfg.cpu_dtype) if self.device.type == "cpu" else torch.bfloat16
         self.stop_requested: threading.Event = threading.Event()   # SIGTERM/SIGINT; the vote makes it the job's
         self.profiler: Profiler = Profiler()       # stage times: the loop, the feed and the report write them
         self.faults: Faults = Faults(topo.rank)

@@ -36,6 +36,12 @@ busy0=$(machine_busy_s)   # the budget counts from here: a fresh clone's host se
 bash tests/setup-host.sh
 echo "run: host setup took $(( $(date +%s) - start ))s"
 export PATH="$REPO/.venv/bin:$PATH"
+# Bytecode: hundreds of this run's processes import the trainer (a rank: 54 of its modules) and each pytest
+# collects test modules, so with writes off (PYTHONDONTWRITEBYTECODE, which hosts like CI's set) every one
+# compiled them from source again: 0.1-0.2 CPU-s a rank, and collecting tests/ took 13.5 CPU-s against 8.5
+# with pytest's rewritten modules cached (2026-12-06). The run writes __pycache__ (git ignores it) for its own
+# processes; what ships is built without it (roles/dflash_trainer/tasks/build.yml).
+unset PYTHONDONTWRITEBYTECODE
 # torch on 2 shared cores: one intra-op thread per process keeps the threaded pipeline tests fast
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 PY="$REPO/.venv/bin/python"

@@ -151,6 +151,25 @@ def _dense(c, block):
     return np.concatenate([ctx_ok, blk[:, None] == blk[None, :]], axis=1)
 
 
+def _tile(c, block, i, j):
+    """Tile (i, j) of `_dense(c, block)` (FLEX_BLOCK square, cut at the edges), built alone."""
+    nc = len(c.ctx_seq)
+    r = np.arange(i * FLEX_BLOCK, min((i + 1) * FLEX_BLOCK, len(c.q_seq)))
+    k = np.arange(j * FLEX_BLOCK, min((j + 1) * FLEX_BLOCK, nc + len(c.q_seq)))
+    kc, kq = k[k < nc], k[k >= nc] - nc
+    ctx_ok = (c.ctx_seq[kc][None, :] == c.q_seq[r][:, None]) & (c.ctx_pos[kc][None, :] < c.q_anchor[r][:, None])
+    return np.concatenate([ctx_ok, (r // block)[:, None] == (kq // block)[None, :]], axis=1)
+
+
+def _visible(c, block) -> int:
+    """`_dense(c, block).sum()` without the dense mask: per query row, the context rows of its sequence before its
+    anchor (a sorted search per sequence), and its own block's rows."""
+    n = 0
+    for s in np.unique(c.q_seq):
+        n += int(np.searchsorted(np.sort(c.ctx_pos[c.ctx_seq == s]), c.q_anchor[c.q_seq == s]).sum())
+    return n + int((np.bincount(np.arange(len(c.q_seq)) // block) ** 2).sum())
+
+
 def _tiles(num, idx):
     out = set()
     for qb in range(num.shape[2]):
@@ -225,33 +244,28 @@ def test_context_copies_keep_every_pair_and_bound_the_key_tiles_fan_in(lens, blo
         nct = len(c.ctx_seq) // FLEX_BLOCK
         ncopy = len(c.kv_ctx) // FLEX_BLOCK
         assert len(c.kv_ctx) % FLEX_BLOCK == 0 and (c.kv_ctx < len(c.ctx_seq)).all()
-        # the dense mask of the copied layout, from the copied rows' sequence and position
+        # the mask of the copied layout, from the copied rows' sequence and position; its tiles built one by one
+        # (the dense mask, which the copies widen to some 3,200 x 50,000 at group 1, cost seconds a case)
         copied = type(c)(**{**c.__dict__, "ctx_seq": c.kv_ctx_seq, "ctx_pos": c.ctx_pos[c.kv_ctx],
                             "q_seq": c.q_copy_seq})
-        dm = _dense(copied, block)
-        ref = _dense(s, block)
-        tq, tk = dm.shape
+        tk = len(copied.ctx_seq) + len(copied.q_seq)
         full = _tiles(c.full_kv_num_blocks, c.full_kv_indices)
         part = _tiles(c.kv_num_blocks, c.kv_indices)
         assert not (full & part)
 
         def back(j):  # the shared layout's key tile that copied tile j holds
             return int(c.kv_ctx[j * FLEX_BLOCK]) // FLEX_BLOCK if j < ncopy else j - ncopy + nct
-
-        def tile(m, i, j):
-            return m[i * FLEX_BLOCK:(i + 1) * FLEX_BLOCK, j * FLEX_BLOCK:(j + 1) * FLEX_BLOCK]
-        for i, j in full | part:  # a listed tile sees what its shared original sees (a copy is whole tiles)
-            assert (tile(dm, i, j) == tile(ref, i, back(j))).all()
+        tiles = {(i, j): _tile(copied, block, i, j) for i, j in full | part}
+        for (i, j), t in tiles.items():  # a listed tile sees what its shared original sees (a copy is whole tiles)
+            assert (t == _tile(s, block, i, back(j))).all()
         # and the mask alone says the same: no visible pair outside the listed tiles (eager FlexAttention
-        # applies only the mask, the kernels only the listed tiles plus the mask)
-        listed = np.zeros((-(-tq // FLEX_BLOCK), -(-tk // FLEX_BLOCK)), bool)
-        for i, j in full | part:
-            listed[i, j] = True
-        qi, ki = np.nonzero(dm)
-        assert listed[qi // FLEX_BLOCK, ki // FLEX_BLOCK].all()
-        assert dm.sum() == ref.sum()
+        # applies only the mask, the kernels only the listed tiles plus the mask): the listed tiles hold every
+        # pair the whole mask lets see, as many as the shared layout's mask does
+        seen = _visible(copied, block)
+        assert sum(int(t.sum()) for t in tiles.values()) == seen
+        assert seen == _visible(s, block)
         for i, j in full:
-            assert tile(dm, i, j).shape == (FLEX_BLOCK, FLEX_BLOCK) and tile(dm, i, j).all()
+            assert tiles[i, j].shape == (FLEX_BLOCK, FLEX_BLOCK) and tiles[i, j].all()
         # the same tiles as the shared layout, each once: every visible pair is computed exactly once
         assert sorted((i, back(j)) for i, j in full) == sorted(_tiles(s.full_kv_num_blocks, s.full_kv_indices))
         assert sorted((i, back(j)) for i, j in part) == sorted(_tiles(s.kv_num_blocks, s.kv_indices))

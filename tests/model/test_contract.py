@@ -213,10 +213,15 @@ def widened_hybrid(tiny_hybrid_dir: Path, d: Path) -> Path:
 def _train(target: Path, data: Path, out: Path, *extra: str) -> tuple[dict, str]:
     from tests.engine.test_trainer import tiny_args
     from trainer.__main__ import main as train_main
-    from trainer.model.checkpoint_format import CheckpointManager
     args = tiny_args(data, out, "--max-steps", "1", "--num-draft-layers", "2", *extra)
     args[args.index("--target-model") + 1] = str(target)
     assert train_main(args) == 0
+    return _trained(out)
+
+
+def _trained(out: Path) -> tuple[dict, str]:
+    """A run's last checkpoint's config.json and its log's drafter contract line."""
+    from trainer.model.checkpoint_format import CheckpointManager
     cfg = json.loads((CheckpointManager(out).latest() / "config.json").read_text())
     log = (out / "logs" / "latest.log").read_text()
     return cfg, next(ln for ln in log.splitlines() if "drafter contract:" in ln)
@@ -224,11 +229,15 @@ def _train(target: Path, data: Path, out: Path, *extra: str) -> tuple[dict, str]
 
 @pytest.mark.parametrize("hybrid", [True, False], ids=["tiny-hybrid", "tiny-qwen3"])
 def test_tiny_targets_train_with_the_resolved_choices_and_the_log_names_each_source(hybrid, tiny_hybrid_dir,
-                                                                                    tiny_small_dir, tmp_path):
+                                                                                    request, tmp_path):
     """dflash-train on the tiny hybrid (a qwen3_5 model type: the family's layer types; at width 64 its own
-    heads; its 512 rows have no row 248070, so its tokenizer's <|mask|>) and on the dense tiny Qwen3."""
-    tiny = tiny_hybrid_dir if hybrid else tiny_small_dir
-    cfg, line = _train(tiny / "target", tiny, tmp_path / "run")
+    heads; its 512 rows have no row 248070, so its tokenizer's <|mask|>) and on the dense tiny Qwen3: there the
+    session's 2-step run (tests/conftest.py's tiny_trained_dir), whose draft flags are _train's (block 8,
+    2 layers, nothing else of the drafter's shape)."""
+    if hybrid:
+        cfg, line = _train(tiny_hybrid_dir / "target", tiny_hybrid_dir, tmp_path / "run")
+    else:
+        cfg, line = _trained(request.getfixturevalue("tiny_trained_dir"))
     assert "mask_token_id 3: the tokenizer's mask token '<|mask|>'" in line
     if hybrid:
         assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 32)

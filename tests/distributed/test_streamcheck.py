@@ -300,11 +300,18 @@ def _plan(layout, setting, steps=1000, **over):
     return _PLANS[key]
 
 
+# Planned steps per layout: 1,000, but 300 at 2 + 6 and 4 + 4 (two nodes), 8 ranks, the costliest to replay (ops grow
+# with ranks x steps), where both orders that hang (docs/distributed.md's table) do so by step 2 at orig and b16
+# (4 + 4: the table; 2 + 6: steps 0 to 2, measured 2026-12-06), while 5 + 3 b16 takes 266 steps and 13 + 3 (two
+# nodes, orig) none in 300. The lab's sweep (`python -m trainer.lab.opreplay`) runs every layout 1,000 steps.
+STEPS = {"2+6": 300, "4+4x2": 300}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["orig", "b16"])
 @pytest.mark.parametrize("layout", ["1+1", "1+2", "2+2", "5+3", "2+6", "4+4x2", "13+3x2"])
-def test_no_hang_over_a_thousand_planned_steps(layout, setting):
-    rec = _plan(layout, setting, transport="pair", fsdp_prefetch="step")
+def test_no_hang_over_the_planned_steps(layout, setting):
+    rec = _plan(layout, setting, STEPS.get(layout, 1000), transport="pair", fsdp_prefetch="step")
     assert not rec["hang"], "\n".join(rec["cycle"])
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.engine.test_trainer import _wait_for, losses, tiny_args
+from tests.engine.test_trainer import _wait_for, losses, tiny_args, train_here
 from trainer.__main__ import main as train_main
 from trainer.config.options import parse_args
 from trainer.data.dataset import BatchPlanner, load_dataset
@@ -64,7 +64,7 @@ def test_one_target_two_drafter_ranks_train_what_world_size_one_trains(uninterru
     and fp32 addition is not associative; measured differences are ~1e-7 relative. (Soft labels on these
     layouts: tests/chain/test_hybrid_chain.py's three ranks.)"""
     three, one = uninterrupted("dflash"), tmp_path / "world1"
-    assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4")) == 0
+    assert train_here(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4")) == 0
     a, b = losses(one), losses(three)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in a:
@@ -247,7 +247,7 @@ def test_dflash2_on_three_ranks_trains_what_world_size_one_trains(uninterrupted,
     to float rounding (DFlash: test_one_target_two_drafter_ranks_train_what_world_size_one_trains; DFlash2's
     exact resume: test_a_dead_rank_ends_the_job_and_the_restart_resumes_exactly)."""
     ref, one = uninterrupted("dflash2"), tmp_path / "world1"
-    assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4", *ARCHS["dflash2"])) == 0
+    assert train_here(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--grad-accum", "4", *ARCHS["dflash2"])) == 0
     a, w1 = losses(ref), losses(one)
     assert sorted(w1) == sorted(a)
     for step in a:
@@ -284,7 +284,7 @@ def test_resume_onto_a_different_number_of_drafter_ranks(uninterrupted, tiny_sma
     two, one = uninterrupted("dflash"), tmp_path / "one"
     one.mkdir()
     shutil.copytree(two / "step-00000002", one / "step-00000002")
-    assert train_main(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--save-interval", "2",
+    assert train_here(tiny_args(tiny_small_dir, one, "--max-steps", "6", "--save-interval", "2",
                                 "--keep-checkpoints", "0", "--grad-accum", "4")) == 0
     assert _status(one)["resumed_from"].endswith("step-00000002")
     a, b = losses(two), losses(one)
@@ -345,8 +345,8 @@ def test_the_logged_loss_is_the_mean_per_supervised_token_whatever_the_grad_accu
     accum and resume onto another number of drafter ranks logged another scale."""
     extra = ["--max-steps", "4", "--lr", "1e-30", "--noise-start", "0", "--noise-end", "0"]
     one, four = tmp_path / "ga1", tmp_path / "ga4"
-    assert train_main(tiny_args(tiny_small_dir, one, *extra, "--grad-accum", "1")) == 0
-    assert train_main(tiny_args(tiny_small_dir, four, *extra, "--grad-accum", "4", "--max-steps", "1")) == 0
+    assert train_here(tiny_args(tiny_small_dir, one, *extra, "--grad-accum", "1")) == 0
+    assert train_here(tiny_args(tiny_small_dir, four, *extra, "--grad-accum", "4", "--max-steps", "1")) == 0
     recs1 = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()][:4]
     rec4 = json.loads((four / "metrics.jsonl").read_text().splitlines()[0])
     mean = sum(r["loss"] * r["loss_weight"] for r in recs1) / sum(r["loss_weight"] for r in recs1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_trainer import _status, losses, records, tiny_args
+from tests.engine.test_trainer import _status, losses, records, tiny_args, train_here
 from trainer.__main__ import main as train_main
 from trainer.engine.evaltrain import eval_due
 from trainer.engine.metrics import MetricsFile
@@ -38,7 +38,7 @@ def _same_eval(rec: dict, ref: dict):
 
 def test_eval_every_measures_the_current_weights_at_its_steps(tiny_small_dir, tmp_path):
     out = tmp_path / "eval"
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "5", "--save-interval", "2",
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "5", "--save-interval", "2",
                                 "--keep-checkpoints", "0", *LEARN, "--eval-data-dir", str(tiny_small_dir / "heldout"),
                                 "--eval-every", "2", *SMALL_EVAL)) == 0
     evals = records(out, "eval")
@@ -74,14 +74,14 @@ def test_resume_cuts_later_evals_evaluates_at_the_same_steps_and_evals_leave_tra
     flat = ["--noise-start", "0.02", "--noise-end", "0.02"]
     ev = [*flat, "--save-interval", "2", "--eval-data-dir", str(tiny_small_dir / "heldout"), "--eval-every", "2",
           "--eval-prompts", "2", "--eval-max-new-tokens", "16"]
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", *ev)) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "3", *ev)) == 0
     assert [r["step"] for r in records(out, "eval")] == [2, 3]
     shutil.rmtree(out / "step-00000003")
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "5", *ev)) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "5", *ev)) == 0
     assert _status(out)["resumed_from"].endswith("step-00000002")
     assert [(r["step"], r["final"]) for r in records(out, "eval")] == [(2, False), (4, False), (5, True)]
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5]
-    assert train_main(tiny_args(tiny_small_dir, plain, "--max-steps", "5", *flat, "--save-interval", "2")) == 0
+    assert train_here(tiny_args(tiny_small_dir, plain, "--max-steps", "5", *flat, "--save-interval", "2")) == 0
     assert losses(plain) == pytest.approx(losses(out), rel=1e-6)
     assert not records(plain, "eval")
 

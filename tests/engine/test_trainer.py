@@ -38,6 +38,52 @@ def tiny_args(tiny: Path, out: Path, *extra: str) -> list[str]:
             "--profile-interval", "600", "--noise-start", "0.02", "--noise-end", "0.01", *extra]
 
 
+def train_here(args: list[str]) -> int:
+    """One world-size-1 job with its rank in this process: what train_main's launched rank runs (train_rank, its
+    exit code), without the supervisor and the rank's own process (about 5 CPU-s a job, most of it the rank's
+    imports), for the tests about what a run computes, writes and resumes, not about its processes (those call
+    train_main or start `python -m trainer`). This process is left as it was: the launcher's environment, the
+    signal handlers and faulthandler's, the root logger's handlers, no process group."""
+    import faulthandler
+    import logging
+
+    import torch.distributed as dist
+
+    from trainer.distributed.launch import free_port
+    from trainer.distributed.topology import local_roles
+    from trainer.engine.rank import train_rank
+    cfg = parse_args(args)
+    assert len(local_roles(cfg)) == 1, "in this process: world size 1 only"
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    warnings_logged = getattr(logging, "_warnings_showwarning", None) is not None
+    handled = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.MonkeyPatch.context() as mp:   # the launcher's environment for its one rank
+            for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+                mp.setenv(k, v)
+            for k in ("DFLASH_SUPERVISED", "DFLASH_SUPERVISOR_PID"):   # left here by an earlier train_main
+                mp.delenv(k, raising=False)
+            return train_rank(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            faulthandler.unregister(s)
+        for s, h in handled.items():
+            signal.signal(s, h)
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
+        logging.captureWarnings(warnings_logged)
+
+
 def records(out: Path, kind: str = "step") -> list[dict]:
     """metrics.jsonl's records of one kind: "step" (no `kind` key: one per optimizer step) or "eval"."""
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -157,7 +203,7 @@ def three_steps(tiny_small_dir, tmp_path_factory):
     runs = {}
     for name, flags in (("p1", ["--pad-multiple", "1"]), ("p96", ["--pad-multiple", "96"]),
                         ("sync", ["--pad-multiple", "1", "--no-async"])):
-        assert train_main(tiny_args(tiny_small_dir, root / name, *extra, *flags)) == 0
+        assert train_here(tiny_args(tiny_small_dir, root / name, *extra, *flags)) == 0
         runs[name] = losses(root / name)
     return runs
 
@@ -205,7 +251,7 @@ def _status(out: Path) -> dict:
 def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, tmp_path):
     extra = ["--max-steps", "14"]
     ref = tmp_path / "ref"
-    assert train_main(tiny_args(tiny_small_dir, ref, *extra)) == 0
+    assert train_here(tiny_args(tiny_small_dir, ref, *extra)) == 0
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "trainer", *tiny_args(tiny_small_dir, out, *extra)]
     # 1 s per step: the signal lands mid-run however fast this host trains the tiny model
@@ -221,7 +267,7 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, t
     assert st["phase"] == "done" and 4 <= stopped_at < 14
     assert (out / f"step-{stopped_at:08d}" / "model.safetensors").is_file()
     # the restart (the same command line) in this process: resuming is not the signal's business
-    assert train_main(tiny_args(tiny_small_dir, out, *extra)) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, *extra)) == 0
     st = _status(out)
     assert st["resumed_from"].endswith(f"step-{stopped_at:08d}") and st["step"] == 14
     a, b = losses(ref), losses(out)
@@ -232,7 +278,7 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_run(tiny_small_dir, t
 def test_nan_storm_fails_the_run_and_keeps_the_last_good_checkpoint(tiny_small_dir, tmp_path, monkeypatch):
     out = tmp_path / "nan"
     monkeypatch.setenv("DFLASH_FAULT_NAN_FROM_STEP", "3")
-    rc = train_main(tiny_args(tiny_small_dir, out, "--max-steps", "20", "--save-interval", "2",
+    rc = train_here(tiny_args(tiny_small_dir, out, "--max-steps", "20", "--save-interval", "2",
                               "--max-nan-skips", "3"))
     assert rc == 1
     st = _status(out)
@@ -341,7 +387,7 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     # hard labels: the data are the target's own greedy outputs (soft labels chase the tiny random target's
     # high-entropy distribution, whose loss cannot fall by a whole nat); CE, whose nats the bound below counts
     # (the default ce+dpace logs a confidence-weighted objective on another scale)
-    rc = train_main(tiny_args(tiny_small_dir, out, "--no-use-soft-labels", "--loss", "ce", "--epochs", "12",
+    rc = train_here(tiny_args(tiny_small_dir, out, "--no-use-soft-labels", "--loss", "ce", "--epochs", "12",
                               "--grad-accum", "1",
                               "--lr", "5e-3",
                               "--max-anchors", "16", "--eval-data-dir", str(tiny_small_dir / "heldout")))
@@ -426,8 +472,8 @@ def test_extending_a_run_follows_the_new_length_without_repeating_the_warmup(tin
     from trainer.engine.optim import lr_at
     out = tmp_path / "ext"
     base = ["--warmup-ratio", "0.25", "--save-interval", "4"]
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "8", *base)) == 0
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "16", *base)) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "8", *base)) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "16", *base)) == 0
     recs = {json.loads(x)["step"]: json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()}
     assert sorted(recs) == list(range(1, 17))
     warm = 2                                   # 0.25 x 8 steps, kept when the run grows to 16

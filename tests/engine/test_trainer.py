@@ -380,6 +380,7 @@ def test_check_config_validates_without_loading(tiny_small_dir, tmp_path, capsys
 @pytest.mark.slow
 def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_path):
     from trainer.data.dataset import load_dataset
+    from trainer.engine.evaltrain import eval_loop
     from trainer.model.drafter import init_drafter_weights
     from trainer.model.target import load_target
     from trainer.serving.evaluate import evaluate, load_drafter
@@ -399,7 +400,11 @@ def test_drafter_learns_the_targets_outputs_and_tau_rises(tiny_small_dir, tmp_pa
     target = load_target(str(tiny_small_dir / "target"), torch.device("cpu"), torch.float32)
     model, dcfg = load_drafter(str(sorted(out.glob("step-*"))[-1]), "cpu")
     init_drafter_weights(model)
-    untrained = evaluate(target, model, dcfg, load_dataset(tiny_small_dir / "heldout"), torch.device("cpu"))
+    # measured as the run's own eval measured the trained weights: its loop (batched; the single loop gives the
+    # same accept lengths, tests/engine/test_evaltrain.py, at about twice the CPU), prompts and new tokens
+    untrained = evaluate(target, model, dcfg, load_dataset(tiny_small_dir / "heldout"), torch.device("cpu"),
+                         loop=eval_loop(dcfg))
+    assert untrained["loop"] == trained["loop"]
     # tau is now measured by real speculative generation (tokens per verify step), not teacher-forced
     # blocks: on the tiny random target a trained drafter reaches about 1.2-1.4, an untrained one 1.0
     assert untrained["tau"] < 1.1

@@ -53,6 +53,6 @@ def record_bad_input(status_file: str, error: str) -> None:
 
 
 if __name__ == "__main__":
-    from trainer.optional import program
+    from trainer.optional import end, program
     program()   # a process of its own (by hand, run.sh, the launcher's ranks): trainer/optional.py
-    sys.exit(main())
+    end(main())   # no interpreter teardown (trainer/optional.py)

@@ -60,3 +60,18 @@ def test_a_program_freezes_its_imports_for_the_collector_and_an_importer_keeps_i
               "    import email.message\nprint(importer == (0, True), gc.get_freeze_count() > 0, gc.isenabled(),"
               " repr(__import__('sys').modules.get('torchao', 'absent')))")
     assert out == "True True True None"
+
+
+def test_a_program_ends_as_the_interpreter_would_up_to_its_teardown_and_an_importer_gets_system_exit():
+    """trainer/optional.py end(): in a program's process, threading's shutdown (a non-daemon thread still running
+    finishes), the atexit handlers, Python's and C's stdio buffers flushed, then the exit status; no module teardown.
+    In an importer's process a plain SystemExit."""
+    code = ("import atexit, ctypes, sys, threading, time\nimport trainer.optional as o\n"
+            "try:\n    o.end(4)\nexcept SystemExit as e:\n    print('importer', e.code)\n"
+            "o.program()\natexit.register(lambda: print('atexit'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+            "ctypes.CDLL(None).printf(b'c-stdio\\n')\no.end(3)\nprint('not reached')\n")
+    env = {k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"}   # both stdout buffers in use
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.splitlines() == ["importer 4", "thread", "atexit", "c-stdio"]

@@ -201,6 +201,7 @@ def launch(argv: list[str], cfg, bounds=None) -> int:
         log.info("supervisor: %s; ranks stopped (phase %s)", e.sigval.name, st.get("phase"))
     finally:
         relay.stop()
+        stopper.cancel()
         notifier.stopping()
         shutil.rmtree(notes, ignore_errors=True)
         os.environ.pop(NOTES_DIR_ENV, None)
@@ -270,6 +271,23 @@ class _Stopper:
         self.requested = threading.Event()
         self.before_stop = None            # () -> a line when the job is still starting (the relay's), else None
         self.startup_line: str | None = None
+        self.timers: list[threading.Timer] = []   # SIGKILLs (and an abort's stacks) still to come
+        self.cancelled = False
+
+    def _later(self, delay: float, fn, *args) -> None:
+        if self.cancelled:
+            return
+        t = threading.Timer(delay, fn, args=args)
+        t.daemon = True
+        self.timers.append(t)
+        t.start()
+
+    def cancel(self) -> None:
+        """The launch returned, its ranks are gone: what is still to come would hit the next launch's ranks
+        (another job this process supervises, as a test does), since it signals this process's children."""
+        self.cancelled = True
+        for t in self.timers:
+            t.cancel()
 
     def install(self):
         import signal
@@ -309,13 +327,9 @@ class _Stopper:
 
         def stacks_then_kill():
             self._signal_children(signal.SIGUSR1, gap=STACKS_GAP_S)
-            k = threading.Timer(grace, self._signal_children, args=(signal.SIGKILL,))
-            k.daemon = True
-            k.start()
+            self._later(grace, self._signal_children, signal.SIGKILL)
         if after > 0:
-            t = threading.Timer(after, stacks_then_kill)
-            t.daemon = True
-            t.start()
+            self._later(after, stacks_then_kill)
         else:
             stacks_then_kill()
 
@@ -335,9 +349,7 @@ class _Stopper:
         log.info("supervisor: %s: asking every rank to stop after an agreed step (SIGKILL after %.0fs)",
                  signal.Signals(signum).name, self.timeout)
         self._signal_children(signal.SIGTERM)
-        t = threading.Timer(self.timeout, self._signal_children, args=(signal.SIGKILL,))
-        t.daemon = True
-        t.start()
+        self._later(self.timeout, self._signal_children, signal.SIGKILL)
 
 
 class _NotifyRelay(threading.Thread):

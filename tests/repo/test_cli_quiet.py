@@ -19,9 +19,18 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 NOISE = ("Failed to load", "_pytree.py", "is deprecated", "Warning:", "it/s]")   # what others printed before
 
 
-def _run(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+# script -> (the module it runs (trainer/cli.py), modules its fresh interpreter must not have imported by its
+# exit), checked by its --help run: the eval tool leaves the training engine out (it runs where only serving does)
+NOT_IMPORTED = {"dflash-eval": ("trainer.serving.evaluate", {"trainer.engine.train"})}
+
+
+def _run(name: str, *args: str, timeout: float = 300, modules_to=None) -> subprocess.CompletedProcess:
+    """The script `name` in a fresh interpreter; with `modules_to`, its sys.modules at exit go there."""
     module, func = SCRIPTS[name].split(":")
     code = f"import sys; from {module} import {func} as main; sys.argv[0] = {name!r}; sys.exit(main())"
+    if modules_to:
+        code = (f"import atexit, sys; atexit.register(lambda: open({str(modules_to)!r}, 'w')"
+                f".write(chr(10).join(sorted(sys.modules)))); " + code)
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=ENV,
                           cwd=REPO, timeout=timeout)
 
@@ -31,12 +40,16 @@ def test_every_console_script_is_checked():
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_help_prints_usage_and_nothing_on_stderr(name):
-    r = _run(name, "--help")
+def test_help_prints_usage_and_nothing_on_stderr(name, tmp_path):
+    r = _run(name, "--help", modules_to=tmp_path / "modules" if name in NOT_IMPORTED else None)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: "), r.stdout[:300]
     assert r.stderr == "", r.stderr
     assert not [n for n in NOISE if n in r.stdout], r.stdout[:2000]
+    if name in NOT_IMPORTED:
+        runs, absent = NOT_IMPORTED[name]
+        modules = set((tmp_path / "modules").read_text().splitlines())
+        assert runs in modules and not modules & absent, (runs in modules, modules & absent)
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ SUITE_CPU_S = 40 * 60
 # (2026-12-06): 752 before issue 63's cuts (no reset runs, node-role refusals through the node play
 # alone), 585 after (file by file side by side: 85 less); a provision.yml run costs 15-20 CPU-s.
 LANE_CPU_S = {
-    "B1": 300,   # the multi-rank trainer runs (trainer, distributed, eval in training) and regenerate
+    "B1": 300,   # the multi-rank trainer runs (trainer, distributed, eval in training), regenerate, two session runs
     "B2": 300,   # everything else without a container
     "B3": 270,   # the other files whose tests start a training job
     "P": 250,    # the provision playbook and the first-deploy runbook against the PVE API stand-in

@@ -147,16 +147,18 @@ lane() {
 # Lane B, no containers, in four pytests that share nothing (own temp roots, free ports):
 #   P   -m "provision and not standin"  the provision playbook and the first-deploy runbook against the
 #                                        Proxmox API stand-in with fake LXC: chains of ansible-playbook runs;
-#   B1  the multi-rank trainer runs (test_trainer, test_multi_rank, test_evaltrain) and test_regenerate;
+#   B1  the multi-rank trainer runs (test_trainer, test_multi_rank, test_evaltrain), test_regenerate, and the
+#       files of two session runs (tests/conftest.py: the DFlash2 run's, the learning run's);
 #   B3  the other files whose tests start a training job: every job is a supervisor and its rank
 #       processes, each importing torch and transformers (about 5 CPU-s) before its first step;
 #   B2  everything else without a container (a new test file lands here).
 # On 2 cores the run's wall time is at least its longest lane's CPU, so no lane may hold much more than
 # a sixth of the suite's: B2 alone took 785 CPU-s (2026-12-06), which B2 and B3 now share.
-B1_FILES=(tests/engine/test_trainer.py tests/serving/test_regenerate.py tests/distributed/test_multi_rank.py tests/engine/test_evaltrain.py)
-B3_FILES=(tests/distributed/test_streamcheck.py tests/ansible/test_molecule_multinode.py tests/chain/test_hybrid_chain.py tests/engine/test_fp8.py
-          tests/distributed/test_heartbeat.py tests/model/test_families.py tests/distributed/test_startup.py tests/engine/test_warm_start.py
-          tests/model/test_contract.py tests/model/test_identity.py tests/model/test_dflash2.py tests/ops/test_loss_no_redundant_work.py
+B1_FILES=(tests/engine/test_trainer.py tests/serving/test_regenerate.py tests/distributed/test_multi_rank.py tests/engine/test_evaltrain.py
+          tests/engine/test_warm_start.py tests/model/test_dflash2.py tests/engine/test_fp8.py tests/ops/test_loss_no_redundant_work.py)
+B3_FILES=(tests/distributed/test_streamcheck.py tests/ansible/test_molecule_multinode.py tests/chain/test_hybrid_chain.py
+          tests/distributed/test_heartbeat.py tests/model/test_families.py tests/distributed/test_startup.py
+          tests/model/test_contract.py tests/model/test_identity.py
           tests/engine/test_resume_contract.py tests/distributed/test_launch.py)
 existing() { local f; for f in "$@"; do [[ -f "$f" ]] && echo "$f"; done; }
 mapfile -t B1_FILES < <(existing "${B1_FILES[@]}")

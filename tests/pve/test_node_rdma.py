@@ -2,8 +2,9 @@
 `dflash_node_rdma_devices` passes the node's /dev/infiniband nodes into the container as `pct set
 -devN` entries numbered after the GPUs', and the preflight refuses a device node the node lacks.
 
-The filter is checked directly; the playbook runs against the PVE API stand-in (fake LXC, the
-`node` fixture of test_provision_playbook.py), whose `pct set -devN` renders the LXC config.
+The filter is checked directly; the node role's play of playbooks/provision.yml runs against the PVE API
+stand-in (fake LXC, the `node` fixture of test_provision_playbook.py), whose `pct set -devN` renders the
+LXC config.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_rdma_passthrough_is_off_by_default():
 
 
 pytest.importorskip("requests")
-from tests.pve.test_provision_playbook import VMID, node, node_play, play  # noqa: E402,F401  (node: the API stand-in fixture)
+from tests.pve.test_provision_playbook import VMID, create_ct, node, node_play, play  # noqa: E402,F401  (node: the API stand-in fixture)
 
 
 @pytest.mark.provision
@@ -53,7 +54,10 @@ def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_ref
             os.mknod(ib / name, 0o600 | 0o020000, os.makedev(major, minor))
     want = [str(ib / "rdma_cm"), str(ib / "uverbs0")]
 
-    r = play(node, dflash_node_rdma_devices=want)
+    # The devN entries are the node role's own: the provision role neither reads nor changes them, so every
+    # run here is the node role's play, on CT 250 as the provision role makes it
+    create_ct(node)
+    r = play(node, playbook=node_play(node), dflash_node_rdma_devices=want)
     assert r.returncode == 0, r.text[-4000:]
     conf = node["conf"].read_text()
     # no GPUs on the stand-in node: the RDMA devices are dev0 and dev1
@@ -65,14 +69,12 @@ def test_rdma_devices_are_passed_through_as_dev_entries_and_a_missing_one_is_ref
             in lxc_conf
         assert f"devices.allow = c {major}:{minor} rw\n" in lxc_conf
 
-    # a device node the node lacks: the node role's preflight refuses it (the role alone: the CT exists)
+    # a device node the node lacks: the node role's preflight refuses it
     missing = str(ib / "uverbs7")
     r = play(node, playbook=node_play(node), dflash_node_rdma_devices=[*want, missing])
     assert r.returncode != 0
     assert f"dflash_node_rdma_devices names {missing}, not a character device on pve-fake" in r.text, r.text[-3000:]
 
-    # From here on only the node role's play: the devN entries are its own, and the provision role before
-    # it (which the first run above ran whole) neither reads nor changes them.
     r = play(node, playbook=node_play(node), dflash_node_rdma_devices=want)   # a second run changes nothing
     assert r.returncode == 0 and "changed=0" in r.text, r.text[-3000:]       # (the refused one neither)
 

@@ -20,7 +20,7 @@ import pytest
 
 import tests.pve.test_provision_playbook as test_provision_playbook
 from tests.pve.test_provision import PVE_API, node_filters
-from tests.pve.test_provision_playbook import VMID, node_play, play
+from tests.pve.test_provision_playbook import VMID, create_ct, node_play, play
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 node = test_provision_playbook.node       # the fixture: the stand-in node and an inventory for CT 250
@@ -78,7 +78,9 @@ def test_a_mount_stop_or_a_node_shutdown_leaves_the_ct_its_down_budget(node, sha
     (gone / "dflash-mounts.conf").write_text("[Service]\nExecStartPre=/bin/false\n")
     (gone / "operator.conf").write_text("[Unit]\nDescription=mine\n")
     on_share = {**node, "env": share["env"]}
-    r = play(on_share, **share["vars"])
+    # the guard is the node role's: its play alone, on CT 250 as the provision role makes it
+    create_ct(node)
+    r = play(on_share, playbook=node_play(node), **share["vars"])
     assert r.returncode == 0, r.text[-4000:]
     assert not (gone / "dflash-mounts.conf").exists() and (gone / "operator.conf").exists()
     text, unit = dropin.read_text(), _unit(share["path"])
@@ -119,14 +121,15 @@ def test_a_rerun_with_the_share_down_fails_naming_findmnt_and_leaves_the_ct_stop
     # CT 250 on the share, its guard recording the share's mount: the state the test above leaves (its run
     # and its checks of that guard); the same run here only where this test runs without it
     if not (dropin.exists() and f'"{share["path"]}" tmpfs "{share["ws"]}"' in dropin.read_text()):
-        r = play(on_share, **share["vars"])
+        if not node["conf"].exists():
+            create_ct(node)
+        r = play(on_share, playbook=node_play(node), **share["vars"])
         assert r.returncode == 0, r.text[-4000:]
     recorded = dropin.read_text()
     if _status(node) != "status: stopped":
         assert _run(node, "pct", "stop", str(VMID)).returncode == 0
     subprocess.run(["umount", str(share["path"])], check=True)
 
-    # the node role's play alone from here (the CT exists; only that role reads the sources)
     r = play(on_share, playbook=node_play(node), **share["vars"])
     assert r.returncode != 0, r.text[-3000:]
     assert f"{share['ws']} (a bind-mount source of CT {VMID}) belongs on the mount {share['path']} (tmpfs), and" \

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 requests = pytest.importorskip("requests")
-from tests.pve.test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters  # noqa: E402
+from tests.pve.test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters, zipcode_env  # noqa: E402
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 
@@ -124,6 +124,7 @@ def node(tmp_path_factory):
             "dflash_node_gpus": [], "dflash_node_gpu_required": False, "dflash_node_restart_timeout": 10,
             "dflash_node_network_check": False, **node_systemd(tmp)}}}}}
     (tmp / "hosts.yml").write_text(json.dumps(inventory))
+    env = zipcode_env(env, tmp / "zipcode")
     yield {"tmp": tmp, "env": env, "conf": etc / "lxc" / f"{VMID}.conf", "pct_log": tmp / "pct.log",
            "api": f"https://127.0.0.1:{port}/api2/json", "ca": str(state / "pve-ssl.pem")}
     proc.terminate()
@@ -558,6 +559,7 @@ def two_nodes(tmp_path_factory):
     env = {**os.environ, "PVE_STANDIN_ETC": str(tmp / "nowhere"), "PVE_STANDIN_FAKE_LXC": "1",
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    env = zipcode_env(env, tmp / "zipcode")
     yield {"tmp": tmp, "env": env, "inventory": tmp / "hosts.yml", "nodes": nodes}
     for p in procs:
         p.terminate()

@@ -62,7 +62,7 @@ def zipcode_env(env: dict, cache: Path) -> dict:
     """`env` for Ansible runs whose module runs share the code compiled from module_utils in `cache`
     (tests/standin/zipcode: each module run would compile it anew)."""
     cache.mkdir(mode=0o700, exist_ok=True)
-    path = [str(ZIPCODE)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH"))
+    path = [str(ZIPCODE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     return {**env, "PYTHONPATH": os.pathsep.join(path), "DFLASH_ZIPCODE_CACHE": str(cache)}
 
 

@@ -49,19 +49,17 @@ def train_here(args: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from trainer.distributed.launch import free_port
-    from trainer.distributed.topology import local_roles
+    from trainer.distributed.groups import single_env
     from trainer.engine.rank import train_rank
     cfg = parse_args(args)
-    assert len(local_roles(cfg)) == 1, "in this process: world size 1 only"
+    env = single_env(cfg)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     warnings_logged = getattr(logging, "_warnings_showwarning", None) is not None
     handled = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with pytest.MonkeyPatch.context() as mp:   # the launcher's environment for its one rank
-            for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
-                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+            for k, v in env.items():
                 mp.setenv(k, v)
             for k in ("DFLASH_SUPERVISED", "DFLASH_SUPERVISOR_PID"):   # left here by an earlier train_main
                 mp.delenv(k, raising=False)

@@ -161,10 +161,16 @@ def create_ct(node) -> None:
     """CT 250 made as the provision role makes it (the API's create, through the fixture's token, with
     the inventory's shape), stopped: for a file that tests the node role alone (node_play) on a CT of
     its own, where a whole first run would add the provision role's module runs and check nothing of it."""
-    params = {"vmid": VMID, "ostemplate": TEMPLATE, "hostname": "ct250", "storage": "local-lvm",
-              "rootfs": "local-lvm:4", "cores": 2, "memory": 1024, "swap": 256, "net0": NETIF["net0"],
+    v = json.loads((node["tmp"] / "hosts.yml").read_text())["all"]["children"]["dflash_containers"]["vars"]
+    storage = v["dflash_provision_storage"]
+    params = {"vmid": VMID, "ostemplate": TEMPLATE, "hostname": v["dflash_provision_hostname"], "storage": storage,
+              "rootfs": f"{storage}:{v['dflash_provision_rootfs_gib']}", "cores": v["dflash_provision_cores"],
+              "memory": v["dflash_provision_memory_mib"], "swap": v["dflash_provision_swap_mib"],
+              "net0": v["dflash_provision_netif"]["net0"],
+              # what the provision role sets itself for this inventory (an unprivileged CT)
               "features": "nesting=1", "onboot": 1, "startup": "down=240", "unprivileged": 1}
-    auth = {"Authorization": "PVEAPIToken=root@pam!ansible=s3cret"}
+    token = f"{v['dflash_provision_api_user']}!{v['dflash_provision_api_token_id']}"
+    auth = {"Authorization": f"PVEAPIToken={token}={v['dflash_provision_api_token_secret']}"}
     r = requests.post(f"{node['api']}/nodes/pve/lxc", data=params, verify=node["ca"], headers=auth)
     assert r.status_code == 200, r.reason
     for _ in range(200):

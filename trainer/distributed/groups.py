@@ -321,16 +321,20 @@ class StopVote:
             self.pending.pop(s)[1].wait()
 
 
-def init_single(cfg) -> tuple[Topology, Groups]:
-    """World size 1 inside this process (tests, the benchmark): the launcher's environment for one rank,
-    then the same init_rank every launched rank runs."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    for k, v in env.items():
-        os.environ[k] = v
+def single_env(cfg) -> dict[str, str]:
+    """The launcher's environment for the one rank of a world-size-1 job run inside this process (tests, the
+    benchmark); ValueError for a job of more ranks."""
     if len(local_roles(cfg)) != 1:
         raise ValueError("in-process runs are world size 1: one GPU for both roles, or the CPU with one "
                          "target worker and one drafter replica")
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+def init_single(cfg) -> tuple[Topology, Groups]:
+    """World size 1 inside this process (tests, the benchmark): single_env, then the same init_rank every
+    launched rank runs."""
+    os.environ.update(single_env(cfg))
     return init_rank(cfg)
 
 

@@ -11,6 +11,7 @@
 #   - bind mounts into it, read-only: the node's weights store ($CACHE/tiny/target, the tiny
 #     target from `dflash-tiny`) at /workspace/models/$MODEL, the tiny dataset at
 #     /workspace/data/tiny and the host wheelhouse at /srv/wheelhouse for offline pip installs;
+#     tests/standin/zipcode at /srv/dflash-standin-zipcode, with a tmpfs for its cache (node_up);
 #     DFLASH_STANDIN_ARCH=qwen3_5: the tiny hybrid instead (`dflash-tiny --arch qwen3_5`, the seeds'
 #     Qwen3.5 / Qwen3.6-27B architecture as a vision-language checkpoint, cached in $CACHE/tiny-qwen3_5,
 #     mounted as tiny-qwen3_5 unless DFLASH_STANDIN_MODEL says otherwise);
@@ -52,6 +53,8 @@ TINY="$CACHE/$TINY_NAME"
 TEMPLATE="${DFLASH_STANDIN_TEMPLATE:-prepared}"        # prepared | bare
 PRIVILEGED="${DFLASH_STANDIN_PRIVILEGED:-0}"
 IDMAP_BASE=100000                                    # PVE's default map for unprivileged CTs
+ZIPCODE_CT=/srv/dflash-standin-zipcode             # in the container: tests/standin/zipcode, read-only
+ZIPCODE_CACHE_CT=/var/cache/dflash-zipcode           # in the container: a tmpfs of its own
 TORCH_SPEC="${DFLASH_TORCH_SPEC:-torch==2.13.0+cpu}"   # +cpu: never resolves to a CUDA build
 
 log() { echo "standin: $*" >&2; }
@@ -145,7 +148,11 @@ LogLevel ERROR
 # when sshd runs it as a top-level shell (SHLVL < 2). This host's root .bashrc is not a PVE node's (here it
 # ran \`pyenv init\`: 95 ms of CPU a session, four fifths of the node's CPU per Ansible task, measured
 # 2026-12-06); a session's bash at level 2 skips it. Nothing the node runs reads .bashrc.
-SetEnv SHLVL=1 PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME
+# PYTHONPATH, DFLASH_ZIPCODE_CACHE: the module runs Ansible starts in a container (\`pct exec\` keeps this
+# environment) load module_utils' code compiled by an earlier run instead of compiling it from their zip
+# (tests/standin/zipcode; about a third of a module run's CPU): the container has the directory on the
+# path read-only and the cache on a tmpfs of its own (ct_config). The node has neither: nothing changes there.
+SetEnv SHLVL=1 PCT_STANDIN_LXCPATH=$LXCPATH PCT_STANDIN_NODE=$NODE_NAME PYTHONPATH=$ZIPCODE_CT DFLASH_ZIPCODE_CACHE=$ZIPCODE_CACHE_CT
 CONF
     /usr/sbin/sshd -t -f "$NODE/sshd_config"
     local running
@@ -206,6 +213,9 @@ lxc.pty.max = 64
 lxc.mount.entry = $TINY/target workspace/models/$MODEL none bind,ro,create=dir 0 0
 lxc.mount.entry = $TINY/data workspace/data/tiny none bind,ro,create=dir 0 0
 lxc.mount.entry = $WHEELHOUSE srv/wheelhouse none bind,ro,create=dir 0 0
+# module_utils' compiled code for Ansible's module runs (node_up's SetEnv): the code, and a cache of its own
+lxc.mount.entry = $HERE/zipcode ${ZIPCODE_CT#/} none bind,ro,create=dir 0 0
+lxc.mount.entry = tmpfs ${ZIPCODE_CACHE_CT#/} tmpfs create=dir,mode=0700,size=64m 0 0
 $([[ -z "$CT_EXTRA" ]] || cat "$CT_EXTRA")
 CONF
 }

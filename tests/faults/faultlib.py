@@ -463,6 +463,12 @@ class Standin:
         }
         if self.src:
             env["DFLASH_TRAINER_SRC"] = self.src
+        # the module runs on the controller (the wheel's build tasks) load module_utils' code compiled by an
+        # earlier run, not compile it from their zip (tests/standin/zipcode; CT 201's get theirs from the node):
+        # kept beside the sources' snapshot (pytest's temp dir) for all the suite's runs
+        zipcache = (Path(self.src).parent if self.src else Path(pd)) / "zipcode"
+        zipcache.mkdir(exist_ok=True)
+        env.update(PYTHONPATH=str(REPO / "tests" / "standin" / "zipcode"), DFLASH_ZIPCODE_CACHE=str(zipcache))
         t0 = time.time()
         try:
             r = ansible_runner.run(private_data_dir=pd, project_dir=str(REPO), playbook=name,

@@ -257,7 +257,7 @@ def test_restart_stop_status_are_entry_points_of_the_service_role():
 
 SPEC_CHECK = """
 - name: Check trainer flags against the service role's argument_specs
-  hosts: localhost
+  hosts: all
   gather_facts: false
   tasks:
     - name: Validate
@@ -270,23 +270,53 @@ SPEC_CHECK = """
 """
 
 
-@pytest.mark.parametrize("flags,needle", [
+def play_cases(tmp_path, play: str, cases: list[dict], *args: str, **env: str) -> dict:
+    """One ansible-playbook run of `play` with a host per case (case0, case1, ...: local connections, each
+    case's variables its host variables, where a run of its own had them as extra vars; no role's vars/
+    sets any of them). Returns host -> (failed tasks, the whitespace-folded text of its results' msg,
+    stdout and stderr), read from the json callback."""
+    import json
+    hosts = {f"case{i}": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **c}
+             for i, c in enumerate(cases)}
+    (tmp_path / "cases.json").write_text(json.dumps({"all": {"hosts": hosts}}))
+    (tmp_path / "play.yml").write_text(play)
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+               ANSIBLE_NOCOLOR="1", ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json", **env)
+    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(tmp_path / "cases.json"), str(tmp_path / "play.yml"),
+                        *args], capture_output=True, text=True, env=env, cwd=REPO)
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    texts = {h: [] for h in hosts}
+    for task in (t for p in out["plays"] for t in p["tasks"]):
+        for h, res in task["hosts"].items():
+            texts[h] += [str(res[k]) for k in ("msg", "stdout", "stderr") if res.get(k)]
+    assert set(out["stats"]) == set(hosts), (out["stats"], r.stderr[-2000:])
+    return {h: (out["stats"][h]["failures"], " ".join(" ".join(texts[h]).split())) for h in hosts}
+
+
+SPEC_CASES = [
     ({"block_size": 4, "use_soft_labels": False, "target_layers": [1, 2], "lr": "6e-4"}, None),
     ({"block_sise": 4}, "block_sise"),
     ({"block_size": "big"}, "block_size"),
     ({"noise_type": "pink"}, "noise_type"),
-])
-def test_argument_specs_reject_unknown_flags_wrong_types_and_choices_up_front(tmp_path, flags, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def spec_checks(tmp_path_factory):
+    """SPEC_CHECK over every case of SPEC_CASES, in one run (each case's flags its host's)."""
     import json
-    (tmp_path / "check.yml").write_text(SPEC_CHECK)
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-               ANSIBLE_NOCOLOR="1")
-    r = subprocess.run([str(BIN / "ansible-playbook"), str(tmp_path / "check.yml"), "-e",
-                        json.dumps({"repo": str(REPO), "flags": flags})], capture_output=True, text=True, env=env)
+    return play_cases(tmp_path_factory.mktemp("spec"), SPEC_CHECK, [{"flags": f} for f, _ in SPEC_CASES],
+                      "-e", json.dumps({"repo": str(REPO)}))
+
+
+@pytest.mark.parametrize("case", range(len(SPEC_CASES)), ids=[str(n) for _, n in SPEC_CASES])
+def test_argument_specs_reject_unknown_flags_wrong_types_and_choices_up_front(spec_checks, case):
+    needle = SPEC_CASES[case][1]
+    failed, text = spec_checks[f"case{case}"]
     if needle is None:
-        assert r.returncode == 0, r.stdout[-3000:]
+        assert failed == 0, text[-3000:]
     else:
-        assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]
+        assert failed and needle in text, text[-3000:]
 
 
 def test_run_sh_stop_timeout_is_the_units_minus_the_margin(rendered):
@@ -297,7 +327,7 @@ def test_run_sh_stop_timeout_is_the_units_minus_the_margin(rendered):
 
 STOP_CHECK = """
 - name: The deploy's up-front flag check
-  hosts: localhost
+  hosts: all
   gather_facts: false
   tasks:
     - name: Validate
@@ -306,25 +336,30 @@ STOP_CHECK = """
         tasks_from: validate
 """
 
-
-@pytest.mark.parametrize("extra,error", [
+STOP_CASES = [
     ({"dflash_service_timeout_stop_s": 120}, None),                                   # derived: 60 s
     ({"dflash_service_timeout_stop_s": 120, "dflash_service_trainer_flags": {"stop_timeout": 840}},
      "stop_timeout 840.0 s does not fit in TimeoutStopSec=120 s (dflash_service_timeout_stop_s): systemd kills "
      "the unit at TimeoutStopSec, so the trainer's stop timeout must be at most 60 s"),
     ({"dflash_service_timeout_stop_s": 50}, "stop_timeout -10.0 s does not fit in TimeoutStopSec=50 s"),
-])
-def test_an_inconsistent_stop_timeout_pair_is_refused_up_front(tmp_path, extra, error):
-    import json
-    (tmp_path / "check.yml").write_text(STOP_CHECK)
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}", ANSIBLE_NOCOLOR="1")
-    extra = {"dflash_service_target_gpus": "cpu", "dflash_service_drafter_gpus": "cpu",
-             "dflash_service_target_model": str(tmp_path), "dflash_service_data_dir": str(tmp_path), **extra}
-    r = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(tmp_path / "check.yml"),
-                        "-e", json.dumps(extra)], capture_output=True, text=True, env=env, cwd=REPO)
-    text = " ".join((r.stdout + r.stderr).split())
+]
+
+
+@pytest.fixture(scope="module")
+def stop_checks(tmp_path_factory):
+    """STOP_CHECK over every case of STOP_CASES, in one run (each case's variables its host's)."""
+    tmp = tmp_path_factory.mktemp("stop")
+    base = {"dflash_service_target_gpus": "cpu", "dflash_service_drafter_gpus": "cpu",
+            "dflash_service_target_model": str(tmp), "dflash_service_data_dir": str(tmp)}
+    return play_cases(tmp, STOP_CHECK, [{**base, **extra} for extra, _ in STOP_CASES],
+                      ANSIBLE_ROLES_PATH=str(REPO / "roles"))
+
+
+@pytest.mark.parametrize("case", range(len(STOP_CASES)), ids=[str(e) for _, e in STOP_CASES])
+def test_an_inconsistent_stop_timeout_pair_is_refused_up_front(stop_checks, case):
+    error = STOP_CASES[case][1]
+    failed, text = stop_checks[f"case{case}"]
     if error is None:
         assert "does not fit" not in text, text[-2000:]      # (the trainer's own check may still refuse the empty data dir)
     else:
-        assert r.returncode != 0 and error in text, text[-3000:]
+        assert failed and error in text, text[-3000:]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.ansible.test_render import rendered, unit_settings  # noqa: F401  (the production unit, rendered by Ansible)
+from tests.ansible.test_render import unit_settings  # the production unit: conftest.py's rendered
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "roles" / "dflash_service" / "files" / "dflash-gpu-check"
@@ -70,6 +70,6 @@ def test_a_cpu_run_has_nothing_to_check(tmp_path):
     assert r.returncode == 0 and "CPU run" in r.stdout
 
 
-def test_the_unit_runs_the_check_before_the_trainer_with_its_gpus(rendered):  # noqa: F811
+def test_the_unit_runs_the_check_before_the_trainer_with_its_gpus(rendered):
     s = unit_settings(rendered / "dflash.service")
     assert s["ExecStartPre"] == ["/usr/bin/python3 /opt/dflash/bin/dflash-gpu-check --gpus 0,1,2,3,4,5,6,7"]

@@ -294,6 +294,11 @@ def test_resume_onto_a_different_number_of_drafter_ranks(uninterrupted, tiny_sma
 
 # ------------------------------------------------------------------------------- node rank order
 
+# Each node of the two-node jobs (two supervisors on loopback): a drafter rank and a target rank (global ranks 0, 1
+# on node 0 and 2, 3 on node 1), the fewest that put both roles on both nodes. What these tests check is between
+# the nodes; each rank process costs its imports (~5 CPU-s), so no second target per node.
+PER_NODE = ("--cpu-target-workers", "1", "--cpu-drafter-replicas", "1")
+
 @pytest.mark.slow
 def test_global_ranks_follow_node_rank_whatever_the_nodes_are_called(tiny_small_dir, tmp_path):
     """Two supervisors on one host, both named "localhost" (the endpoint's name and this host's fqdn), node 1
@@ -307,8 +312,7 @@ def test_global_ranks_follow_node_rank_whatever_the_nodes_are_called(tiny_small_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"
-    args = [*tiny_args(tiny_small_dir, out, "--epochs", "1", "--max-steps", "2", "--seed", "0"),
-            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+    args = [*tiny_args(tiny_small_dir, out, "--epochs", "1", "--max-steps", "2", "--seed", "0"), *PER_NODE,
             "--nnodes", "2", "--rdzv-endpoint", f"localhost:{port}", "--dist-timeout", "120"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
@@ -376,7 +380,8 @@ def test_a_checkpoint_longer_than_the_dist_timeout_does_not_fail_the_job(uninter
 
 @pytest.mark.slow
 def test_a_dead_rank_on_one_node_ends_the_job_on_the_other_within_a_minute(tiny_small_dir, tmp_path):
-    """Two nodes (two supervisors on loopback, 3 ranks each); a target rank of node 1 is SIGKILLed at step 2.
+    """Two nodes (two supervisors on loopback, PER_NODE's 2 ranks each); node 1's target (rank 3) is SIGKILLed at
+    step 2.
     Node 1's launcher sees its rank die; node 0's sees nothing, and its ranks learn of the death from their
     next op with the peer. With NCCL, destroy_process_group then waits for the ops that involve the dead
     peer (until the NCCL timeout, 10 minutes): this test makes it block likewise (a sitecustomize on the
@@ -396,9 +401,8 @@ def test_a_dead_rank_on_one_node_ends_the_job_on_the_other_within_a_minute(tiny_
         port = s.getsockname()[1]
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{hook}:{Path(__file__).parents[2]}",
-               DFLASH_FAULT_DIE_AT_STEP="2", DFLASH_FAULT_DIE_RANK="4")
-    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--stop-timeout", "300"),
-            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+               DFLASH_FAULT_DIE_AT_STEP="2", DFLASH_FAULT_DIE_RANK="3")
+    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--stop-timeout", "300"), *PER_NODE,
             "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "600"]
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
                               "--status-file", str(tmp_path / "node1" / "status.json"),
@@ -411,12 +415,12 @@ def test_a_dead_rank_on_one_node_ends_the_job_on_the_other_within_a_minute(tiny_
         deadline = time.time() + 300
         while any(p.poll() is None for p in (node0, node1)) and time.time() < deadline:
             if died is None and any("killing itself" in f.read_text(errors="replace")
-                                    for f in (tmp_path / "node1").glob("*rank4.log")):
-                died = time.time()          # rank 4 logs this line, then SIGKILLs itself
+                                    for f in (tmp_path / "node1").glob("*rank3.log")):
+                died = time.time()          # rank 3 logs this line, then SIGKILLs itself
             if died is not None and time.time() - died > 90:
                 break
             time.sleep(0.2)
-        assert died is not None, "rank 4 never reached its death"
+        assert died is not None, "rank 3 never reached its death"
         assert node0.poll() is not None and node1.poll() is not None, \
             f"still running {time.time() - died:.0f}s after the death: node0 {node0.poll()}, node1 {node1.poll()}"
         assert time.time() - died < 60

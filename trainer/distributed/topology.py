@@ -2,8 +2,10 @@
 
 One process per GPU. Roles follow the flags of each node: local ranks 0..D-1 are this node's drafter GPUs,
 D..D+T-1 its target GPUs, so the first node's first drafter is global rank 0 (it writes status.json,
-metrics and the consolidated checkpoint files). One GPU named in both lists (or a CPU run with one target
-worker and one drafter replica) is world size 1: one rank holds both roles and nothing is sent.
+metrics and the consolidated checkpoint files). One GPU named in both lists (or a CPU run on one node with one
+target worker and one drafter replica) is world size 1: one rank holds both roles and nothing is sent. On several
+nodes, where a rank holding both roles is refused, a CPU node's one target worker and one drafter replica are two
+ranks.
 Pure Python: no torch.
 """
 
@@ -24,10 +26,11 @@ class LocalRole:
 
 
 def local_roles(cfg) -> list[LocalRole]:
-    """This node's ranks in local-rank order: drafters first, then targets; a shared device is one rank."""
+    """This node's ranks in local-rank order: drafters first, then targets; a shared device is one rank (a CPU run's
+    one target worker and one drafter replica: on one node only, world size 1)."""
     if cfg.on_cpu:
         nt, nd = max(1, cfg.cpu_target_workers), max(1, cfg.cpu_drafter_replicas)
-        if nt == 1 and nd == 1:
+        if nt == 1 and nd == 1 and cfg.nnodes == 1:
             return [LocalRole(True, True, "cpu")]
         return [LocalRole(False, True, "cpu")] * nd + [LocalRole(True, False, "cpu")] * nt
     if cfg.target_gpus == cfg.drafter_gpus and len(cfg.target_gpus) == 1:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import learning_run_args
-from tests.engine.test_trainer import losses, tiny_args
+from tests.engine.test_trainer import losses, tiny_args, train_here
 from trainer import allow_optional
 from trainer.__main__ import main as train_main
 from trainer.config.options import ConfigError, parse_args, parse_kernel_options, validate_flags
@@ -109,16 +109,17 @@ def test_fp8_leaves_dflash2s_own_linears_in_the_compute_dtype():
 def test_fp8_run_trains_like_bf16_and_its_checkpoint_resumes_without_it(tiny_learning_run, tiny_small_dir, tmp_path):
     """The real trainer with --fp8 tensorwise: losses within a few percent of the same run without it (the
     session's learning run, tests/conftest.py, whose end-of-run eval this one leaves out), step by step, and it
-    learns. Its checkpoint resumes in a run without --fp8 (same keys)."""
+    learns. Its checkpoint resumes in a run without --fp8 (same keys). Both runs train their one rank in this
+    process (train_here: what they compute is the point, not their processes)."""
     out = tmp_path / "fp8"
-    assert train_main(learning_run_args(tiny_small_dir, out, "--fp8", "tensorwise", evaluate=False)) == 0
+    assert train_here(learning_run_args(tiny_small_dir, out, "--fp8", "tensorwise", evaluate=False)) == 0
     a, b = losses(tiny_learning_run), losses(out)
     assert a.keys() == b.keys() == set(range(1, 7))
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=0.05), (s, a[s], b[s])
     assert b[6] < b[1]
     assert b != a  # the FP8 path ran
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "7", "--lr", "5e-3", "--grad-accum", "1")) == 0
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "7", "--lr", "5e-3", "--grad-accum", "1")) == 0
     assert max(losses(out)) == 7
 
 

@@ -1,7 +1,8 @@
 """--init-drafter (issue 51 item 1): a published drafter (DFlash or DFlash2; z-lab's, SpecForge's or
 speculators' layout) starts a run after its contract check, trains, and exports what the reference
 `dflash` package loads; every mismatch its weights cannot survive is one line naming the flag and both
-values (exit 2); a flag given on purpose where the weights fit goes on, and the log says so."""
+values (exit 2); a flag given on purpose where the weights fit goes on, and the log says so. The runs that train
+do so in this process (train_here: what they start from and write is the point, not their processes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.engine.test_trainer import tiny_args
+from tests.engine.test_trainer import tiny_args, train_here
 from tests.model.test_identity import make_variant, one_line
 from trainer.__main__ import main as train_main
 from trainer.model.checkpoint_format import CheckpointManager
@@ -58,7 +59,7 @@ def test_export_warm_start_train_export_loads_in_the_reference(published, tiny_s
     out = tmp_path / "warm"
     args = without(tiny_args(tiny_small_dir, out, "--max-steps", "20", "--init-drafter", str(published)),
                    "--block-size", "--num-draft-layers")
-    assert train_main(args) == 0
+    assert train_here(args) == 0
     log = run_log(out)
     assert f"warm start from --init-drafter {published} (z-lab layout) (dflash)" in log
     assert "AdamW moments start fresh, the schedule at step 0" in log
@@ -75,7 +76,7 @@ def test_export_warm_start_train_export_loads_in_the_reference(published, tiny_s
     assert not torch.equal(weights(dst)["fc.weight"], weights(published)["fc.weight"])   # it trained
     # a checkpoint in --output-dir wins over --init-drafter: the run resumes its own drafter
     args[args.index("--max-steps") + 1] = "21"
-    assert train_main(args) == 0
+    assert train_here(args) == 0
     assert f"--init-drafter {published}: not used, the run resumes its own checkpoint" in run_log(out)
 
 
@@ -84,7 +85,7 @@ def test_dflash2_warm_start_round_trip(tiny_dflash2_run, tiny_small_dir, tmp_pat
     export loads in the reference DFlash2 class."""
     first = export_drafter(tiny_dflash2_run, tmp_path / "first")
     out = tmp_path / "warm"
-    assert train_main(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--loss",
+    assert train_here(tiny_args(tiny_small_dir, out, "--max-steps", "3", "--no-use-soft-labels", "--loss",
                                 "ce+dpace", "--init-drafter", str(first))) == 0
     assert "arch dflash2: --init-drafter" in run_log(out)
     dst = export_drafter(out, tmp_path / "export")
@@ -160,7 +161,7 @@ def test_each_peers_layout_starts_the_run_from_its_own_weights(layout, published
     out = tmp_path / "warm"
     args = without(tiny_args(tiny_small_dir, out, "--max-steps", "1", "--lr", "1e-12", "--init-drafter", str(src)),
                    "--block-size", "--num-draft-layers")
-    assert train_main(args) == 0
+    assert train_here(args) == 0
     got = weights(CheckpointManager(out).latest())
     want = weights(published)
     assert got.keys() == want.keys()

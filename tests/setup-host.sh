@@ -3,7 +3,7 @@
 # local stand-in, the molecule scenario and the tests. Idempotent: a second run installs nothing.
 #   - apt: lxc, debootstrap, openssh (the node's sshd), rsync, python3-venv
 #   - <repo>/.venv: torch 2.13.0 CPU first (so nothing pulls a CUDA build), then the trainer
-#     (pip install -e .), the controller's pinned requirements (requirements.txt: ansible-core,
+#     (pip install -e ., compat mode), the controller's pinned requirements (requirements.txt: ansible-core,
 #     proxmoxer, requests, paramiko, setuptools, wheel) and the test tools (molecule,
 #     ansible-runner, ansible-lint, pytest, ruff: pinned, as its findings change between releases);
 #     the collections of requirements.yml.
@@ -47,8 +47,12 @@ stamp="$VENV/.dflash-setup"
 want="$(sha256sum "$REPO/pyproject.toml" "$REPO/requirements.txt" "$0" | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     log "pip install -e $REPO, -r requirements.txt and the test tools"
-    "${PIP[@]}" install -q -e "$REPO[fp8,real]" -r "$REPO/requirements.txt" molecule ansible-runner ansible-lint pytest \
-        ruff==0.17.5
+    # editable_mode=compat: the repo on sys.path by a plain path in a .pth file. setuptools' default editable
+    # install puts an import finder in the .pth instead, which every start of this venv's python ran (pathlib,
+    # urllib.parse, ipaddress...): 28 ms a start against 10 (2026-12-06), thousands of times a run (each
+    # Ansible module run on the controller, each rank, each CLI). trainer.lab stays importable either way.
+    "${PIP[@]}" install -q -e "$REPO[fp8,real]" --config-settings editable_mode=compat -r "$REPO/requirements.txt" \
+        molecule ansible-runner ansible-lint pytest ruff==0.17.5
     # the test extra (the reference dflash package) without its pins: they would move transformers to 5.24
     # and huggingface_hub to 1.x under every other test; its model code needs only torch and transformers
     "${PIP[@]}" install -q --no-deps $("$VENV/bin/python" -c 'import sys, tomllib

@@ -90,24 +90,21 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import http.server
-import ipaddress
 import json
 import os
 import random
 import re
 import shutil
-import signal
-import ssl
 import subprocess
 import sys
 import threading
 import time
 import traceback
 import urllib.parse
-import uuid
+
+# The server's own modules (http.server, ssl, signal; the certificate's datetime and ipaddress; hashlib,
+# uuid) are imported where they are used: the pct, systemctl and pveum faces run once per command the
+# roles run on the node, hundreds of times a test run, and need none of them.
 
 PVE_VERSION = {"version": "8.2.4", "release": "8.2", "repoid": "standin"}
 
@@ -757,6 +754,7 @@ class Node:
         return keys, raw
 
     def digest(self, vmid: int) -> str:
+        import hashlib
         with open(self.conf_path(vmid), "rb") as f:
             return hashlib.sha1(f.read()).hexdigest()
 
@@ -1253,7 +1251,8 @@ class Node:
 
 # --------------------------------------------------------------------------- HTTP
 
-class Handler(http.server.BaseHTTPRequestHandler):
+class Handler:
+    """The API's request handler: serve() puts it before http.server.BaseHTTPRequestHandler."""
     server_version = "pve-api-daemon/3.0 (stand-in)"
     protocol_version = "HTTP/1.1"
 
@@ -1440,6 +1439,8 @@ def make_cert(cert: str, key: str) -> None:
                         "-addext", "basicConstraints=critical,CA:TRUE"], check=True, capture_output=True)
         os.chmod(key, 0o600)
         return
+    import datetime
+    import ipaddress
     k = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pve-standin"),
                       x509.NameAttribute(NameOID.ORGANIZATION_NAME, "PVE stand-in (tests only)")])
@@ -1486,8 +1487,11 @@ def serve(a) -> None:
     node = build_node(a)
     for ident in tokens:
         node.acl.add_token(ident)
-    Handler.node, Handler.tokens = node, tokens
-    httpd = http.server.ThreadingHTTPServer((a.listen, a.port), Handler)
+    import http.server
+    import signal
+    import ssl
+    handler = type("Handler", (Handler, http.server.BaseHTTPRequestHandler), {"node": node, "tokens": tokens})
+    httpd = http.server.ThreadingHTTPServer((a.listen, a.port), handler)
     httpd.daemon_threads = True
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
@@ -1668,6 +1672,7 @@ def pveum(a, argv: list) -> int:
             if f"{user}!{name}" in acl.tokens:
                 raise ApiError(400, "Token already exists.")
             privsep = "0" if o.get("--privsep", "1") in ("0", "false") else "1"
+            import uuid
             secret = str(uuid.uuid4())
             append(f"token:{user}!{name}:{o.get('--expire', '0')}:{privsep}:{o.get('--comment', '')}:")
             os.makedirs(os.path.join(a.pve_etc, "priv"), exist_ok=True)

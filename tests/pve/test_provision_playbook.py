@@ -183,6 +183,43 @@ def create_ct(node) -> None:
     raise AssertionError("the create task did not end")
 
 
+def cases_play(node, name: str, cases: dict, *args):
+    """One run of playbooks/provision.yml whose hosts are the cases: host NAME is CT 250 with the case's
+    variables as its host variables (over the fixture's group variables, as a run of its own took them
+    as extra vars). For failing cases of several tests, each test reading its own host's failure
+    (failures()): one run's start and parse instead of one per case."""
+    inv = json.loads((node["tmp"] / "hosts.yml").read_text())
+    group = inv["all"]["children"]["dflash_containers"]
+    base = group["hosts"].pop("ct250")
+    group["hosts"] = {host: {**base, **extra} for host, extra in cases.items()}
+    path = node["tmp"] / f"{name}.yml"
+    path.write_text(json.dumps(inv))
+    return play({**node, "inventory": path}, *args)
+
+
+def failures(r) -> dict:
+    """host -> its failed results' text (the `fatal: [host]` line and the indented lines under it),
+    whitespace folded as in r.text, and a YAML single-quoted scalar's '' read as the ' it stands for."""
+    out: dict = {}
+    host = None
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(\w+): \[([^\]\s]+)", line)
+        if m or not line.startswith((" ", "\t")):
+            host = m[2] if m and m[1] in ("fatal", "failed") else None
+        if host:
+            out[host] = out.get(host, "") + " " + line
+    return {h: re.sub(r"\s+", " ", t).replace("''", "'") for h, t in out.items()}
+
+
+def host_failed(r, host: str) -> str:
+    """`host`'s failure text from a cases_play() run, after checking that it failed (its recap's
+    failed=1) and that the run did."""
+    assert r.returncode != 0, r.text[-3000:]
+    assert re.search(rf"\b{host}\s*:\s*ok=\d+\s+changed=\d+\s+unreachable=0\s+failed=1\b", r.stdout), \
+        (host, r.text[-3000:])
+    return failures(r).get(host, "")
+
+
 def recap(r) -> dict:
     m = re.search(r"ct250\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", r.stdout)
     return {"ok": int(m[1]), "changed": int(m[2]), "failed": int(m[4])} if m else {}
@@ -194,37 +231,57 @@ def api_config(node) -> dict:
     return r.json()["data"]
 
 
-def test_0b_a_template_the_storage_does_not_have_fails_naming_the_variable_and_what_it_has(node):
+OLD_TEMPLATE = "local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst"
+
+
+@pytest.fixture(scope="module")
+def before_ct(node):
+    """The preflight failures of tests 0b, 1 and 1b before CT 250 exists, as the hosts of one run (each
+    test reads its own host's failure); and whether CT 250 was made (by none of them)."""
+    r = cases_play(node, "before-ct", {
+        "template": {"dflash_provision_ostemplate": OLD_TEMPLATE},
+        "nosdn": {"dflash_provision_api_token_id": "nosdn"},
+        "shared": {"dflash_provision_api_token_id": "shared"},
+        "admin": {"dflash_provision_api_token_id": "admin"}})
+    return r, node["conf"].exists()
+
+
+def test_0b_a_template_the_storage_does_not_have_fails_naming_the_variable_and_what_it_has(node, before_ct):
     """Issue 52 item 10: the appliance index keeps only the newest build of each template, so the
-    default name goes missing on a fresh node some day."""
-    for args in ((), ("--check",)):
-        r = play(node, *args, dflash_provision_ostemplate="local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst")
-        assert r.returncode != 0, r.text[-3000:]
-        assert "Template local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst (dflash_provision_ostemplate) is not on" \
-            f" storage local of node pve, which has {TEMPLATE}." in r.text, r.text[-3000:]
-        assert "pveam available --section system | grep debian-12-standard" in r.text
+    default name goes missing on a fresh node some day. (The run without --check: before_ct's.)"""
+    r, made = before_ct
+    text = host_failed(r, "template")
+    assert f"Template {OLD_TEMPLATE} (dflash_provision_ostemplate) is not on storage local of node pve, which has" \
+        f" {TEMPLATE}." in text, r.text[-3000:]
+    assert "pveam available --section system | grep debian-12-standard" in text
+    assert not made
+    r = play(node, "--check", dflash_provision_ostemplate=OLD_TEMPLATE)
+    assert r.returncode != 0, r.text[-3000:]
+    assert f"Template {OLD_TEMPLATE} (dflash_provision_ostemplate) is not on" \
+        f" storage local of node pve, which has {TEMPLATE}." in r.text, r.text[-3000:]
+    assert "pveam available --section system | grep debian-12-standard" in r.text
     assert not node["conf"].exists()
 
 
-def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_nothing(node):
-    r = play(node, dflash_provision_api_token_id="nosdn")
-    assert r.returncode != 0
-    assert "Token root@pam!nosdn lacks SDN.Use on /sdn/zones/localnetwork/vmbr0" in r.text, r.text[-3000:]
+def test_1_a_token_without_sdn_use_fails_in_preflight_naming_it_and_creates_nothing(before_ct):
+    r, made = before_ct
+    text = host_failed(r, "nosdn")
+    assert "Token root@pam!nosdn lacks SDN.Use on /sdn/zones/localnetwork/vmbr0" in text, r.text[-3000:]
     assert "pveum acl modify /sdn/zones/localnetwork/vmbr0 --tokens 'root@pam!nosdn' --roles DFlashProvisionSDN" \
-        " --propagate 0" in r.text
-    assert not node["conf"].exists()
+        " --propagate 0" in text
+    assert not made
 
 
 @pytest.mark.parametrize("token", ["shared", "admin"])
-def test_1b_a_token_with_more_power_than_it_needs_fails_in_preflight_and_creates_nothing(node, token):
+def test_1b_a_token_with_more_power_than_it_needs_fails_in_preflight_and_creates_nothing(before_ct, token):
     """Issue 52 item 8: a token made with --privsep 0 has its user's privileges (root@pam: all), and
     an Administrator ACL is full root; both used to pass a check for missing privileges only."""
-    r = play(node, dflash_provision_api_token_id=token)
-    assert r.returncode != 0, r.text[-3000:]
+    r, made = before_ct
+    text = host_failed(r, token)
     assert f"Token root@pam!{token} (dflash_provision_api_user / dflash_provision_api_token_id) holds privileges" \
-        " it does not need:" in r.text, r.text[-3000:]
-    assert re.search(r"Sys\.Modify[^;]* on /[;.]", r.text) and "a dedicated user (dflash@pve)" in r.text
-    assert not node["conf"].exists()
+        " it does not need:" in text, r.text[-3000:]
+    assert re.search(r"Sys\.Modify[^;]* on /[;.]", text) and "a dedicated user (dflash@pve)" in text, text
+    assert not made
 
 
 def test_2_the_documented_role_provisions_the_container(node):
@@ -278,20 +335,36 @@ def test_5_a_shape_update_keeps_the_mac_and_a_features_change_pve_holds_pending_
     # (and memory 1024: nothing here reads it back before then)
 
 
-def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node):
+@pytest.fixture(scope="module")
+def existing_checks(node):
+    """The check-mode failures of tests 5c, 5e and 5h on CT 250 as it exists, as the hosts of one
+    --check run (each test reads its own host's failure); and whether CT 250's config stayed as it was."""
+    before = node["conf"].read_text()
+    r = cases_play(node, "existing-checks", {
+        "bigger": {"dflash_provision_rootfs_gib": 8}, "smaller": {"dflash_provision_rootfs_gib": 2},
+        "privileged": {"dflash_provision_unprivileged": False}, "elsewhere": {"dflash_provision_node": "pve-other"}},
+        "--check")
+    return r, node["conf"].read_text() == before
+
+
+def test_5c_a_bigger_rootfs_fails_naming_pct_resize_and_changes_nothing(node, existing_checks):
     """Issue 52 item 3: the module would rewrite rootfs' size= and reboot the CT without growing
     the volume (only PVE's resize call does). The role refuses, in check mode too, naming the
-    command; a smaller size is refused as PVE cannot shrink a volume."""
+    command; a smaller size is refused as PVE cannot shrink a volume. (The --check runs: hosts
+    `bigger` and `smaller` of existing_checks' run.)"""
     before = node["conf"].read_text()
-    for args in ((), ("--check",)):
-        r = play(node, *args, dflash_provision_rootfs_gib=8)
-        assert r.returncode != 0, r.text[-3000:]
-        assert "CT 250's root filesystem is 4 GiB and dflash_provision_rootfs_gib is 8" in r.text, r.text[-3000:]
-        assert "`pct resize 250 rootfs 8G`" in r.text
-    r = play(node, "--check", dflash_provision_rootfs_gib=2)
-    assert r.returncode != 0 and "PVE cannot shrink a volume: set dflash_provision_rootfs_gib to 4" in r.text, \
-        r.text[-3000:]
+    r = play(node, dflash_provision_rootfs_gib=8)
+    assert r.returncode != 0, r.text[-3000:]
+    assert "CT 250's root filesystem is 4 GiB and dflash_provision_rootfs_gib is 8" in r.text, r.text[-3000:]
+    assert "`pct resize 250 rootfs 8G`" in r.text
     assert node["conf"].read_text() == before
+    r, unchanged = existing_checks
+    text = host_failed(r, "bigger")
+    assert "CT 250's root filesystem is 4 GiB and dflash_provision_rootfs_gib is 8" in text, r.text[-3000:]
+    assert "`pct resize 250 rootfs 8G`" in text
+    assert "PVE cannot shrink a volume: set dflash_provision_rootfs_gib to 4" in host_failed(r, "smaller"), \
+        r.text[-3000:]
+    assert unchanged
 
 
 def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_then_started_and_a_late_lease_passes(node):
@@ -321,14 +394,13 @@ def test_5d_a_stopped_ct_with_a_gone_hca_is_repaired_then_started_and_a_late_lea
     assert "CT 250: 1 IPv4 address(es); default via 10.1.2.1 dev eth0" in r.text, r.text[-3000:]
 
 
-def test_5e_a_ct_made_the_other_way_privileged_or_not_fails_naming_the_variable(node):
-    """Issue 52 item 5: `unprivileged` is fixed at creation and the module does not compare it."""
-    before = node["conf"].read_text()
-    r = play(node, "--check", dflash_provision_unprivileged=False)
-    assert r.returncode != 0, r.text[-3000:]
+def test_5e_a_ct_made_the_other_way_privileged_or_not_fails_naming_the_variable(existing_checks):
+    """Issue 52 item 5: `unprivileged` is fixed at creation and the module does not compare it.
+    (Host `privileged` of existing_checks' --check run.)"""
+    r, unchanged = existing_checks
     assert "CT 250 exists and is unprivileged, and dflash_provision_unprivileged is false: that is fixed at" \
-        " creation. Set dflash_provision_unprivileged: true" in r.text, r.text[-3000:]
-    assert node["conf"].read_text() == before
+        " creation. Set dflash_provision_unprivileged: true" in host_failed(r, "privileged"), r.text[-3000:]
+    assert unchanged
 
 
 def test_5f_a_ct_without_an_address_fails_before_staging_naming_the_netif_variable(node):
@@ -343,14 +415,14 @@ def test_5f_a_ct_without_an_address_fails_before_staging_naming_the_netif_variab
         " dflash_provision_netif" in r.text
 
 
-def test_5h_a_ct_moved_to_another_node_fails_naming_both(node):
+def test_5h_a_ct_moved_to_another_node_fails_naming_both(existing_checks):
     """Issue 62 B4: a CT migrated (or moved by HA) looks absent on the inventory's node: the role said
     "would create CT 250" and PUT to the old node. /cluster/resources says where it is. (The shared=1
-    an operator sets on the bind mounts for a migration survives a rerun: test_6's run checks it.)"""
-    r = play(node, "--check", dflash_provision_node="pve-other")
-    assert r.returncode != 0, r.text[-3000:]
-    assert "CT 250 is on node pve (GET /cluster/resources), and the inventory puts it on pve-other" in r.text, \
-        r.text[-3000:]
+    an operator sets on the bind mounts for a migration survives a rerun: test_6's run checks it.)
+    (Host `elsewhere` of existing_checks' --check run.)"""
+    r, _ = existing_checks
+    assert "CT 250 is on node pve (GET /cluster/resources), and the inventory puts it on pve-other" \
+        in host_failed(r, "elsewhere"), r.text[-3000:]
     assert "would create CT 250" not in r.text
 
 

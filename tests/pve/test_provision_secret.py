@@ -17,7 +17,7 @@ import pytest
 
 import tests.pve.test_provision_playbook as test_provision_playbook
 from tests.pve.test_provision import TEMPLATE, prov_filters
-from tests.pve.test_provision_playbook import NETIF, VMID, api_config, play
+from tests.pve.test_provision_playbook import NETIF, VMID, api_config, failures, play
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 node = test_provision_playbook.node       # the fixture: the stand-in node and an inventory for CT 250
@@ -70,24 +70,10 @@ def _cases_inventory(node, name: str, cases: list) -> Path:
     return path
 
 
-def _failures(r) -> dict:
-    """host -> its failed results' text (the `fatal: [host]` line and the indented lines under it),
-    whitespace folded as in r.text, and a YAML single-quoted scalar's '' read as the ' it stands for."""
-    out: dict = {}
-    host = None
-    for line in r.stdout.splitlines():
-        m = re.match(r"^(\w+): \[([^\]\s]+)", line)
-        if m or not line.startswith((" ", "\t")):
-            host = m[2] if m and m[1] in ("fatal", "failed") else None
-        if host:
-            out[host] = out.get(host, "") + " " + line
-    return {h: re.sub(r"\s+", " ", t).replace("''", "'") for h, t in out.items()}
-
-
 def _each_fails(r, cases: list) -> None:
     """Every case's host failed, with its own message, and no case's secret is in the output."""
     assert r.returncode != 0, r.text[-3000:]
-    failed = _failures(r)
+    failed = failures(r)
     for i, (extra, secret, says) in enumerate(cases):
         assert re.search(rf"\bcase{i}\s*:\s*ok=\d+\s+changed=\d+\s+unreachable=0\s+failed=1\b", r.stdout), \
             (extra, r.text[-3000:])

@@ -305,7 +305,7 @@ def _inventory(ctx: dict) -> None:
 
 @pytest.fixture()
 def walk():
-    from tests.pve.test_provision import PVE_API, TEMPLATE, _free_port
+    from tests.pve.test_provision import PVE_API, TEMPLATE, _free_port, zipcode_env
     if os.geteuid() != 0:
         pytest.skip("the node role chowns the workspace to the CT's root (uid 100000)")
     ctl = Path(tempfile.mkdtemp(prefix="dflash-controller."))
@@ -328,6 +328,8 @@ def walk():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "VIRTUAL_ENV", "PYTHON", "PROXMOX_"))}
     env.update(node_env, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0",
                PATH=f"{bin_}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
+    # the module runs of steps 5 and 6 load module_utils' compiled code, not compile it (the same code)
+    env = zipcode_env(env, node / "zipcode")
     # the server knows no token but a throwaway one it must be started with; the walk's token comes from
     # step 3's pveum, whose secret the server reads from <etc>/priv/token.cfg as PVE does
     proc = subprocess.Popen([sys.executable, str(PVE_API), "serve", "--port", str(port), "--state-dir", str(state),

@@ -3,7 +3,7 @@
 Two stand-in Proxmox nodes (an sshd and an LXC path each, whose pct sees only that node's containers)
 with one systemd LXC container each, reached through its own node (issue 27), networked on
 10.77.0.0/24 through a host bridge and sharing the output directory: deploy.yml renders the multi-node run.sh on both, both units start, the
-tiny target trains with gloo across the containers (6 ranks: a drafter and two targets per node);
+tiny target trains with gloo across the containers (4 ranks: a drafter and a target per node);
 restart.yml stops both, starts both, and the health check reports both. Several minutes; run it
 under the stand-in lock: `flock /tmp/dflash-standin.lock pytest -m standin tests/ansible/test_molecule_multinode.py`.
 """
@@ -148,11 +148,11 @@ import subprocess  # noqa: E402
 @pytest.mark.slow
 def test_two_nodes_on_one_host_train_one_job_with_a_shared_output_dir(tiny_small_dir, tmp_path):
     """What run.sh does on two nodes, on loopback: two `python -m trainer --nnodes 2` supervisors
-    (node 1 started first: it waits in the rendezvous node 0 hosts), 3 CPU ranks each (a drafter and
-    two targets); both exit 0, rank 0 (node 0) writes status.json and the checkpoint, which holds the
+    (node 1 started first: it waits in the rendezvous node 0 hosts), 2 CPU ranks each (a drafter and
+    a target); both exit 0, rank 0 (node 0) writes status.json and the checkpoint, which holds the
     DCP shards of both nodes' drafter ranks. Where this host's fqdn is localhost, tests/distributed/
     test_multi_rank.py::test_global_ranks_follow_node_rank_whatever_the_nodes_are_called runs this job (node 1
-    first, 3 ranks each, one output dir) with these assertions, so it runs here only where that one skips."""
+    first, 2 ranks each, one output dir) with these assertions, so it runs here only where that one skips."""
     import socket
     if socket.getfqdn() == "localhost":
         pytest.skip("test_multi_rank.py's global-ranks test runs this job and its assertions on this host")
@@ -165,7 +165,7 @@ def test_two_nodes_on_one_host_train_one_job_with_a_shared_output_dir(tiny_small
             "--max-seq-len", "256", "--block-size", "8", "--max-anchors", "8", "--num-draft-layers", "2",
             "--gamma", "4", "--grad-accum", "2", "--lr", "3e-3", "--epochs", "1", "--max-steps", "3",
             "--save-interval", "1000", "--profile-interval", "600", "--seed", "0",
-            "--cpu-target-workers", "2", "--cpu-drafter-replicas", "1",
+            "--cpu-target-workers", "1", "--cpu-drafter-replicas", "1",
             "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "120"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",

@@ -87,7 +87,7 @@ def test_multinode_run_sh_node_rank_from_inventory_order_rendezvous_on_the_first
         assert flags["--nnodes"] == "2" and flags["--node-rank"] == rank
         assert flags["--rdzv-endpoint"] == "10.77.0.11:29511"
         assert args[-1] == "$@"                           # the caller's arguments last
-        assert flags["--cpu-target-workers"] == "2" and flags["--cpu-drafter-replicas"] == "1"
+        assert flags["--cpu-target-workers"] == "1" and flags["--cpu-drafter-replicas"] == "1"
         assert "export GLOO_SOCKET_IFNAME=mn0\n" in text and "export NCCL_SOCKET_IFNAME=mn0\n" in text
     assert not (out / "mn-ct1.multinode.conf").exists()
     conf = (out / "mn-ct2.multinode.conf").read_text()

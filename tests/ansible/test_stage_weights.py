@@ -9,9 +9,9 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -78,10 +78,14 @@ def test_a_second_staging_waits_for_the_first(tmp_path):
     with open(tmp_path / "stage.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)          # the boot-time unit, copying
         p = stage(src, tmp_path / "shm" / "A", tmp_path, wait=False)
-        time.sleep(1.5)
+        # its first line says it waits (read while the lock is held: a fixed sleep was shorter than the
+        # interpreter's start on a loaded host, and the script then found the lock free)
+        ready, _, _ = select.select([p.stderr], [], [], 300)
+        first = p.stderr.readline() if ready else ""
+        assert "waiting for" in first, first
         assert p.poll() is None and not (tmp_path / "shm" / "A").exists()
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 0 and "waiting for" in err and json.loads(out)["copied"]
+    assert p.returncode == 0 and json.loads(out)["copied"], first + err
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(), reason="runs the script as nobody")

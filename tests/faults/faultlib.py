@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.standin.zipenv import zipcode_env
+
 REPO = Path(__file__).resolve().parents[2]
 INVENTORY = REPO / "tests" / "faults" / "inventory"
 STANDIN = REPO / "tests" / "standin" / "standin.sh"
@@ -466,9 +468,7 @@ class Standin:
         # the module runs on the controller (the wheel's build tasks) load module_utils' code compiled by an
         # earlier run, not compile it from their zip (tests/standin/zipcode; CT 201's get theirs from the node):
         # kept beside the sources' snapshot (pytest's temp dir) for all the suite's runs
-        zipcache = (Path(self.src).parent if self.src else Path(pd)) / "zipcode"
-        zipcache.mkdir(exist_ok=True)
-        env.update(PYTHONPATH=str(REPO / "tests" / "standin" / "zipcode"), DFLASH_ZIPCODE_CACHE=str(zipcache))
+        env = zipcode_env(env, (Path(self.src).parent if self.src else Path(pd)) / "zipcode")
         t0 = time.time()
         try:
             r = ansible_runner.run(private_data_dir=pd, project_dir=str(REPO), playbook=name,

@@ -305,7 +305,8 @@ def _inventory(ctx: dict) -> None:
 
 @pytest.fixture()
 def walk():
-    from tests.pve.test_provision import PVE_API, TEMPLATE, _free_port, zipcode_env
+    from tests.pve.test_provision import PVE_API, TEMPLATE, _free_port
+    from tests.standin.zipenv import zipcode_env
     if os.geteuid() != 0:
         pytest.skip("the node role chowns the workspace to the CT's root (uid 100000)")
     ctl = Path(tempfile.mkdtemp(prefix="dflash-controller."))

@@ -55,17 +55,6 @@ ROLE_PRIVS = prov_filters.dflash_token_role_privs(
     prov_filters.dflash_token_acl(300, "local-lvm", TEMPLATE, {"net0": "name=eth0,bridge=vmbr0,ip=dhcp"}))
 
 
-ZIPCODE = REPO / "tests" / "standin" / "zipcode"
-
-
-def zipcode_env(env: dict, cache: Path) -> dict:
-    """`env` for Ansible runs whose module runs share the code compiled from module_utils in `cache`
-    (tests/standin/zipcode: each module run would compile it anew)."""
-    cache.mkdir(mode=0o700, exist_ok=True)
-    path = [str(ZIPCODE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    return {**env, "PYTHONPATH": os.pathsep.join(path), "DFLASH_ZIPCODE_CACHE": str(cache)}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 requests = pytest.importorskip("requests")
-from tests.pve.test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters, zipcode_env  # noqa: E402
+from tests.pve.test_provision import PVE_API, REPO, TEMPLATE, _free_port, prov_filters  # noqa: E402
+from tests.standin.zipenv import zipcode_env  # noqa: E402
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 

@@ -45,6 +45,16 @@ B2_TESTS = {"tests/test_a.py::test_cheap": _cost(1.0, 1.5), "tests/test_b.py::te
             "tests/test_e.py::test_small": _cost(3.0, 4.0)}
 
 
+def test_the_shares_add_up_to_the_suites_cpu_budget():
+    """Every lane's share, the molecule lanes', the containers' and what runs in no lane are a split of the
+    suite's 40 CPU-minutes: a share raised without taking it from another would pass a run over budget."""
+    total = (sum(budget.LANE_CPU_S.values()) + budget.CONTAINER_LANES * budget.CONTAINER_LANE_CPU_S
+             + budget.CONTAINERS_CPU_S + budget.SETUP_CPU_S)
+    assert total <= budget.SUITE_CPU_S, total
+    scenarios = sorted(p.parent.name for p in (TESTS.parent / "molecule").glob("*/molecule.yml"))
+    assert len(scenarios) == budget.CONTAINER_LANES, scenarios   # run.sh runs each in a lane of its own
+
+
 def test_within_budget_prints_each_lane_with_its_costliest_tests(tmp_path):
     cpu = budget.LANE_CPU_S["B2"] - 10
     work = _work(tmp_path, {"B2": (0, 500, cpu), "P": (0, 300, 100)}, {"B2": B2_TESTS})

@@ -174,14 +174,14 @@ def test_a_vanished_node_ends_the_job_on_the_other_within_the_dist_timeout_and_a
     import sys
     from pathlib import Path
 
+    from tests.distributed.test_multi_rank import PER_NODE  # a drafter and a target rank a node
     from tests.engine.test_trainer import tiny_args
     port = free_port()
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]),
                DFLASH_FAULT_SLOW_CHECKPOINT="240")
     args = [*tiny_args(tiny_small_dir, out, "--max-steps", "50", "--save-interval", "2", "--stop-timeout", "60"),
-            "--cpu-target-workers", "1", "--cpu-drafter-replicas", "1",
-            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "40"]
+            *PER_NODE, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "40"]
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
                               "--status-file", str(tmp_path / "node1" / "status.json"),
                               "--log-dir", str(tmp_path / "node1")],
@@ -266,6 +266,7 @@ def test_a_stall_on_node_1_takes_node_1s_stacks_through_the_abort_key(tiny_small
     import sys
     from pathlib import Path
 
+    from tests.distributed.test_multi_rank import PER_NODE  # a drafter and a target rank a node
     from tests.engine.test_trainer import tiny_args
     from trainer.distributed.launch import STALL_EXIT
     from trainer.distributed.startup import HANG_ENV, STALL_ENV
@@ -273,9 +274,8 @@ def test_a_stall_on_node_1_takes_node_1s_stacks_through_the_abort_key(tiny_small
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]),
                **{HANG_ENV: "3:target shape 2 of"})
-    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "2"), "--cpu-target-workers", "1",
-            "--cpu-drafter-replicas", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--dist-timeout", "60"]
+    args = [*tiny_args(tiny_small_dir, out, "--max-steps", "2"), *PER_NODE, "--nnodes", "2",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist-timeout", "60"]
     node1 = subprocess.Popen([sys.executable, "-m", "trainer", *args, "--node-rank", "1",
                               "--status-file", str(tmp_path / "node1" / "status.json"),
                               "--log-dir", str(tmp_path / "node1")],

@@ -184,18 +184,24 @@ def create_ct(node) -> None:
     raise AssertionError("the create task did not end")
 
 
-def cases_play(node, name: str, cases: dict, *args):
-    """One run of playbooks/provision.yml whose hosts are the cases: host NAME is CT 250 with the case's
+def cases_inventory(node, name: str, cases: dict) -> Path:
+    """The fixture's inventory with a host per case instead of ct250: host NAME is CT 250 with the case's
     variables as its host variables (over the fixture's group variables, as a run of its own took them
-    as extra vars). For failing cases of several tests, each test reading its own host's failure
-    (failures()): one run's start and parse instead of one per case."""
+    as extra vars). Written to the node's directory as NAME.yml."""
     inv = json.loads((node["tmp"] / "hosts.yml").read_text())
     group = inv["all"]["children"]["dflash_containers"]
     base = group["hosts"].pop("ct250")
     group["hosts"] = {host: {**base, **extra} for host, extra in cases.items()}
     path = node["tmp"] / f"{name}.yml"
     path.write_text(json.dumps(inv))
-    return play({**node, "inventory": path}, *args)
+    return path
+
+
+def cases_play(node, name: str, cases: dict, *args):
+    """One run of playbooks/provision.yml whose hosts are the cases (cases_inventory). For failing cases
+    of several tests, each test reading its own host's failure (host_failed()): one run's start and parse
+    instead of one per case."""
+    return play({**node, "inventory": cases_inventory(node, name, cases)}, *args)
 
 
 def failures(r) -> dict:

@@ -8,16 +8,13 @@ test_provision_playbook.py): every way the provision role can fail is run with a
 
 from __future__ import annotations
 
-import json
-import re
 import socket
-from pathlib import Path
 
 import pytest
 
 import tests.pve.test_provision_playbook as test_provision_playbook
 from tests.pve.test_provision import TEMPLATE, prov_filters
-from tests.pve.test_provision_playbook import NETIF, VMID, api_config, failures, play
+from tests.pve.test_provision_playbook import NETIF, VMID, api_config, cases_play, host_failed, play
 
 pytestmark = [pytest.mark.provision, pytest.mark.slow]
 node = test_provision_playbook.node       # the fixture: the stand-in node and an inventory for CT 250
@@ -57,27 +54,17 @@ def _grant_extra_token(node, extra_acl: str) -> None:
     (etc / "priv" / "token.cfg").write_text(f"root@pam!extra {VALID}\n")
 
 
-def _cases_inventory(node, name: str, cases: list) -> Path:
-    """An inventory of one host per case, case0, case1, ..., each CT 250 with the case's variables as its
-    host variables (over the fixture's group variables, as the extra vars of a run of its own were)."""
-    inv = json.loads((node["tmp"] / "hosts.yml").read_text())
-    group = inv["all"]["children"]["dflash_containers"]
-    base = group["hosts"].pop("ct250")
-    group["hosts"] = {f"case{i}": {**base, **extra, "dflash_provision_api_token_secret": secret}
-                      for i, (extra, secret, _) in enumerate(cases)}
-    path = node["tmp"] / f"{name}.yml"
-    path.write_text(json.dumps(inv))
-    return path
+def _cases_play(node, name: str, cases: list, *args):
+    """One run with a host per case, case0, case1, ... (cases_play): each CT 250 with the case's variables
+    and its secret as its host variables."""
+    return cases_play(node, name, {f"case{i}": {**extra, "dflash_provision_api_token_secret": secret}
+                                   for i, (extra, secret, _) in enumerate(cases)}, *args)
 
 
 def _each_fails(r, cases: list) -> None:
     """Every case's host failed, with its own message, and no case's secret is in the output."""
-    assert r.returncode != 0, r.text[-3000:]
-    failed = failures(r)
     for i, (extra, secret, says) in enumerate(cases):
-        assert re.search(rf"\bcase{i}\s*:\s*ok=\d+\s+changed=\d+\s+unreachable=0\s+failed=1\b", r.stdout), \
-            (extra, r.text[-3000:])
-        assert says in failed.get(f"case{i}", ""), (extra, failed.get(f"case{i}"), r.text[-3000:])
+        assert says in host_failed(r, f"case{i}"), (extra, r.text[-3000:])
         _secret_free(r, secret)
 
 
@@ -102,7 +89,7 @@ def test_no_fail_path_of_the_provision_role_shows_the_secret_and_a_pasted_one_wo
         ({"dflash_provision_ostemplate": "local:vztmpl/debian-12-standard_12.2-1_amd64.tar.zst"}, VALID + "\n",
          "(dflash_provision_ostemplate) is not on storage local"),
     ]
-    r = play({**node, "inventory": _cases_inventory(node, "failing", failing)}, "-v")
+    r = _cases_play(node, "failing", failing, "-v")
     _each_fails(r, failing)
     assert not node["conf"].exists()
 
@@ -117,7 +104,7 @@ def test_no_fail_path_of_the_provision_role_shows_the_secret_and_a_pasted_one_wo
         ({"dflash_provision_rootfs_gib": 8}, VALID + "\n", "`pct resize 250 rootfs 8G`"),
         ({"dflash_provision_node": "nope"}, VALID + "\n", "nope"),
     ]
-    r = play({**node, "inventory": _cases_inventory(node, "existing", existing)}, "-v")
+    r = _cases_play(node, "existing", existing, "-v")
     _each_fails(r, existing)
 
 
